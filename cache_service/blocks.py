@@ -1,0 +1,157 @@
+"""Plain data shared by every layer: keys, namespaces, stored blocks and matches (stdlib only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NewType
+
+BlockKey = NewType("BlockKey", bytes)
+"""A 16-byte chained xxh3-128 block key (see `hashing`)."""
+
+KEY_BYTES = 16
+MAX_TOKEN_ID = 2**32 - 1
+
+
+def key_hex(key: BlockKey) -> str:
+    """Render a key as 32 lowercase hex characters, as the HTTP API does."""
+    return key.hex()
+
+
+def key_from_hex(text: str) -> BlockKey:
+    """Parse 32 hex characters into a key; raises ValueError on anything else."""
+    if len(text) != 2 * KEY_BYTES:
+        raise ValueError(f"a block key is {2 * KEY_BYTES} hex characters, got {len(text)}")
+    return BlockKey(bytes.fromhex(text))
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """What seeds a prompt's key chain: equal prefixes share keys only within one namespace."""
+
+    model: str
+    kv_layout: str = ""
+    tenant: str = ""
+    salt: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ChainLink:
+    """One full block of a prompt: its key, its parent's key and its tokens (uint32 LE bytes)."""
+
+    key: BlockKey
+    parent: BlockKey
+    tokens: bytes
+    depth: int
+
+
+@dataclass(frozen=True, slots=True)
+class NewBlock:
+    """A block to store: its place in the chain and its KV payload."""
+
+    link: ChainLink
+    payload: bytes | memoryview
+
+
+@dataclass(slots=True)
+class BlockMeta:
+    """Everything the store keeps about a block except its payload bytes."""
+
+    key: BlockKey
+    namespace_root: BlockKey
+    parent: BlockKey
+    depth: int
+    tokens: bytes
+    payload_size: int
+    checksum: int
+    created_at: float
+    last_used_at: float
+    expires_at: float
+    retention: str
+    children: int = 0
+    lru_seq: int = 0
+    hits: int = 0
+
+    def is_alive(self, now: float) -> bool:
+        """A block is alive while now < expires_at."""
+        return now < self.expires_at
+
+    def holds(self, link: ChainLink) -> bool:
+        """Whether this stored block really is `link` (not a hash collision)."""
+        return self.parent == link.parent and self.tokens == link.tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Touch:
+    """A verified hit on a prefix of blocks at one moment under one retention class."""
+
+    keys: tuple[BlockKey, ...]
+    at: float
+    retention: str
+    ttl_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Evicted:
+    """A block the store removed, and why."""
+
+    key: BlockKey
+    reason: str  # "expired" or "capacity"
+    retention: str
+    expires_at: float
+    payload_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    """What an insert did: blocks newly stored, refreshed, or refused."""
+
+    stored: tuple[BlockKey, ...] = ()
+    refreshed: int = 0
+    conflicts: int = 0  # same block, different payload bytes: the first writer won
+    collisions: int = 0  # same key, different parent or tokens: refused
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """The store's answer to a verified prefix walk."""
+
+    matched: int
+    collisions: int = 0
+    payloads: tuple[bytes, ...] | None = None
+    corrupt: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The cache's answer to a lookup: the longest verified, alive prefix."""
+
+    block_size: int
+    prompt_tokens: int
+    keys: tuple[BlockKey, ...] = ()
+    payloads: tuple[bytes, ...] | None = None
+    retention: str = ""
+    extras: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def matched_blocks(self) -> int:
+        """How many leading blocks hit."""
+        return len(self.keys)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens covered by the matched blocks."""
+        return self.matched_blocks * self.block_size
+
+    @property
+    def miss_tokens(self) -> int:
+        """Prompt tokens not covered by the match."""
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class StoreUsage:
+    """How much the store holds, measured the way its backend measures space."""
+
+    blocks: int
+    payload_bytes: int
+    used_bytes: int

@@ -1,0 +1,387 @@
+"""PrefixCache: longest-prefix lookup, insert, touch, eviction and expiry over a BlockStore."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from cache_service.blocks import (
+    BlockKey,
+    ChainLink,
+    Evicted,
+    Namespace,
+    NewBlock,
+    PrefixMatch,
+    StoreUsage,
+    Touch,
+)
+from cache_service.errors import (
+    BlockSizeMismatch,
+    InsufficientStorage,
+    InvalidField,
+    StoreFull,
+    UnknownRetention,
+)
+from cache_service.hashing import BlockHasher, tokens_to_bytes
+from cache_service.retention import RetentionPolicy
+from cache_service.store.base import BlockStore
+
+Clock = Callable[[], float]
+TokenInput = bytes | Sequence[int]
+
+DEFAULT_BLOCK_SIZE = 64
+EVICT_BATCH_BLOCKS = 1024  # blocks per eviction transaction: keeps the write lock short
+STORE_FULL_RETRIES = 3
+
+
+class CacheEvents(Protocol):
+    """What the cache reports as it works; metrics and the replay implement it."""
+
+    def on_lookup(self, *, retention: str, hit_tokens: int, miss_tokens: int) -> None:
+        """A lookup finished."""
+
+    def on_insert(self, *, stored: int, refreshed: int, conflicts: int) -> None:
+        """An insert finished."""
+
+    def on_collision(self, count: int) -> None:
+        """Stored blocks whose key matched but parent or tokens did not."""
+
+    def on_corrupt(self, count: int) -> None:
+        """Payloads that failed their checksum and were not served."""
+
+    def on_evicted(self, evicted: Sequence[Evicted], *, now: float) -> None:
+        """Blocks removed for expiry or capacity."""
+
+
+class NullEvents:
+    """Ignores every event."""
+
+    def on_lookup(self, *, retention: str, hit_tokens: int, miss_tokens: int) -> None:
+        """Ignore."""
+
+    def on_insert(self, *, stored: int, refreshed: int, conflicts: int) -> None:
+        """Ignore."""
+
+    def on_collision(self, count: int) -> None:
+        """Ignore."""
+
+    def on_corrupt(self, count: int) -> None:
+        """Ignore."""
+
+    def on_evicted(self, evicted: Sequence[Evicted], *, now: float) -> None:
+        """Ignore."""
+
+
+@dataclass(frozen=True, slots=True)
+class InsertOutcome:
+    """What a store request did."""
+
+    requested: int  # blocks the caller sent
+    stored: int  # blocks newly stored and still held after capacity enforcement
+    refreshed: int  # blocks that were already stored (refreshed, first writer kept)
+    conflicts: int  # of those, how many had different payload bytes
+    truncated: int  # blocks not stored because the request is larger than the cache
+    collisions: int  # blocks refused because another block holds their key
+
+
+class PrefixCache:
+    """A prefix cache of KV blocks: hashing + retention + capacity over one BlockStore."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        *,
+        hasher: BlockHasher | None = None,
+        retention: RetentionPolicy | None = None,
+        clock: Clock = time.time,
+        default_block_size: int = DEFAULT_BLOCK_SIZE,
+        model_block_sizes: Mapping[str, int] | None = None,
+        capacity_bytes: int | None = None,
+        capacity_blocks: int | None = None,
+        high_water: float = 0.95,
+        low_water: float = 0.85,
+        defer_touches: bool = False,
+        events: CacheEvents | None = None,
+    ) -> None:
+        if capacity_bytes is not None and capacity_blocks is not None:
+            raise ValueError("give capacity_bytes or capacity_blocks, not both")
+        if not 0 < low_water <= high_water <= 1:
+            raise ValueError("need 0 < low_water <= high_water <= 1")
+        self.store = store
+        self.hasher = hasher or BlockHasher()
+        self.retention = retention or RetentionPolicy()
+        self.clock = clock
+        self.default_block_size = default_block_size
+        self.model_block_sizes = dict(model_block_sizes or {})
+        self.capacity_bytes = capacity_bytes
+        self.capacity_blocks = capacity_blocks
+        self.high_water = high_water
+        self.low_water = low_water
+        self.defer_touches = defer_touches
+        self.events: CacheEvents = events or NullEvents()
+        self._pending: list[Touch] = []
+        self._pending_lock = threading.Lock()
+
+    # -- configuration lookups ----------------------------------------------------------------
+
+    def block_size_for(self, model: str, expected: int | None = None) -> int:
+        """The block size of a model; BlockSizeMismatch if the caller expects another."""
+        size = self.model_block_sizes.get(model, self.default_block_size)
+        if expected is not None and expected != size:
+            raise BlockSizeMismatch(
+                "block_size",
+                f"the service cuts model {model!r} into blocks of {size} tokens, not {expected}",
+                expected=size,
+            )
+        return size
+
+    def resolve_retention(self, name: str | None) -> tuple[str, float]:
+        """The retention class and TTL for a request; UnknownRetention if not configured."""
+        try:
+            return self.retention.resolve(name)
+        except KeyError:
+            raise UnknownRetention(
+                "retention",
+                f"unknown retention class {name!r}; configured: {', '.join(self.retention.classes)}",
+            ) from None
+
+    def chain(
+        self, namespace: Namespace, tokens: TokenInput, *, block_size: int | None = None
+    ) -> list[ChainLink]:
+        """The chain links of every full block of a prompt."""
+        size = self.block_size_for(namespace.model, block_size)
+        return self.hasher.chain(namespace, _as_bytes(tokens), block_size=size)
+
+    # -- lookups ------------------------------------------------------------------------------
+
+    def match_prefix(
+        self,
+        namespace: Namespace,
+        tokens: TokenInput,
+        *,
+        retention: str | None = None,
+        block_size: int | None = None,
+        with_payloads: bool = False,
+        touch: bool = True,
+    ) -> PrefixMatch:
+        """The longest stored, alive and verified prefix of a prompt (a miss is empty)."""
+        retention_class, ttl = self.resolve_retention(retention)
+        size = self.block_size_for(namespace.model, block_size)
+        token_bytes = _as_bytes(tokens)
+        links = self.hasher.chain(namespace, token_bytes, block_size=size)
+        now = self.clock()
+        result = self.store.match(links, now=now, with_payloads=with_payloads)
+        found = PrefixMatch(
+            block_size=size,
+            prompt_tokens=len(token_bytes) // 4,
+            keys=tuple(link.key for link in links[: result.matched]),
+            payloads=result.payloads,
+            retention=retention_class,
+        )
+        if result.collisions:
+            self.events.on_collision(result.collisions)
+        if result.corrupt:
+            self.events.on_corrupt(result.corrupt)
+        self.events.on_lookup(
+            retention=retention_class, hit_tokens=found.cached_tokens, miss_tokens=found.miss_tokens
+        )
+        if touch and found.keys:
+            self.touch(found.keys, at=now, retention=retention_class, ttl_seconds=ttl)
+        return found
+
+    def touch(
+        self, keys: Sequence[BlockKey], *, at: float, retention: str, ttl_seconds: float
+    ) -> None:
+        """Record a verified hit on a prefix; applied now or at the next flush."""
+        hit = Touch(keys=tuple(keys), at=at, retention=retention, ttl_seconds=ttl_seconds)
+        if not self.defer_touches:
+            self.store.touch([hit])
+            return
+        with self._pending_lock:
+            self._pending.append(hit)
+
+    def flush_touches(self) -> int:
+        """Apply deferred touches in one write; returns how many lookups were applied."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        if pending:
+            self.store.touch(pending)
+        return len(pending)
+
+    @property
+    def pending_touches(self) -> int:
+        """Deferred touches waiting for the next flush."""
+        return len(self._pending)
+
+    def get_payloads(
+        self, namespace: Namespace, keys: Sequence[BlockKey]
+    ) -> list[bytes | None]:
+        """Checked payloads of blocks of one namespace; None for a block that is gone."""
+        root = self.hasher.root(namespace)
+        payloads, corrupt = self.store.get_payloads(root, keys, now=self.clock())
+        if corrupt:
+            self.events.on_corrupt(corrupt)
+        return payloads
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def insert(
+        self,
+        namespace: Namespace,
+        tokens: TokenInput,
+        payloads: Sequence[bytes | memoryview],
+        *,
+        start_block: int = 0,
+        retention: str | None = None,
+        block_size: int | None = None,
+    ) -> InsertOutcome:
+        """Store blocks start_block.. of a prompt; their parent must be stored or sent."""
+        retention_class, ttl = self.resolve_retention(retention)
+        links = self.chain(namespace, tokens, block_size=block_size)
+        if start_block < 0 or start_block > len(links):
+            raise InvalidField(
+                "start_block", f"must be between 0 and {len(links)} (the prompt's full blocks)"
+            )
+        if start_block + len(payloads) > len(links):
+            raise InvalidField(
+                "payloads",
+                f"{len(payloads)} payloads from block {start_block} exceed the prompt's "
+                f"{len(links)} full blocks",
+            )
+        blocks = [NewBlock(links[start_block + i], p) for i, p in enumerate(payloads)]
+        fitting = self._fit(blocks, start_block)
+        if blocks and not fitting:
+            raise InsufficientStorage(
+                "the first block alone is larger than the cache's capacity",
+                capacity_bytes=self.capacity_bytes,
+            )
+        parent = links[start_block - 1] if start_block > 0 else None
+        root = self.hasher.root(namespace)
+        result = None
+        for _ in range(STORE_FULL_RETRIES):
+            now = self.clock()
+            try:
+                result = self.store.insert(
+                    fitting,
+                    namespace_root=root,
+                    parent=parent,
+                    now=now,
+                    retention=retention_class,
+                    ttl_seconds=ttl,
+                )
+                break
+            except StoreFull:
+                if not self._make_room(sum(self._estimate(b) for b in fitting), now):
+                    break
+        if result is None:
+            raise InsufficientStorage("the store is full and nothing in it can be evicted")
+        kept = set(result.stored) - {e.key for e in self.enforce_capacity(set(result.stored))}
+        if result.collisions:
+            self.events.on_collision(result.collisions)
+        self.events.on_insert(
+            stored=len(kept), refreshed=result.refreshed, conflicts=result.conflicts
+        )
+        return InsertOutcome(
+            requested=len(blocks),
+            stored=len(kept),
+            refreshed=result.refreshed,
+            conflicts=result.conflicts,
+            truncated=len(blocks) - len(fitting),
+            collisions=result.collisions,
+        )
+
+    def _estimate(self, block: NewBlock) -> int:
+        return self.store.estimate_bytes(len(block.payload), len(block.link.tokens))
+
+    def _fit(self, blocks: list[NewBlock], start_block: int) -> list[NewBlock]:
+        """The longest head of `blocks` that the whole cache could hold."""
+        if self.capacity_blocks is not None:
+            return blocks[: max(self.capacity_blocks - start_block, 0)]
+        if self.capacity_bytes is None:
+            return blocks
+        total = 0
+        for count, block in enumerate(blocks):
+            total += self._estimate(block)
+            if total > self.capacity_bytes:
+                return blocks[:count]
+        return blocks
+
+    def _make_room(self, needed_bytes: int, now: float) -> bool:
+        """Evict for a write the backend refused as full; False if nothing could go."""
+        usage = self.store.usage()
+        target = max(usage.used_bytes - needed_bytes, 0)
+        if self.capacity_bytes is not None:
+            target = min(target, int(self.capacity_bytes * self.low_water))
+        return bool(self._evict_until(now=now, target_used_bytes=target))
+
+    # -- capacity and expiry ------------------------------------------------------------------
+
+    def enforce_capacity(self, protected: set[BlockKey] | None = None) -> list[Evicted]:
+        """Evict down to the capacity: to the low-water mark once above the high-water mark."""
+        now = self.clock()
+        if self.capacity_blocks is not None:
+            if self.store.usage().blocks <= self.capacity_blocks:
+                return []
+            return self._evict_until(now=now, target_blocks=self.capacity_blocks)
+        if self.capacity_bytes is None:
+            return []
+        if self.store.usage().used_bytes <= self.capacity_bytes * self.high_water:
+            return []
+        # Older blocks go first; the blocks just written only if they alone overflow the cache.
+        evicted = self._evict_until(
+            now=now,
+            target_used_bytes=int(self.capacity_bytes * self.low_water),
+            protected=frozenset(protected or ()),
+        )
+        if self.store.usage().used_bytes > self.capacity_bytes:
+            evicted += self._evict_until(now=now, target_used_bytes=self.capacity_bytes)
+        return evicted
+
+    def _evict_until(
+        self,
+        *,
+        now: float,
+        target_used_bytes: int | None = None,
+        target_blocks: int | None = None,
+        protected: frozenset[BlockKey] = frozenset(),
+    ) -> list[Evicted]:
+        evicted: list[Evicted] = []
+        while True:
+            batch = self.store.evict(
+                now=now,
+                max_blocks=EVICT_BATCH_BLOCKS,
+                target_used_bytes=target_used_bytes,
+                target_blocks=target_blocks,
+                protected=protected,
+            )
+            evicted += batch
+            if batch:
+                self.events.on_evicted(batch, now=now)
+            if len(batch) < EVICT_BATCH_BLOCKS:
+                return evicted
+
+    def sweep_expired(self, *, max_blocks: int = EVICT_BATCH_BLOCKS) -> int:
+        """Delete up to `max_blocks` expired blocks, leaf first, in one short transaction."""
+        now = self.clock()
+        batch = self.store.evict(now=now, max_blocks=max_blocks, expired_only=True)
+        if batch:
+            self.events.on_evicted(batch, now=now)
+        return len(batch)
+
+    def usage(self) -> StoreUsage:
+        """What the store holds now."""
+        return self.store.usage()
+
+
+def _as_bytes(tokens: TokenInput) -> bytes:
+    if isinstance(tokens, bytes):
+        if len(tokens) % 4:
+            raise InvalidField("tokens", "binary tokens must be a multiple of 4 bytes long")
+        return tokens
+    try:
+        return tokens_to_bytes(tokens)
+    except (ValueError, TypeError) as exc:
+        raise InvalidField("tokens", f"token ids are integers in 0..4294967295 ({exc})") from None

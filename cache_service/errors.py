@@ -1,0 +1,172 @@
+"""Every error the service raises, under one root.
+
+The hierarchy::
+
+    PromptCacheError                 root; carries an HTTP status and an RFC 9457 problem type
+    ├── RequestError                 4xx: the caller's request is wrong; nothing was changed
+    │   ├── MalformedBody            400  body is not valid JSON / not a valid frame stream
+    │   ├── InvalidField             422  a field has a bad value (names the field)
+    │   │   ├── BlockSizeMismatch    422  the request's block_size differs from the model's
+    │   │   └── UnknownRetention     422  a retention class that is not configured
+    │   ├── PayloadTooLarge          413  body or block count over a configured limit
+    │   ├── UnsupportedMediaType     415  wrong Content-Type
+    │   └── MissingParent            409  a stored block's parent is neither stored nor sent
+    ├── StorageError                 5xx: the store could not do what was asked
+    │   ├── InsufficientStorage      507  full, and nothing can be evicted
+    │   └── StoreFull                (internal) the backend ran out of room mid-write; retried
+    └── ServiceError                 raised by the client: the service answered with a problem
+        └── ServiceUnavailable       the service could not be reached or timed out
+
+A single exception handler on the root maps every error to a problem+json response.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PROBLEM_BASE = "https://prompt-cache.dev/problems/"
+
+
+class PromptCacheError(Exception):
+    """Root of every error raised by the prompt cache service and its client."""
+
+    status: int = 500
+    problem: str = "internal"
+    title: str = "Internal error"
+
+    def __init__(self, detail: str, **extensions: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.extensions = extensions
+
+    @property
+    def problem_type(self) -> str:
+        """The RFC 9457 `type` URI of this error."""
+        return PROBLEM_BASE + self.problem
+
+    def to_problem(self, instance: str | None = None) -> dict[str, Any]:
+        """Render this error as an RFC 9457 problem details object."""
+        body: dict[str, Any] = {
+            "type": self.problem_type,
+            "title": self.title,
+            "status": self.status,
+            "detail": self.detail,
+        }
+        if instance is not None:
+            body["instance"] = instance
+        body.update(self.extensions)
+        return body
+
+
+class RequestError(PromptCacheError):
+    """The request is wrong; the store was not changed."""
+
+    status = 400
+    problem = "bad-request"
+    title = "Bad request"
+
+
+class MalformedBody(RequestError):
+    """The body could not be parsed at all."""
+
+    status = 400
+    problem = "malformed-body"
+    title = "Malformed request body"
+
+
+class InvalidField(RequestError):
+    """One or more fields have invalid values; `errors` names each field."""
+
+    status = 422
+    problem = "invalid-field"
+    title = "Invalid field"
+
+    def __init__(self, field: str, message: str, **extensions: Any) -> None:
+        errors = extensions.pop("errors", None) or [{"field": field, "message": message}]
+        super().__init__(f"{field}: {message}", errors=errors, **extensions)
+        self.field = field
+
+
+class BlockSizeMismatch(InvalidField):
+    """The block size a request expects is not the one the server uses for the model."""
+
+    problem = "block-size-mismatch"
+    title = "Block size mismatch"
+
+
+class UnknownRetention(InvalidField):
+    """The request names a retention class that is not configured."""
+
+    problem = "unknown-retention"
+    title = "Unknown retention class"
+
+
+class PayloadTooLarge(RequestError):
+    """The body, or the number of blocks in it, is over a configured limit."""
+
+    status = 413
+    problem = "payload-too-large"
+    title = "Payload too large"
+
+
+class UnsupportedMediaType(RequestError):
+    """The Content-Type is not one this route accepts."""
+
+    status = 415
+    problem = "unsupported-media-type"
+    title = "Unsupported media type"
+
+
+class MissingParent(RequestError):
+    """A block's parent is neither stored nor part of the same request."""
+
+    status = 409
+    problem = "missing-parent"
+    title = "Parent block not stored"
+
+
+class StorageError(PromptCacheError):
+    """The store failed to do what was asked."""
+
+    status = 500
+    problem = "storage"
+    title = "Storage error"
+
+
+class InsufficientStorage(StorageError):
+    """The store is full and nothing in it can be evicted."""
+
+    status = 507
+    problem = "insufficient-storage"
+    title = "Insufficient storage"
+
+
+class StoreFull(StorageError):
+    """The backend ran out of room during a write; the caller evicts and retries."""
+
+    status = 507
+    problem = "insufficient-storage"
+    title = "Insufficient storage"
+
+
+class ServiceError(PromptCacheError):
+    """The service answered a client call with an error (problem details attached)."""
+
+    def __init__(self, status: int, problem_body: dict[str, Any]) -> None:
+        detail = str(problem_body.get("detail") or problem_body.get("title") or status)
+        super().__init__(detail)
+        self.status = status
+        self.problem_body = problem_body
+        self.title = str(problem_body.get("title", "Service error"))
+
+    @property
+    def problem_type(self) -> str:
+        """The `type` URI the service sent."""
+        return str(self.problem_body.get("type", "about:blank"))
+
+
+class ServiceUnavailable(ServiceError):
+    """The service could not be reached, or did not answer in time."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(503, {"title": "Service unavailable", "detail": detail})

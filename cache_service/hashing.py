@@ -1,0 +1,133 @@
+"""Chained block keys: seed + namespace -> root key -> key of block 0 -> key of block i.
+
+Byte layout (version 1), reproducible from any language:
+
+    root    = xxh3_128(b"PCNS" || u8(1) || field(seed) || field(model) || field(kv_layout)
+                       || field(tenant) || field(salt))
+    field(s)= u32_le(len(utf8(s))) || utf8(s)
+    key[0]  = xxh3_128(root || tokens[0:B] as u32_le each)
+    key[i]  = xxh3_128(key[i-1] || tokens[i*B:(i+1)*B] as u32_le each)
+
+xxh3_128 is XXH3_128bits with seed 0; a digest is its canonical (big-endian) 16 bytes.
+Only full blocks get keys: a trailing partial block is never cached.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+
+import xxhash
+
+from cache_service.blocks import MAX_TOKEN_ID, BlockKey, ChainLink, Namespace
+
+HASH_SCHEME = "xxh3-128-chained"
+HASH_VERSION = 1
+DEFAULT_SEED = "prompt-cache-v1"
+NAMESPACE_TAG = b"PCNS"
+
+HashFn = Callable[[bytes], bytes]
+
+_TOKEN_TYPECODE = "I" if array("I").itemsize == 4 else "L"
+
+
+def tokens_to_bytes(tokens: Sequence[int] | array[int]) -> bytes:
+    """Encode token ids as uint32 little-endian; ValueError for an id outside 0..2^32-1."""
+    try:
+        packed = array(_TOKEN_TYPECODE, tokens)
+    except OverflowError as exc:
+        raise ValueError(f"token ids are 0..{MAX_TOKEN_ID}") from exc
+    if packed.itemsize != 4:  # pragma: no cover - only on platforms with 8-byte 'L'
+        raise RuntimeError("no 4-byte unsigned array type on this platform")
+    if sys.byteorder == "big":  # pragma: no cover - the wire format is little-endian
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def bytes_to_tokens(data: bytes) -> list[int]:
+    """Decode uint32 little-endian bytes back into token ids."""
+    if len(data) % 4:
+        raise ValueError("token bytes must be a multiple of 4 long")
+    packed = array(_TOKEN_TYPECODE)
+    packed.frombytes(data)
+    if sys.byteorder == "big":  # pragma: no cover
+        packed.byteswap()
+    return packed.tolist()
+
+
+def _field(value: str) -> bytes:
+    raw = value.encode("utf-8")
+    return struct.pack("<I", len(raw)) + raw
+
+
+def encode_namespace(seed: str, namespace: Namespace) -> bytes:
+    """The unambiguous byte string the root key is hashed from."""
+    return b"".join(
+        (
+            NAMESPACE_TAG,
+            struct.pack("<B", HASH_VERSION),
+            _field(seed),
+            _field(namespace.model),
+            _field(namespace.kv_layout),
+            _field(namespace.tenant),
+            _field(namespace.salt),
+        )
+    )
+
+
+def xxh3_128(data: bytes) -> bytes:
+    """xxh3-128 of data with seed 0, as 16 canonical (big-endian) bytes."""
+    return bytes(xxhash.xxh3_128_digest(data))
+
+
+def seed_fingerprint(seed: str) -> str:
+    """A short public fingerprint of the seed, so a fleet can spot a mismatched worker."""
+    return str(xxhash.xxh3_64_hexdigest(b"PCSEED" + seed.encode("utf-8")))
+
+
+class BlockHasher:
+    """Computes chained block keys for a configured seed (never random per process)."""
+
+    def __init__(self, *, seed: str = DEFAULT_SEED, hash_fn: HashFn = xxh3_128) -> None:
+        self.seed = seed
+        self._hash = hash_fn
+        self._root = lru_cache(maxsize=4096)(self._compute_root)
+
+    @property
+    def fingerprint(self) -> str:
+        """The seed's public fingerprint."""
+        return seed_fingerprint(self.seed)
+
+    def _compute_root(self, namespace: Namespace) -> BlockKey:
+        return BlockKey(self._hash(encode_namespace(self.seed, namespace)))
+
+    def root(self, namespace: Namespace) -> BlockKey:
+        """The parent key of block 0 in this namespace."""
+        return self._root(namespace)
+
+    def chain(
+        self, namespace: Namespace, token_bytes: bytes, *, block_size: int
+    ) -> list[ChainLink]:
+        """The chain of every full block of a prompt given as uint32 LE bytes."""
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        stride = block_size * 4
+        full_blocks = len(token_bytes) // stride
+        hash_fn = self._hash
+        parent = self.root(namespace)
+        links: list[ChainLink] = []
+        view = memoryview(token_bytes)
+        for depth in range(full_blocks):
+            chunk = bytes(view[depth * stride : (depth + 1) * stride])
+            key = BlockKey(hash_fn(parent + chunk))
+            links.append(ChainLink(key=key, parent=parent, tokens=chunk, depth=depth))
+            parent = key
+        return links
+
+    def keys(self, namespace: Namespace, tokens: Sequence[int], *, block_size: int) -> list[BlockKey]:
+        """The keys of every full block of a prompt given as token ids."""
+        links = self.chain(namespace, tokens_to_bytes(tokens), block_size=block_size)
+        return [link.key for link in links]

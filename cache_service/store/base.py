@@ -1,0 +1,132 @@
+"""The BlockStore protocol every backend implements, and the primitives it is built from."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from cache_service.blocks import (
+    BlockKey,
+    BlockMeta,
+    ChainLink,
+    Evicted,
+    InsertResult,
+    MatchResult,
+    NewBlock,
+    StoreUsage,
+    Touch,
+)
+
+VICTIMS = "victims"  # leaf blocks, by eviction priority
+EXPIRY = "expiry"  # every block, by expires_at
+
+
+class BlockStore(Protocol):
+    """A store of chained blocks that stays prefix-closed: a block's parent is always stored.
+
+    The store never hashes: callers hand it chain links whose keys are already computed.
+    """
+
+    def match(
+        self, links: Sequence[ChainLink], *, now: float, with_payloads: bool = False
+    ) -> MatchResult:
+        """Count the leading links that are stored, alive and verified (parent and tokens)."""
+        ...
+
+    def insert(
+        self,
+        blocks: Sequence[NewBlock],
+        *,
+        namespace_root: BlockKey,
+        parent: ChainLink | None,
+        now: float,
+        retention: str,
+        ttl_seconds: float,
+    ) -> InsertResult:
+        """Store consecutive blocks atomically; MissingParent if `parent` is not stored."""
+        ...
+
+    def touch(self, touches: Sequence[Touch]) -> None:
+        """Apply verified hits: mark blocks used and slide their expiry."""
+        ...
+
+    def get_payloads(
+        self, namespace_root: BlockKey, keys: Sequence[BlockKey], *, now: float
+    ) -> tuple[list[bytes | None], int]:
+        """Payloads of alive blocks of one namespace (None where absent) and a corrupt count."""
+        ...
+
+    def evict(
+        self,
+        *,
+        now: float,
+        max_blocks: int,
+        target_used_bytes: int | None = None,
+        target_blocks: int | None = None,
+        expired_only: bool = False,
+        protected: frozenset[BlockKey] = frozenset(),
+    ) -> list[Evicted]:
+        """Remove leaf blocks, expired first, then in policy order, until a target is met."""
+        ...
+
+    def usage(self) -> StoreUsage:
+        """Blocks, payload bytes and the space the backend really uses."""
+        ...
+
+    def estimate_bytes(self, payload_size: int, token_bytes: int) -> int:
+        """The space one block of this size would take in this backend."""
+        ...
+
+    def close(self) -> None:
+        """Release the backend's resources."""
+        ...
+
+
+class BlockTxn(Protocol):
+    """The primitive operations of one backend transaction (see `store.ops`)."""
+
+    def get(self, key: BlockKey) -> BlockMeta | None:
+        """The block's metadata, or None."""
+        ...
+
+    def put(self, meta: BlockMeta) -> None:
+        """Write the block's metadata."""
+        ...
+
+    def delete(self, key: BlockKey) -> None:
+        """Remove the block's metadata and payload."""
+        ...
+
+    def get_payload(self, key: BlockKey) -> bytes | memoryview | None:
+        """The block's payload bytes, valid until the transaction ends."""
+        ...
+
+    def put_payload(self, key: BlockKey, payload: bytes | memoryview) -> None:
+        """Write the block's payload bytes."""
+        ...
+
+    def index_add(self, index: str, sort_key: bytes, key: BlockKey) -> None:
+        """Add an entry to an ordered index."""
+        ...
+
+    def index_remove(self, index: str, sort_key: bytes, key: BlockKey) -> None:
+        """Remove an entry from an ordered index."""
+        ...
+
+    def index_scan(
+        self, index: str, *, after: bytes | None, upto: bytes | None, limit: int
+    ) -> Iterable[tuple[bytes, BlockKey]]:
+        """Up to `limit` entries in ascending order, strictly after `after`, sort key <= `upto`."""
+        ...
+
+    def next_seq(self, count: int) -> int:
+        """Reserve `count` use-sequence numbers and return the first."""
+        ...
+
+    def add_payload_bytes(self, delta: int) -> None:
+        """Adjust the stored payload byte counter."""
+        ...
+
+    def usage(self) -> StoreUsage:
+        """The store's size as this transaction sees it."""
+        ...

@@ -1,0 +1,193 @@
+"""The LMDB store: block records, payloads and two ordered indexes in one environment.
+
+Durability: every write is one short transaction; a caller is answered only after it commits.
+`writemap` stays off, so a full disk is an error on write, never a SIGBUS; with sync mode
+"full" a committed write survives power loss, with "nometasync" the last transaction may be
+lost, with "nosync" the last seconds of writes may be lost. LMDB's copy-on-write B-tree never
+leaves a half-written state visible, so a crash loses recent writes but does not corrupt.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from cache_service.blocks import BlockKey, BlockMeta, StoreUsage
+from cache_service.errors import StorageError, StoreFull
+from cache_service.eviction import EvictionPolicy
+from cache_service.store.base import EXPIRY, VICTIMS
+from cache_service.store.codec import decode_meta, encode_meta, record_size
+from cache_service.store.ops import TxnStore
+
+FORMAT_VERSION = b"1"
+SYNC_MODES = {
+    "full": {"sync": True, "metasync": True},
+    "nometasync": {"sync": True, "metasync": False},
+    "nosync": {"sync": False, "metasync": False},
+}
+_SEQ = b"seq"
+_PAYLOAD_BYTES = b"payload_bytes"
+_FORMAT = b"format"
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+
+
+class _LmdbTxn:
+    """BlockTxn primitives over one LMDB transaction."""
+
+    def __init__(self, store: LmdbStore, txn: Any) -> None:
+        self._store = store
+        self._txn = txn
+        self._dbs = store.dbs
+
+    def get(self, key: BlockKey) -> BlockMeta | None:
+        record = self._txn.get(key, db=self._dbs["blocks"])
+        return decode_meta(key, record) if record is not None else None
+
+    def put(self, meta: BlockMeta) -> None:
+        self._txn.put(meta.key, encode_meta(meta), db=self._dbs["blocks"])
+
+    def delete(self, key: BlockKey) -> None:
+        self._txn.delete(key, db=self._dbs["blocks"])
+        self._txn.delete(key, db=self._dbs["payloads"])
+
+    def get_payload(self, key: BlockKey) -> bytes | memoryview | None:
+        payload: bytes | memoryview | None = self._txn.get(key, db=self._dbs["payloads"])
+        return payload
+
+    def put_payload(self, key: BlockKey, payload: bytes | memoryview) -> None:
+        self._txn.put(key, payload, db=self._dbs["payloads"])
+
+    def index_add(self, index: str, sort_key: bytes, key: BlockKey) -> None:
+        self._txn.put(sort_key + key, b"", db=self._dbs[index])
+
+    def index_remove(self, index: str, sort_key: bytes, key: BlockKey) -> None:
+        self._txn.delete(sort_key + key, db=self._dbs[index])
+
+    def index_scan(
+        self, index: str, *, after: bytes | None, upto: bytes | None, limit: int
+    ) -> Iterable[tuple[bytes, BlockKey]]:
+        out: list[tuple[bytes, BlockKey]] = []
+        with self._txn.cursor(db=self._dbs[index]) as cursor:
+            positioned = cursor.set_range(after) if after is not None else cursor.first()
+            if positioned and after is not None and bytes(cursor.key()) == after:
+                positioned = cursor.next()
+            while positioned and len(out) < limit:
+                entry = bytes(cursor.key())
+                sort_key, key = entry[:-16], BlockKey(entry[-16:])
+                if upto is not None and sort_key > upto:
+                    break
+                out.append((sort_key, key))
+                positioned = cursor.next()
+        return out
+
+    def _counter(self, name: bytes, codec: struct.Struct) -> int:
+        raw = self._txn.get(name, db=self._dbs["meta"])
+        return int(codec.unpack(raw)[0]) if raw is not None else 0
+
+    def next_seq(self, count: int) -> int:
+        first = self._counter(_SEQ, _U64) or 1
+        self._txn.put(_SEQ, _U64.pack(first + count), db=self._dbs["meta"])
+        return first
+
+    def add_payload_bytes(self, delta: int) -> None:
+        total = self._counter(_PAYLOAD_BYTES, _I64) + delta
+        self._txn.put(_PAYLOAD_BYTES, _I64.pack(total), db=self._dbs["meta"])
+
+    def usage(self) -> StoreUsage:
+        pages = 2  # the two LMDB meta pages
+        psize = 4096
+        for db in (*self._dbs.values(), self._store.main_db):
+            stat = self._txn.stat(db)
+            psize = stat["psize"]
+            pages += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+        blocks = int(self._txn.stat(self._dbs["blocks"])["entries"])
+        return StoreUsage(
+            blocks=blocks,
+            payload_bytes=self._counter(_PAYLOAD_BYTES, _I64),
+            used_bytes=pages * psize,
+        )
+
+
+class LmdbStore(TxnStore):
+    """A BlockStore in an LMDB environment on disk; safe to share between processes."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        map_size_bytes: int,
+        sync_mode: str = "full",
+        max_readers: int = 1024,
+        policy: EvictionPolicy | None = None,
+    ) -> None:
+        super().__init__(policy=policy)
+        if sync_mode not in SYNC_MODES:
+            raise ValueError(f"unknown LMDB sync mode {sync_mode!r} (known: {', '.join(SYNC_MODES)})")
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(
+            str(self.path),
+            map_size=map_size_bytes,
+            max_dbs=8,
+            max_readers=max_readers,
+            writemap=False,  # with writemap a full disk kills the process with SIGBUS
+            readahead=False,  # random block reads; readahead only pollutes the page cache
+            meminit=False,
+            **SYNC_MODES[sync_mode],
+        )
+        self.env.reader_check()  # clear reader slots left by killed processes
+        self.main_db = self.env.open_db(None)
+        self.dbs = {
+            name: self.env.open_db(name.encode())
+            for name in ("blocks", "payloads", VICTIMS, EXPIRY, "meta")
+        }
+        with self.env.begin(write=True) as txn:
+            found = txn.get(_FORMAT, db=self.dbs["meta"])
+            if found is None:
+                txn.put(_FORMAT, FORMAT_VERSION, db=self.dbs["meta"])
+            elif bytes(found) != FORMAT_VERSION:
+                raise StorageError(
+                    f"{self.path} holds store format {bytes(found)!r}; this build reads "
+                    f"{FORMAT_VERSION!r}"
+                )
+        self._psize = int(self.env.stat()["psize"])
+
+    @contextmanager
+    def _read(self) -> Iterator[_LmdbTxn]:
+        with self.env.begin(buffers=True) as txn:
+            yield _LmdbTxn(self, txn)
+
+    @contextmanager
+    def _write(self) -> Iterator[_LmdbTxn]:
+        try:
+            with self.env.begin(write=True, buffers=True) as txn:
+                yield _LmdbTxn(self, txn)
+        except lmdb.MapFullError as exc:
+            raise StoreFull("the LMDB map is full") from exc
+
+    def estimate_bytes(self, payload_size: int, token_bytes: int) -> int:
+        """Pages one block takes: overflow pages for a large payload, leaf space for the rest."""
+        psize = self._psize
+        if payload_size > psize // 2 - 64:
+            payload = math.ceil((payload_size + 16) / psize) * psize
+        else:
+            payload = 2 * (payload_size + 32)  # B-tree leaves run about half full
+        record = 2 * (record_size(token_bytes) + 32)
+        indexes = 2 * 2 * (8 + 16 + 16)
+        return payload + record + indexes
+
+    def file_bytes(self) -> int:
+        """The size of the data file on disk (live pages plus LMDB's free list)."""
+        return (self.path / "data.mdb").stat().st_size
+
+    def close(self) -> None:
+        """Close the environment."""
+        self.env.close()

@@ -1,0 +1,113 @@
+"""The in-memory reference store: plain dicts and sorted lists under one lock."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+from cache_service.blocks import BlockKey, BlockMeta, StoreUsage
+from cache_service.eviction import EvictionPolicy
+from cache_service.store.base import EXPIRY, VICTIMS
+from cache_service.store.codec import record_size
+from cache_service.store.ops import TxnStore
+
+# What a block costs beyond its payload and tokens here (dict slots, objects): an estimate,
+# so that a byte capacity means roughly the same on this backend as on LMDB.
+BLOCK_OVERHEAD_BYTES = 256
+
+
+class _MemoryTxn:
+    """Direct access to the store's structures; the store's lock is held while it lives."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self._s = store
+
+    def get(self, key: BlockKey) -> BlockMeta | None:
+        meta = self._s.metas.get(key)
+        return replace(meta) if meta is not None else None
+
+    def put(self, meta: BlockMeta) -> None:
+        old = self._s.metas.get(meta.key)
+        if old is not None:
+            self._s.record_bytes -= record_size(len(old.tokens))
+        self._s.record_bytes += record_size(len(meta.tokens))
+        self._s.metas[meta.key] = replace(meta)
+
+    def delete(self, key: BlockKey) -> None:
+        old = self._s.metas.pop(key, None)
+        if old is not None:
+            self._s.record_bytes -= record_size(len(old.tokens))
+        self._s.payloads.pop(key, None)
+
+    def get_payload(self, key: BlockKey) -> bytes | memoryview | None:
+        return self._s.payloads.get(key)
+
+    def put_payload(self, key: BlockKey, payload: bytes | memoryview) -> None:
+        self._s.payloads[key] = bytes(payload)
+
+    def index_add(self, index: str, sort_key: bytes, key: BlockKey) -> None:
+        bisect.insort(self._s.indexes[index], sort_key + key)
+
+    def index_remove(self, index: str, sort_key: bytes, key: BlockKey) -> None:
+        entries = self._s.indexes[index]
+        entry = sort_key + key
+        at = bisect.bisect_left(entries, entry)
+        if at < len(entries) and entries[at] == entry:
+            del entries[at]
+
+    def index_scan(
+        self, index: str, *, after: bytes | None, upto: bytes | None, limit: int
+    ) -> Iterable[tuple[bytes, BlockKey]]:
+        entries = self._s.indexes[index]
+        at = bisect.bisect_right(entries, after) if after is not None else 0
+        out: list[tuple[bytes, BlockKey]] = []
+        for entry in entries[at : at + limit]:
+            sort_key, key = entry[:-16], BlockKey(entry[-16:])
+            if upto is not None and sort_key > upto:
+                break
+            out.append((sort_key, key))
+        return out
+
+    def next_seq(self, count: int) -> int:
+        first = self._s.seq
+        self._s.seq += count
+        return first
+
+    def add_payload_bytes(self, delta: int) -> None:
+        self._s.payload_bytes += delta
+
+    def usage(self) -> StoreUsage:
+        blocks = len(self._s.metas)
+        used = self._s.payload_bytes + self._s.record_bytes + BLOCK_OVERHEAD_BYTES * blocks
+        return StoreUsage(blocks=blocks, payload_bytes=self._s.payload_bytes, used_bytes=used)
+
+
+class MemoryStore(TxnStore):
+    """A BlockStore in process memory: the reference model, and the store for quick tests."""
+
+    def __init__(self, *, policy: EvictionPolicy | None = None) -> None:
+        super().__init__(policy=policy)
+        self.metas: dict[BlockKey, BlockMeta] = {}
+        self.payloads: dict[BlockKey, bytes] = {}
+        self.indexes: dict[str, list[bytes]] = {VICTIMS: [], EXPIRY: []}
+        self.seq = 1
+        self.payload_bytes = 0
+        self.record_bytes = 0
+        self._lock = threading.RLock()
+
+    @contextmanager
+    def _read(self) -> Iterator[_MemoryTxn]:
+        with self._lock:
+            yield _MemoryTxn(self)
+
+    _write = _read
+
+    def estimate_bytes(self, payload_size: int, token_bytes: int) -> int:
+        """The space one block takes here."""
+        return payload_size + record_size(token_bytes) + BLOCK_OVERHEAD_BYTES
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -1,0 +1,348 @@
+"""The store's algorithms, written once over backend transactions.
+
+Invariants every operation keeps:
+- prefix-closed: a stored block's parent is stored (blocks are evicted leaf first, and a
+  block's expiry is never earlier than any stored descendant's);
+- verified: a block is only reported when its stored parent key and tokens equal the request's;
+- `children` counts a block's stored children; only blocks with none are in the victims index.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import replace
+
+import xxhash
+
+from cache_service.blocks import (
+    BlockKey,
+    BlockMeta,
+    ChainLink,
+    Evicted,
+    InsertResult,
+    MatchResult,
+    NewBlock,
+    StoreUsage,
+    Touch,
+)
+from cache_service.errors import MissingParent
+from cache_service.eviction import EvictionPolicy, LruPolicy
+from cache_service.store.base import EXPIRY, VICTIMS, BlockTxn
+
+SCAN_BATCH = 32
+
+
+def checksum(payload: bytes | memoryview) -> int:
+    """The payload checksum kept with every block (xxh3-64)."""
+    return int(xxhash.xxh3_64_intdigest(payload))
+
+
+def expiry_sort_key(expires_at: float) -> bytes:
+    """Non-negative floats sort as their big-endian IEEE bytes."""
+    return struct.pack(">d", max(expires_at, 0.0))
+
+
+class TxnStore:
+    """BlockStore operations over a backend that supplies read and write transactions."""
+
+    def __init__(self, *, policy: EvictionPolicy | None = None) -> None:
+        self.policy: EvictionPolicy = policy or LruPolicy()
+
+    def _read(self) -> AbstractContextManager[BlockTxn]:
+        raise NotImplementedError
+
+    def _write(self) -> AbstractContextManager[BlockTxn]:
+        raise NotImplementedError
+
+    # -- index upkeep -------------------------------------------------------------------------
+
+    def _victim_key(self, meta: BlockMeta) -> bytes:
+        return struct.pack(">Q", self.policy.priority(meta))
+
+    def _save(self, txn: BlockTxn, old: BlockMeta | None, new: BlockMeta) -> None:
+        """Write `new`, keeping the victims and expiry indexes in step with `old`."""
+        if old is not None:
+            if old.children == 0:
+                txn.index_remove(VICTIMS, self._victim_key(old), old.key)
+            if old.expires_at != new.expires_at:
+                txn.index_remove(EXPIRY, expiry_sort_key(old.expires_at), old.key)
+        if new.children == 0:
+            txn.index_add(VICTIMS, self._victim_key(new), new.key)
+        if old is None or old.expires_at != new.expires_at:
+            txn.index_add(EXPIRY, expiry_sort_key(new.expires_at), new.key)
+        txn.put(new)
+
+    def _drop(self, txn: BlockTxn, meta: BlockMeta) -> bool:
+        """Delete a leaf block; True when that made its parent a leaf."""
+        txn.index_remove(VICTIMS, self._victim_key(meta), meta.key)
+        txn.index_remove(EXPIRY, expiry_sort_key(meta.expires_at), meta.key)
+        txn.delete(meta.key)
+        txn.add_payload_bytes(-meta.payload_size)
+        if meta.depth == 0:
+            return False
+        parent = txn.get(meta.parent)
+        if parent is None:
+            return False
+        self._save(txn, parent, replace(parent, children=max(parent.children - 1, 0)))
+        return parent.children <= 1
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def match(
+        self, links: Sequence[ChainLink], *, now: float, with_payloads: bool = False
+    ) -> MatchResult:
+        """Count the leading links that are stored, alive and verified."""
+        matched = collisions = corrupt = 0
+        payloads: list[bytes] = []
+        with self._read() as txn:
+            for link in links:
+                meta = txn.get(link.key)
+                if meta is None or not meta.is_alive(now):
+                    break
+                if not meta.holds(link):
+                    collisions += 1
+                    break
+                if with_payloads:
+                    payload = _verified_payload(txn, meta)
+                    if payload is None:
+                        corrupt += 1
+                        break
+                    payloads.append(payload)
+                matched += 1
+        return MatchResult(
+            matched=matched,
+            collisions=collisions,
+            payloads=tuple(payloads) if with_payloads else None,
+            corrupt=corrupt,
+        )
+
+    def get_payloads(
+        self, namespace_root: BlockKey, keys: Sequence[BlockKey], *, now: float
+    ) -> tuple[list[bytes | None], int]:
+        """Payloads of alive blocks of one namespace; None where absent, foreign or corrupt."""
+        out: list[bytes | None] = []
+        corrupt = 0
+        with self._read() as txn:
+            for key in keys:
+                meta = txn.get(key)
+                if meta is None or not meta.is_alive(now) or meta.namespace_root != namespace_root:
+                    out.append(None)
+                    continue
+                payload = _verified_payload(txn, meta)
+                corrupt += payload is None
+                out.append(payload)
+        return out, corrupt
+
+    def usage(self) -> StoreUsage:
+        """Blocks, payload bytes and the space the backend really uses."""
+        with self._read() as txn:
+            return txn.usage()
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def insert(
+        self,
+        blocks: Sequence[NewBlock],
+        *,
+        namespace_root: BlockKey,
+        parent: ChainLink | None,
+        now: float,
+        retention: str,
+        ttl_seconds: float,
+    ) -> InsertResult:
+        """Store consecutive blocks of one chain in one transaction."""
+        if not blocks:
+            return InsertResult()
+        expires_at = now + ttl_seconds
+        stored: list[BlockKey] = []
+        refreshed = conflicts = collisions = 0
+        with self._write() as txn:
+            if parent is not None:
+                held = txn.get(parent.key)
+                if held is None or not held.is_alive(now) or not held.holds(parent):
+                    raise MissingParent(
+                        f"block {parent.depth} (the parent of block {parent.depth + 1}) is not "
+                        "stored: send it in the same request (lower start_block)",
+                        parent_block=parent.depth,
+                    )
+            first_seq = txn.next_seq(len(blocks))
+            first_expiry = expires_at
+            for index, block in enumerate(blocks):
+                # Tail first: the head of a request gets the newest use sequence.
+                seq = first_seq + len(blocks) - 1 - index
+                link = block.link
+                old = txn.get(link.key)
+                if old is not None and not old.holds(link):
+                    collisions += 1
+                    break
+                sum_ = checksum(block.payload)
+                if old is not None and old.is_alive(now):
+                    conflicts += sum_ != old.checksum or len(block.payload) != old.payload_size
+                    refreshed += 1
+                    new = replace(
+                        old,
+                        last_used_at=max(old.last_used_at, now),
+                        lru_seq=seq,
+                        **_later_expiry(old, expires_at, retention),
+                    )
+                    self._save(txn, old, new)
+                else:
+                    new = BlockMeta(
+                        key=link.key,
+                        namespace_root=namespace_root,
+                        parent=link.parent,
+                        depth=link.depth,
+                        tokens=link.tokens,
+                        payload_size=len(block.payload),
+                        checksum=sum_,
+                        created_at=now,
+                        last_used_at=now,
+                        expires_at=expires_at,
+                        retention=retention,
+                        children=old.children if old is not None else 0,
+                        lru_seq=seq,
+                    )
+                    txn.put_payload(link.key, block.payload)
+                    txn.add_payload_bytes(new.payload_size - (old.payload_size if old else 0))
+                    self._save(txn, old, new)
+                    if old is None and link.depth > 0:
+                        self._add_child(txn, link.parent)
+                    stored.append(link.key)
+                if index == 0:
+                    first_expiry = new.expires_at
+            self._extend_ancestors(txn, blocks[0].link, first_expiry, retention)
+        return InsertResult(
+            stored=tuple(stored), refreshed=refreshed, conflicts=conflicts, collisions=collisions
+        )
+
+    def _add_child(self, txn: BlockTxn, parent_key: BlockKey) -> None:
+        parent = txn.get(parent_key)
+        if parent is not None:
+            self._save(txn, parent, replace(parent, children=parent.children + 1))
+
+    def _extend_ancestors(
+        self, txn: BlockTxn, link: ChainLink, expires_at: float, retention: str
+    ) -> None:
+        """No block may expire before a stored descendant: lift ancestors to `expires_at`."""
+        key, depth = link.parent, link.depth - 1
+        while depth >= 0:
+            meta = txn.get(key)
+            if meta is None or meta.expires_at >= expires_at:
+                return
+            self._save(txn, meta, replace(meta, expires_at=expires_at, retention=retention))
+            key, depth = meta.parent, meta.depth - 1
+
+    def touch(self, touches: Sequence[Touch]) -> None:
+        """Apply verified hits: mark used (tail first) and slide expiry."""
+        if not touches:
+            return
+        with self._write() as txn:
+            for hit in touches:
+                present: list[BlockMeta] = []
+                for key in hit.keys:
+                    meta = txn.get(key)
+                    if meta is None:
+                        break  # evicted since the lookup; its descendants are gone too
+                    present.append(meta)
+                if not present:
+                    continue
+                first_seq = txn.next_seq(len(present))
+                expires_at = hit.at + hit.ttl_seconds
+                for index, meta in enumerate(present):
+                    new = replace(
+                        meta,
+                        last_used_at=max(meta.last_used_at, hit.at),
+                        lru_seq=first_seq + len(present) - 1 - index,
+                        hits=meta.hits + 1,
+                        **_later_expiry(meta, expires_at, hit.retention),
+                    )
+                    self._save(txn, meta, new)
+
+    def evict(
+        self,
+        *,
+        now: float,
+        max_blocks: int,
+        target_used_bytes: int | None = None,
+        target_blocks: int | None = None,
+        expired_only: bool = False,
+        protected: frozenset[BlockKey] = frozenset(),
+    ) -> list[Evicted]:
+        """Remove leaf blocks, expired first, then in policy order, until a target is met."""
+        evicted: list[Evicted] = []
+        with self._write() as txn:
+
+            def satisfied() -> bool:
+                if len(evicted) >= max_blocks:
+                    return True
+                if target_used_bytes is None and target_blocks is None:
+                    return False
+                usage = txn.usage()
+                return (target_used_bytes is not None and usage.used_bytes <= target_used_bytes) or (
+                    target_blocks is not None and usage.blocks <= target_blocks
+                )
+
+            upto = expiry_sort_key(now)
+            self._evict_from(txn, EXPIRY, upto, evicted, "expired", satisfied, protected)
+            if not expired_only:
+                self._evict_from(txn, VICTIMS, None, evicted, "capacity", satisfied, protected)
+        return evicted
+
+    def _evict_from(
+        self,
+        txn: BlockTxn,
+        index: str,
+        upto: bytes | None,
+        evicted: list[Evicted],
+        reason: str,
+        satisfied: Callable[[], bool],
+        protected: frozenset[BlockKey],
+    ) -> None:
+        while not satisfied():
+            progressed = False
+            for meta in self._candidates(txn, index, upto, protected):
+                new_leaf = self._drop(txn, meta)
+                evicted.append(
+                    Evicted(meta.key, reason, meta.retention, meta.expires_at, meta.payload_size)
+                )
+                progressed = True
+                if satisfied():
+                    return
+                if new_leaf:
+                    break  # the parent may now come first: scan again from the front
+            if not progressed:
+                return
+
+    def _candidates(
+        self, txn: BlockTxn, index: str, upto: bytes | None, protected: frozenset[BlockKey]
+    ) -> Iterator[BlockMeta]:
+        """Leaf blocks from the front of an index; rescans after each batch it yields from."""
+        after: bytes | None = None
+        while True:
+            entries = list(txn.index_scan(index, after=after, upto=upto, limit=SCAN_BATCH))
+            found = False
+            for sort_key, key in entries:
+                meta = txn.get(key)
+                if meta is None or meta.children or key in protected:
+                    continue
+                found = True
+                yield meta
+            if found or len(entries) < SCAN_BATCH:
+                return
+            after = entries[-1][0] + entries[-1][1]
+
+
+def _later_expiry(meta: BlockMeta, expires_at: float, retention: str) -> dict[str, object]:
+    """Keep the later expiry; the recorded class is the one that gave it."""
+    if expires_at > meta.expires_at:
+        return {"expires_at": expires_at, "retention": retention}
+    return {}
+
+
+def _verified_payload(txn: BlockTxn, meta: BlockMeta) -> bytes | None:
+    payload = txn.get_payload(meta.key)
+    if payload is None or len(payload) != meta.payload_size or checksum(payload) != meta.checksum:
+        return None
+    return bytes(payload)
