@@ -40,8 +40,10 @@ STORE_FULL_RETRIES = 3
 class CacheEvents(Protocol):
     """What the cache reports as it works; metrics and the replay implement it."""
 
-    def on_lookup(self, *, retention: str, hit_tokens: int, miss_tokens: int) -> None:
-        """A lookup finished."""
+    def on_lookup(
+        self, *, retention: str, hit_tokens: int, miss_tokens: int, complete: bool
+    ) -> None:
+        """A lookup finished; `complete` when every full block of the prompt hit."""
 
     def on_insert(self, *, stored: int, refreshed: int, conflicts: int) -> None:
         """An insert finished."""
@@ -59,7 +61,9 @@ class CacheEvents(Protocol):
 class NullEvents:
     """Ignores every event."""
 
-    def on_lookup(self, *, retention: str, hit_tokens: int, miss_tokens: int) -> None:
+    def on_lookup(
+        self, *, retention: str, hit_tokens: int, miss_tokens: int, complete: bool
+    ) -> None:
         """Ignore."""
 
     def on_insert(self, *, stored: int, refreshed: int, conflicts: int) -> None:
@@ -79,6 +83,7 @@ class NullEvents:
 class InsertOutcome:
     """What a store request did."""
 
+    keys: tuple[BlockKey, ...]  # keys of the blocks the caller sent, in order
     requested: int  # blocks the caller sent
     stored: int  # blocks newly stored and still held after capacity enforcement
     refreshed: int  # blocks that were already stored (refreshed, first writer kept)
@@ -143,9 +148,9 @@ class PrefixCache:
         try:
             return self.retention.resolve(name)
         except KeyError:
+            known = ", ".join(self.retention.classes)
             raise UnknownRetention(
-                "retention",
-                f"unknown retention class {name!r}; configured: {', '.join(self.retention.classes)}",
+                "retention", f"unknown retention class {name!r}; configured: {known}"
             ) from None
 
     def chain(
@@ -186,7 +191,10 @@ class PrefixCache:
         if result.corrupt:
             self.events.on_corrupt(result.corrupt)
         self.events.on_lookup(
-            retention=retention_class, hit_tokens=found.cached_tokens, miss_tokens=found.miss_tokens
+            retention=retention_class,
+            hit_tokens=found.cached_tokens,
+            miss_tokens=found.miss_tokens,
+            complete=result.matched == len(links),
         )
         if touch and found.keys:
             self.touch(found.keys, at=now, retention=retention_class, ttl_seconds=ttl)
@@ -216,9 +224,7 @@ class PrefixCache:
         """Deferred touches waiting for the next flush."""
         return len(self._pending)
 
-    def get_payloads(
-        self, namespace: Namespace, keys: Sequence[BlockKey]
-    ) -> list[bytes | None]:
+    def get_payloads(self, namespace: Namespace, keys: Sequence[BlockKey]) -> list[bytes | None]:
         """Checked payloads of blocks of one namespace; None for a block that is gone."""
         root = self.hasher.root(namespace)
         payloads, corrupt = self.store.get_payloads(root, keys, now=self.clock())
@@ -285,6 +291,7 @@ class PrefixCache:
             stored=len(kept), refreshed=result.refreshed, conflicts=result.conflicts
         )
         return InsertOutcome(
+            keys=tuple(block.link.key for block in blocks),
             requested=len(blocks),
             stored=len(kept),
             refreshed=result.refreshed,

@@ -130,7 +130,9 @@ class LmdbStore(TxnStore):
     ) -> None:
         super().__init__(policy=policy)
         if sync_mode not in SYNC_MODES:
-            raise ValueError(f"unknown LMDB sync mode {sync_mode!r} (known: {', '.join(SYNC_MODES)})")
+            raise ValueError(
+                f"unknown LMDB sync mode {sync_mode!r} (known: {', '.join(SYNC_MODES)})"
+            )
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.env = lmdb.open(

@@ -181,11 +181,13 @@ class TxnStore:
                 if old is not None and old.is_alive(now):
                     conflicts += sum_ != old.checksum or len(block.payload) != old.payload_size
                     refreshed += 1
+                    later, later_class = _later_expiry(old, expires_at, retention)
                     new = replace(
                         old,
                         last_used_at=max(old.last_used_at, now),
                         lru_seq=seq,
-                        **_later_expiry(old, expires_at, retention),
+                        expires_at=later,
+                        retention=later_class,
                     )
                     self._save(txn, old, new)
                 else:
@@ -251,12 +253,14 @@ class TxnStore:
                 first_seq = txn.next_seq(len(present))
                 expires_at = hit.at + hit.ttl_seconds
                 for index, meta in enumerate(present):
+                    later, later_class = _later_expiry(meta, expires_at, hit.retention)
                     new = replace(
                         meta,
                         last_used_at=max(meta.last_used_at, hit.at),
                         lru_seq=first_seq + len(present) - 1 - index,
                         hits=meta.hits + 1,
-                        **_later_expiry(meta, expires_at, hit.retention),
+                        expires_at=later,
+                        retention=later_class,
                     )
                     self._save(txn, meta, new)
 
@@ -280,23 +284,35 @@ class TxnStore:
                 if target_used_bytes is None and target_blocks is None:
                     return False
                 usage = txn.usage()
-                return (target_used_bytes is not None and usage.used_bytes <= target_used_bytes) or (
-                    target_blocks is not None and usage.blocks <= target_blocks
-                )
+                if target_used_bytes is not None and usage.used_bytes <= target_used_bytes:
+                    return True
+                return target_blocks is not None and usage.blocks <= target_blocks
 
-            upto = expiry_sort_key(now)
-            self._evict_from(txn, EXPIRY, upto, evicted, "expired", satisfied, protected)
-            if not expired_only:
-                self._evict_from(txn, VICTIMS, None, evicted, "capacity", satisfied, protected)
+            for index, upto, reason in (
+                (EXPIRY, expiry_sort_key(now), "expired"),
+                (VICTIMS, None, "capacity"),
+            ):
+                if reason == "capacity" and expired_only:
+                    break
+                self._evict_from(
+                    txn,
+                    index,
+                    upto=upto,
+                    reason=reason,
+                    evicted=evicted,
+                    satisfied=satisfied,
+                    protected=protected,
+                )
         return evicted
 
     def _evict_from(
         self,
         txn: BlockTxn,
         index: str,
+        *,
         upto: bytes | None,
-        evicted: list[Evicted],
         reason: str,
+        evicted: list[Evicted],
         satisfied: Callable[[], bool],
         protected: frozenset[BlockKey],
     ) -> None:
@@ -323,7 +339,7 @@ class TxnStore:
         while True:
             entries = list(txn.index_scan(index, after=after, upto=upto, limit=SCAN_BATCH))
             found = False
-            for sort_key, key in entries:
+            for _, key in entries:
                 meta = txn.get(key)
                 if meta is None or meta.children or key in protected:
                     continue
@@ -334,11 +350,11 @@ class TxnStore:
             after = entries[-1][0] + entries[-1][1]
 
 
-def _later_expiry(meta: BlockMeta, expires_at: float, retention: str) -> dict[str, object]:
+def _later_expiry(meta: BlockMeta, expires_at: float, retention: str) -> tuple[float, str]:
     """Keep the later expiry; the recorded class is the one that gave it."""
     if expires_at > meta.expires_at:
-        return {"expires_at": expires_at, "retention": retention}
-    return {}
+        return expires_at, retention
+    return meta.expires_at, meta.retention
 
 
 def _verified_payload(txn: BlockTxn, meta: BlockMeta) -> bytes | None:

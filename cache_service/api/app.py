@@ -1,0 +1,151 @@
+"""The application factory: its lifespan opens the store and runs the background workers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, disable_created_metrics
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from cache_service import __version__
+from cache_service.api.openapi import install_openapi
+from cache_service.api.problems import install_problem_handlers
+from cache_service.api.routes import router
+from cache_service.api.state import ServiceState
+from cache_service.cache import EVICT_BATCH_BLOCKS, Clock, PrefixCache
+from cache_service.hashing import BlockHasher
+from cache_service.metrics import CacheMetrics, StoreCollector
+from cache_service.settings import Settings
+from cache_service.store.base import BlockStore
+from cache_service.store.lmdb import LmdbStore
+
+log = logging.getLogger("cache_service")
+
+DESCRIPTION = """A prefix-aware prompt cache of KV blocks. Prefill workers look up the longest
+cached prefix of a prompt, fetch its KV payloads, and store the blocks they computed."""
+
+
+class RequestTimer:
+    """ASGI middleware: request latency by route template (unknown paths count as 'other')."""
+
+    def __init__(self, app: ASGIApp, *, metrics: CacheMetrics, paths: frozenset[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Time one request."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            route = scope["path"] if scope["path"] in self.paths else "other"
+            self.metrics.request_duration.labels(route=route).observe(time.perf_counter() - started)
+
+
+async def _repeat(interval_seconds: float, job: Callable[[], Awaitable[Any]], name: str) -> None:
+    """Run `job` every `interval_seconds` until cancelled; a failure is logged, not fatal."""
+    while True:
+        await asyncio.sleep(interval_seconds)
+        try:
+            await job()
+        except Exception:
+            log.exception("background job %s failed; retrying in %.1fs", name, interval_seconds)
+
+
+def _sweeper(cache: PrefixCache) -> Callable[[], Awaitable[None]]:
+    async def sweep() -> None:
+        # Short batches, each its own transaction, so writers never wait long for the lock.
+        while await run_in_threadpool(cache.sweep_expired) >= EVICT_BATCH_BLOCKS:
+            await asyncio.sleep(0)
+
+    return sweep
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    store: BlockStore | None = None,
+    clock: Clock = time.time,
+    registry: CollectorRegistry | None = None,
+) -> FastAPI:
+    """Build the service. The store is opened in the lifespan (after any fork), unless given."""
+    settings = settings or Settings()
+    # `*_created` timestamp series double every counter on a scrape and no dashboard uses them.
+    disable_created_metrics()
+    registry = registry or CollectorRegistry()
+    metrics = CacheMetrics(registry)
+    retention = settings.retention_policy()
+    metrics.declare_retention(retention.classes)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        owned = store is None
+        the_store: BlockStore = store or LmdbStore(
+            settings.data_dir,
+            map_size_bytes=settings.map_size_bytes(),
+            sync_mode=settings.lmdb_sync,
+        )
+        cache = PrefixCache(
+            the_store,
+            hasher=BlockHasher(seed=settings.seed),
+            retention=retention,
+            clock=clock,
+            default_block_size=settings.block_size,
+            model_block_sizes=settings.model_block_sizes(),
+            capacity_bytes=settings.capacity,
+            high_water=settings.high_water,
+            low_water=settings.low_water,
+            defer_touches=True,
+            events=metrics,
+        )
+        collector = StoreCollector(cache.usage, settings.capacity)
+        registry.register(collector)
+        # The capacity may have been lowered since the data was written.
+        await run_in_threadpool(cache.enforce_capacity)
+        kind = "lmdb" if isinstance(the_store, LmdbStore) else type(the_store).__name__
+        app.state.service = ServiceState(cache, metrics, settings, kind)
+
+        async def flush() -> None:
+            if cache.pending_touches:
+                await run_in_threadpool(cache.flush_touches)
+
+        workers = [
+            asyncio.create_task(_repeat(settings.touch_flush_interval, flush, "touch flush")),
+            asyncio.create_task(_repeat(settings.sweep_interval, _sweeper(cache), "sweeper")),
+        ]
+        try:
+            yield
+        finally:
+            app.state.service = None
+            for task in workers:
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            cache.flush_touches()
+            registry.unregister(collector)
+            if owned:
+                the_store.close()
+
+    app = FastAPI(
+        title="Prompt cache service",
+        version=__version__,
+        description=DESCRIPTION,
+        lifespan=lifespan,
+    )
+    app.state.service = None
+    app.include_router(router)
+    install_problem_handlers(app)
+    install_openapi(app)
+    paths = frozenset(getattr(route, "path", "") for route in app.routes)
+    app.add_middleware(RequestTimer, metrics=metrics, paths=paths)
+    return app

@@ -1,0 +1,121 @@
+"""Reading request bodies: size limits as bytes arrive, media types, and validation to 4xx."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect, Request
+
+from cache_service.errors import (
+    InvalidField,
+    MalformedBody,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+)
+
+Model = TypeVar("Model", bound=BaseModel)
+MAX_REPORTED_ERRORS = 20
+JSON = "application/json"
+
+
+def media_type(request: Request) -> str:
+    """The request's media type, lowercased, without parameters."""
+    return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
+
+def require_media_type(request: Request, *accepted: str) -> None:
+    """UnsupportedMediaType unless the body is one of `accepted` (JSON also as +json)."""
+    found = media_type(request)
+    if found in accepted or (JSON in accepted and found.endswith("+json")):
+        return
+    raise UnsupportedMediaType(
+        f"Content-Type {found or '(none)'!r} is not accepted here; send {' or '.join(accepted)}",
+        accepted=list(accepted),
+    )
+
+
+async def read_body(request: Request, *, limit_bytes: int) -> bytes:
+    """The whole body, refused with 413 as soon as it passes `limit_bytes` (with or without
+    a Content-Length)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
+        raise _too_large(limit_bytes)
+    chunks: list[bytes] = []
+    received = 0
+    try:
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > limit_bytes:
+                raise _too_large(limit_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise MalformedBody("the client disconnected before sending the whole body") from None
+    return b"".join(chunks)
+
+
+def _too_large(limit_bytes: int) -> PayloadTooLarge:
+    return PayloadTooLarge(
+        f"the body is larger than the limit of {limit_bytes} bytes (max_body_size)",
+        limit="max_body_size",
+        limit_bytes=limit_bytes,
+    )
+
+
+def field_name(location: tuple[int | str, ...]) -> str:
+    """Render a pydantic error location as `tokens[3]` or `usage.hits`."""
+    name = ""
+    for part in location:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        else:
+            name += f".{part}" if name else str(part)
+    return name or "body"
+
+
+def validation_problem(
+    errors: Sequence[Mapping[str, Any]], *, prefix: tuple[int | str, ...] = ()
+) -> MalformedBody | InvalidField:
+    """Map pydantic errors to MalformedBody (not JSON at all) or InvalidField (names fields)."""
+    if any(err["type"] == "json_invalid" for err in errors):
+        message = next(err["msg"] for err in errors if err["type"] == "json_invalid")
+        return MalformedBody(f"the body is not valid JSON: {message}")
+    if any(err["type"] == "model_type" and not err["loc"] for err in errors):
+        return MalformedBody("the body must be a JSON object")
+    reported = [
+        {"field": field_name((*prefix, *err["loc"])), "message": str(err["msg"])}
+        for err in errors[:MAX_REPORTED_ERRORS]
+    ]
+    first = reported[0]
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return InvalidField(
+        first["field"], f"{first['message']}{more}", errors=reported, error_count=len(errors)
+    )
+
+
+def parse_json(model: type[Model], raw: bytes) -> Model:
+    """Validate a JSON body against `model`, raising the service's 4xx errors."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise validation_problem(exc.errors(include_url=False)) from None
+
+
+def parse_object(model: type[Model], data: dict[str, Any]) -> Model:
+    """Validate an already decoded object (a frame header) against `model`."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_problem(exc.errors(include_url=False)) from None
+
+
+def check_count(field: str, count: int, limit: int, setting: str) -> None:
+    """PayloadTooLarge if a request carries more items than a configured limit."""
+    if count > limit:
+        raise PayloadTooLarge(
+            f"{field}: {count} is over the limit of {limit} ({setting})",
+            field=field,
+            limit=setting,
+            limit_value=limit,
+        )

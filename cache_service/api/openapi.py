@@ -1,0 +1,96 @@
+"""OpenAPI details for routes that read their own bodies (so that 400/413/415 stay ours)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from cache_service.api.schemas import (
+    REQUEST_MODELS,
+    FetchHeader,
+    LookupResponse,
+    Problem,
+    StoreResponse,
+)
+from cache_service.framing import MEDIA_TYPE
+
+REF = "#/components/schemas/{model}"
+RESPONSE_MODELS: tuple[type[BaseModel], ...] = (LookupResponse, StoreResponse, FetchHeader, Problem)
+FRAMES_DOC = (
+    "Frame body: magic 'PCF1' | u32_le header length | JSON header | u32_le frame count | "
+    "frames (u64_le length | bytes; length 2^64-1 = absent). See README.md."
+)
+_REASONS = {
+    400: "Malformed body",
+    409: "Parent block not stored",
+    413: "Body, tokens or blocks over a limit",
+    415: "Wrong Content-Type",
+    422: "Invalid field (named in `errors`)",
+    507: "Full, and nothing can be evicted",
+}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": REF.format(model=name)}
+
+
+def json_body(model: str) -> dict[str, Any]:
+    """openapi_extra for a JSON request body described by a request model."""
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(model)}}}
+    }
+
+
+def binary_body(header_model: str) -> dict[str, Any]:
+    """openapi_extra for a frame request body whose header is `header_model`."""
+    schema = {"type": "string", "format": "binary", "contentMediaType": MEDIA_TYPE}
+    description = f"{FRAMES_DOC} The header is a {header_model}; one frame per block."
+    return {
+        "requestBody": {
+            "required": True,
+            "description": description,
+            "content": {MEDIA_TYPE: {"schema": schema}},
+        }
+    }
+
+
+def responses(success: dict[str, Any], *errors: int) -> dict[int | str, dict[str, Any]]:
+    """The `responses` of a route: its 200 media types and its problem+json errors."""
+    content: dict[str, Any] = {}
+    for media, what in success.items():
+        if isinstance(what, str) and media != MEDIA_TYPE:
+            content[media] = {"schema": _ref(what)}
+        elif isinstance(what, str):
+            content[media] = {"schema": {"type": "string", "format": "binary"}}
+        else:
+            content[media] = {"schema": _ref(what.__name__)}
+    out: dict[int | str, dict[str, Any]] = {200: {"description": "Success", "content": content}}
+    for status in errors:
+        out[status] = {
+            "description": _REASONS[status],
+            "content": {"application/problem+json": {"schema": _ref("Problem")}},
+        }
+    return out
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Add the request and response models to the schema's components."""
+
+    def build() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        pairs = [(m, "validation") for m in REQUEST_MODELS]
+        pairs += [(m, "serialization") for m in RESPONSE_MODELS]
+        _, defs = models_json_schema(pairs, ref_template=REF)  # type: ignore[arg-type]
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = build  # type: ignore[method-assign]

@@ -1,0 +1,234 @@
+"""The HTTP routes: thin translations between HTTP and PrefixCache calls."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from cache_service import __version__
+from cache_service.api.bodies import (
+    JSON,
+    check_count,
+    parse_json,
+    parse_object,
+    read_body,
+    require_media_type,
+)
+from cache_service.api.openapi import binary_body, json_body, responses
+from cache_service.api.schemas import FetchRequest, LookupRequest, LookupResponse, StoreHeader
+from cache_service.api.state import ServiceState, service_state
+from cache_service.blocks import KEY_BYTES, Namespace, PrefixMatch, key_from_hex, key_hex
+from cache_service.errors import InvalidField, PromptCacheError
+from cache_service.framing import MEDIA_TYPE, decode_frames, encode_frames, join_frames
+from cache_service.hashing import HASH_SCHEME, HASH_VERSION
+
+router = APIRouter()
+
+
+def _namespace(body: FetchRequest | LookupRequest | StoreHeader) -> Namespace:
+    # The tenant is empty until authentication exists; it will come from the API key.
+    return Namespace(model=body.model, kv_layout=body.kv_layout, tenant="", salt=body.salt)
+
+
+def lookup_answer(model: str, found: PrefixMatch) -> dict[str, Any]:
+    """The JSON answer of a lookup (also the frame header when payloads are fetched)."""
+    return {
+        "model": model,
+        "block_size": found.block_size,
+        "prompt_tokens": found.prompt_tokens,
+        "matched_blocks": found.matched_blocks,
+        "cached_tokens": found.cached_tokens,
+        "keys": [key_hex(key) for key in found.keys],
+        "retention": found.retention,
+        "usage": {
+            "prompt_cache_hit_tokens": found.cached_tokens,
+            "prompt_cache_miss_tokens": found.miss_tokens,
+        },
+    }
+
+
+@router.post(
+    "/v1/lookup",
+    summary="Longest cached prefix of a prompt",
+    openapi_extra=json_body("LookupRequest"),
+    responses=responses(
+        {JSON: LookupResponse, MEDIA_TYPE: "with fetch=true: frames, header = the JSON answer"},
+        400,
+        413,
+        415,
+        422,
+    ),
+)
+async def lookup(request: Request) -> Response:
+    """Find the longest stored, verified prefix; optionally return its payloads too."""
+    state = service_state(request)
+    require_media_type(request, JSON)
+    raw = await read_body(request, limit_bytes=state.settings.max_body_size)
+    body = parse_json(LookupRequest, raw)
+    limit = state.settings.max_tokens_per_request
+    check_count("tokens", len(body.tokens), limit, "max_tokens_per_request")
+    namespace = _namespace(body)
+    options: dict[str, Any] = {"retention": body.retention, "block_size": body.block_size}
+    if not body.fetch:
+        found = state.cache.match_prefix(namespace, body.tokens, **options)
+        return JSONResponse(lookup_answer(body.model, found))
+    found = await run_in_threadpool(
+        lambda: state.cache.match_prefix(namespace, body.tokens, with_payloads=True, **options)
+    )
+    chunks = encode_frames(lookup_answer(body.model, found), found.payloads or ())
+    return Response(join_frames(chunks), media_type=MEDIA_TYPE)
+
+
+@router.post(
+    "/v1/blocks",
+    summary="Store a prefix's blocks",
+    openapi_extra=binary_body("StoreHeader"),
+    responses=responses({JSON: "StoreResponse"}, 400, 409, 413, 415, 422, 507),
+)
+async def store_blocks(request: Request) -> Response:
+    """Store payloads for blocks start_block.. of a prompt; the parent must be stored."""
+    state = service_state(request)
+    require_media_type(request, MEDIA_TYPE)
+    raw = await read_body(request, limit_bytes=state.settings.max_body_size)
+    header, payloads = decode_frames(raw)
+    body = parse_object(StoreHeader, header)
+    settings = state.settings
+    check_count(
+        "tokens", len(body.tokens), settings.max_tokens_per_request, "max_tokens_per_request"
+    )
+    check_count("blocks", len(payloads), settings.max_blocks_per_request, "max_blocks_per_request")
+    present: list[memoryview] = []
+    for index, payload in enumerate(payloads):
+        if payload is None:
+            raise InvalidField(f"frames[{index}]", "an absent frame cannot be stored")
+        present.append(payload)
+    outcome = await run_in_threadpool(
+        lambda: state.cache.insert(
+            _namespace(body),
+            body.tokens,
+            present,
+            start_block=body.start_block,
+            retention=body.retention,
+            block_size=body.block_size,
+        )
+    )
+    return JSONResponse(
+        {
+            "model": body.model,
+            "block_size": state.cache.block_size_for(body.model),
+            "start_block": body.start_block,
+            "requested_blocks": outcome.requested,
+            "stored_blocks": outcome.stored,
+            "refreshed_blocks": outcome.refreshed,
+            "conflicts": outcome.conflicts,
+            "truncated_blocks": outcome.truncated,
+            "collisions": outcome.collisions,
+            "keys": [key_hex(key) for key in outcome.keys],
+        }
+    )
+
+
+@router.post(
+    "/v1/blocks/fetch",
+    summary="Fetch payloads by key",
+    openapi_extra=json_body("FetchRequest"),
+    responses=responses({MEDIA_TYPE: "frames, one per key; absent = gone"}, 400, 413, 415, 422),
+)
+async def fetch_blocks(request: Request) -> Response:
+    """Payloads of blocks of the caller's namespace, checked against their checksums."""
+    state = service_state(request)
+    require_media_type(request, JSON)
+    raw = await read_body(request, limit_bytes=state.settings.max_body_size)
+    body = parse_json(FetchRequest, raw)
+    limit = state.settings.max_blocks_per_request
+    check_count("keys", len(body.keys), limit, "max_blocks_per_request")
+    keys = [key_from_hex(text) for text in body.keys]
+    payloads = await run_in_threadpool(state.cache.get_payloads, _namespace(body), keys)
+    header = {
+        "model": body.model,
+        "requested": len(keys),
+        "found": sum(payload is not None for payload in payloads),
+    }
+    return Response(join_frames(encode_frames(header, payloads)), media_type=MEDIA_TYPE)
+
+
+@router.get("/v1/info", summary="Hashing scheme, block sizes and retention classes")
+async def info(request: Request) -> dict[str, Any]:
+    """What a worker must agree with to share this cache."""
+    state = service_state(request)
+    cache, settings = state.cache, state.settings
+    return {
+        "service": "prompt-cache-service",
+        "version": __version__,
+        "hashing": {
+            "scheme": HASH_SCHEME,
+            "version": HASH_VERSION,
+            "seed_fingerprint": cache.hasher.fingerprint,
+            "token_encoding": "uint32-le",
+            "key_bytes": KEY_BYTES,
+        },
+        "block_size": {"default": cache.default_block_size, "models": cache.model_block_sizes},
+        "retention": {
+            "classes": dict(cache.retention.ttl_seconds),
+            "default": cache.retention.default_class,
+        },
+        "store": state.store_kind,
+        "capacity_bytes": cache.capacity_bytes,
+        "limits": {
+            "max_body_size": settings.max_body_size,
+            "max_blocks_per_request": settings.max_blocks_per_request,
+            "max_tokens_per_request": settings.max_tokens_per_request,
+        },
+        "frame_media_type": MEDIA_TYPE,
+    }
+
+
+@router.get("/v1/stats", summary="Blocks, bytes, capacity, hits and misses")
+async def stats(request: Request) -> dict[str, Any]:
+    """The store's size and this process's hit and miss tokens by retention class."""
+    state = service_state(request)
+    usage = await run_in_threadpool(state.cache.usage)
+    by_class = {}
+    for name in state.cache.retention.classes:
+        hits, misses = state.metrics.token_totals(name)
+        by_class[name] = {"hit_tokens": hits, "miss_tokens": misses}
+    return {
+        "blocks": usage.blocks,
+        "payload_bytes": usage.payload_bytes,
+        "used_bytes": usage.used_bytes,
+        "capacity_bytes": state.cache.capacity_bytes,
+        "pending_touches": state.cache.pending_touches,
+        "retention": by_class,
+    }
+
+
+@router.get("/healthz", summary="The process is up")
+async def healthz() -> dict[str, str]:
+    """Liveness: answers while the process runs."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz", summary="The store is open and answering")
+async def readyz(request: Request) -> Response:
+    """Readiness: the store is open and a read succeeds."""
+    state: ServiceState | None = getattr(request.app.state, "service", None)
+    if state is None:
+        return JSONResponse({"status": "starting"}, status_code=503)
+    try:
+        await run_in_threadpool(state.cache.usage)
+    except PromptCacheError as exc:
+        return JSONResponse({"status": "unavailable", "detail": exc.detail}, status_code=503)
+    return JSONResponse({"status": "ready"})
+
+
+@router.get("/metrics", summary="Prometheus metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    """Prometheus text exposition of the service's registry."""
+    state = service_state(request)
+    output = await run_in_threadpool(generate_latest, state.metrics.registry)
+    return Response(output, media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,97 @@
+"""`cache-service`: the command line. Flags override CACHE_SERVICE_* variables, which override
+the defaults."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from cache_service import __version__
+from cache_service.settings import ENV_PREFIX, Settings
+
+_FLAG_EXAMPLES = {
+    "capacity": "20GiB",
+    "retention": "agent=3d,chat=7d,batch=2h",
+    "model_block_size": "llama-3-8b=16",
+    "max_body_size": "512MiB",
+}
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    for name, field in Settings.model_fields.items():
+        default = field.default
+        example = _FLAG_EXAMPLES.get(name)
+        help_text = (
+            f"{field.description} [env {ENV_PREFIX}{name.upper()}; default {default!s:.40}"
+            + (f"; e.g. {example}" if example else "")
+            + "]"
+        )
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            default=argparse.SUPPRESS,
+            metavar=name.upper(),
+            help=help_text,
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="cache-service",
+        description="A prefix-aware prompt cache of KV blocks for LLM inference fleets.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="run the HTTP service on an LMDB store in a local folder",
+        description="Run the HTTP service. Every flag can also be set as an environment "
+        f"variable {ENV_PREFIX}<FLAG> (upper case, '_' for '-').",
+    )
+    _add_settings_flags(serve)
+    return parser
+
+
+def load_settings(values: dict[str, str]) -> Settings:
+    """Settings from flags and environment; exits with a readable message if invalid."""
+    try:
+        return Settings(**values)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        lines = [
+            f"  --{'-'.join(str(p) for p in err['loc']).replace('_', '-') or 'settings'}: "
+            f"{err['msg']}"
+            for err in exc.errors()
+        ]
+        sys.exit("cache-service: invalid configuration:\n" + "\n".join(lines))
+
+
+def serve(settings: Settings) -> None:
+    """Run uvicorn with the app on one worker."""
+    # Imported here so that `--help` and configuration errors answer without loading the app.
+    import uvicorn  # noqa: PLC0415
+
+    from cache_service.api import create_app  # noqa: PLC0415
+
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=10,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the `cache-service` console script."""
+    args = vars(build_parser().parse_args(argv))
+    command = args.pop("command")
+    if command == "serve":
+        serve(load_settings(args))
+
+
+if __name__ == "__main__":
+    main()

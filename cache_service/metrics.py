@@ -1,0 +1,163 @@
+"""Prometheus metrics on a registry passed in, fed by cache events and a scrape-time collector.
+
+Names share the `prompt_cache_` prefix and use base units; no label takes unbounded values
+(no keys, no tenant ids): labels are the configured retention classes, eviction reasons,
+lookup outcomes and route templates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from cache_service.blocks import Evicted, StoreUsage
+
+LATENCY_BUCKETS = (
+    0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+
+class CacheMetrics:
+    """The service's metrics; implements `cache.CacheEvents`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.hit_tokens = Counter(
+            "prompt_cache_hit_tokens",
+            "Prompt tokens served from the cache, by the lookup's retention class.",
+            ["retention"],
+            registry=registry,
+        )
+        self.miss_tokens = Counter(
+            "prompt_cache_miss_tokens",
+            "Prompt tokens not found in the cache, by the lookup's retention class.",
+            ["retention"],
+            registry=registry,
+        )
+        self.lookups = Counter(
+            "prompt_cache_lookups",
+            "Lookups, by outcome: full (every full block hit), partial, or miss.",
+            ["outcome"],
+            registry=registry,
+        )
+        self.stored_blocks = Counter(
+            "prompt_cache_stored_blocks", "Blocks newly stored.", registry=registry
+        )
+        self.refreshed_blocks = Counter(
+            "prompt_cache_refreshed_blocks",
+            "Blocks sent for storing that were already stored (refreshed).",
+            registry=registry,
+        )
+        self.payload_conflicts = Counter(
+            "prompt_cache_payload_conflicts",
+            "Blocks stored again with different payload bytes; the first writer was kept.",
+            registry=registry,
+        )
+        self.collisions = Counter(
+            "prompt_cache_hash_collisions",
+            "Stored blocks whose key matched a request but whose parent or tokens did not.",
+            registry=registry,
+        )
+        self.corrupt_payloads = Counter(
+            "prompt_cache_corrupt_payloads",
+            "Payloads that failed their checksum and were treated as misses.",
+            registry=registry,
+        )
+        self.evicted_blocks = Counter(
+            "prompt_cache_evicted_blocks",
+            "Blocks removed, by reason: expired or capacity.",
+            ["reason"],
+            registry=registry,
+        )
+        self.evicted_before_ttl = Counter(
+            "prompt_cache_evicted_before_ttl",
+            "Blocks evicted for capacity while their TTL had not yet run out.",
+            ["retention"],
+            registry=registry,
+        )
+        self.request_duration = Histogram(
+            "prompt_cache_request_duration_seconds",
+            "HTTP request latency by route template.",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        for reason in ("expired", "capacity"):
+            self.evicted_blocks.labels(reason=reason)
+        for outcome in ("full", "partial", "miss"):
+            self.lookups.labels(outcome=outcome)
+
+    def declare_retention(self, classes: Sequence[str]) -> None:
+        """Create the labelled series of every configured class, so dashboards see zeros."""
+        for name in classes:
+            self.hit_tokens.labels(retention=name)
+            self.miss_tokens.labels(retention=name)
+            self.evicted_before_ttl.labels(retention=name)
+
+    def on_lookup(
+        self, *, retention: str, hit_tokens: int, miss_tokens: int, complete: bool
+    ) -> None:
+        """Count a lookup's tokens and its outcome."""
+        self.hit_tokens.labels(retention=retention).inc(hit_tokens)
+        self.miss_tokens.labels(retention=retention).inc(miss_tokens)
+        outcome = "miss" if hit_tokens == 0 else "full" if complete else "partial"
+        self.lookups.labels(outcome=outcome).inc()
+
+    def on_insert(self, *, stored: int, refreshed: int, conflicts: int) -> None:
+        """Count stored, refreshed and conflicting blocks."""
+        self.stored_blocks.inc(stored)
+        self.refreshed_blocks.inc(refreshed)
+        self.payload_conflicts.inc(conflicts)
+
+    def on_collision(self, count: int) -> None:
+        """Count rejected hash collisions."""
+        self.collisions.inc(count)
+
+    def on_corrupt(self, count: int) -> None:
+        """Count payloads that failed their checksum."""
+        self.corrupt_payloads.inc(count)
+
+    def on_evicted(self, evicted: Sequence[Evicted], *, now: float) -> None:
+        """Count evictions by reason, and capacity evictions that came before the TTL."""
+        for block in evicted:
+            self.evicted_blocks.labels(reason=block.reason).inc()
+            if block.reason == "capacity" and now < block.expires_at:
+                self.evicted_before_ttl.labels(retention=block.retention).inc()
+
+    def token_totals(self, retention: str) -> tuple[int, int]:
+        """Hit and miss tokens counted so far for a class (this process)."""
+        hits = self.registry.get_sample_value(
+            "prompt_cache_hit_tokens_total", {"retention": retention}
+        )
+        misses = self.registry.get_sample_value(
+            "prompt_cache_miss_tokens_total", {"retention": retention}
+        )
+        return int(hits or 0), int(misses or 0)
+
+
+class StoreCollector(Collector):
+    """Store gauges computed at scrape time from the store itself."""
+
+    def __init__(self, usage: Callable[[], StoreUsage], capacity_bytes: int | None) -> None:
+        self._usage = usage
+        self._capacity_bytes = capacity_bytes
+
+    def collect(self) -> Iterator[Metric]:
+        """Read the store's usage now."""
+        usage = self._usage()
+        yield GaugeMetricFamily("prompt_cache_blocks", "Blocks stored.", value=usage.blocks)
+        yield GaugeMetricFamily(
+            "prompt_cache_bytes",
+            "Bytes the store really uses (LMDB: live pages times page size).",
+            value=usage.used_bytes,
+        )
+        yield GaugeMetricFamily(
+            "prompt_cache_payload_bytes", "KV payload bytes stored.", value=usage.payload_bytes
+        )
+        if self._capacity_bytes is not None:
+            yield GaugeMetricFamily(
+                "prompt_cache_capacity_bytes", "Configured capacity.", value=self._capacity_bytes
+            )

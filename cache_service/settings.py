@@ -1,0 +1,106 @@
+"""Service configuration: command-line flags and CACHE_SERVICE_* environment variables.
+
+Read only by the entry points (`cli`, `api.create_app`); everything below them takes explicit
+keyword arguments.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from cache_service.hashing import DEFAULT_SEED
+from cache_service.retention import RetentionPolicy, parse_retention_table, parse_size
+from cache_service.store.lmdb import SYNC_MODES
+
+ENV_PREFIX = "CACHE_SERVICE_"
+
+
+def parse_model_block_sizes(text: str) -> dict[str, int]:
+    """Parse 'llama-3-8b=16,qwen=32' into model -> block size."""
+    table: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        model, sep, size = item.rpartition("=")
+        if not sep or not model or not size.strip().isdigit() or int(size) <= 0:
+            raise ValueError(f"not a model block size: {item!r} (use model=16)")
+        table[model.strip()] = int(size)
+    return table
+
+
+class Settings(BaseSettings):
+    """Everything `cache-service serve` can be told; field names are the flags' names."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8080, ge=0, le=65535, description="TCP port to bind.")
+    data_dir: Path = Field(Path("./cache-data"), description="Folder of the LMDB store.")
+    capacity: int = Field(
+        10 * 2**30,
+        gt=0,
+        description="Capacity in bytes of LMDB pages in use (units: 512MiB, 20GiB, 10GB).",
+    )
+    high_water: float = Field(0.95, gt=0, le=1, description="Evict once above this share.")
+    low_water: float = Field(0.85, gt=0, le=1, description="Evict down to this share.")
+    block_size: int = Field(64, ge=1, le=65536, description="Default tokens per block.")
+    model_block_size: str = Field("", description="Per-model block sizes: 'model=16,other=32'.")
+    retention: str = Field("agent=3d,chat=7d", description="Retention classes and TTLs.")
+    default_retention: str = Field("chat", description="Class for requests that name none.")
+    seed: str = Field(DEFAULT_SEED, description="Hash seed; every worker of a fleet must share it.")
+    lmdb_sync: str = Field("full", description="LMDB durability: full, nometasync or nosync.")
+    max_body_size: int = Field(512 * 2**20, gt=0, description="Largest request body in bytes.")
+    max_blocks_per_request: int = Field(8192, gt=0, description="Most payloads in one store.")
+    max_tokens_per_request: int = Field(1 << 20, gt=0, description="Most tokens in a request.")
+    sweep_interval: float = Field(30.0, gt=0, description="Seconds between expiry sweeps.")
+    touch_flush_interval: float = Field(
+        0.2, gt=0, description="Seconds between batched TTL/LRU refreshes of lookups."
+    )
+    log_level: str = Field("info", description="uvicorn log level.")
+
+    @field_validator("capacity", "max_body_size", mode="before")
+    @classmethod
+    def _parse_size(cls, value: Any) -> Any:
+        return parse_size(value) if isinstance(value, str) else value
+
+    @field_validator("model_block_size")
+    @classmethod
+    def _check_model_block_size(cls, value: str) -> str:
+        parse_model_block_sizes(value)
+        return value
+
+    @field_validator("retention")
+    @classmethod
+    def _check_retention(cls, value: str) -> str:
+        parse_retention_table(value)
+        return value
+
+    @field_validator("lmdb_sync")
+    @classmethod
+    def _check_sync(cls, value: str) -> str:
+        if value not in SYNC_MODES:
+            raise ValueError(f"use one of {', '.join(SYNC_MODES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> Settings:
+        if self.low_water > self.high_water:
+            raise ValueError("low_water must not be above high_water")
+        self.retention_policy()  # the default class must be in the table
+        return self
+
+    def retention_policy(self) -> RetentionPolicy:
+        """The configured retention classes."""
+        return RetentionPolicy(
+            ttl_seconds=parse_retention_table(self.retention), default_class=self.default_retention
+        )
+
+    def model_block_sizes(self) -> dict[str, int]:
+        """The per-model block size overrides."""
+        return parse_model_block_sizes(self.model_block_size)
+
+    def map_size_bytes(self) -> int:
+        """LMDB's map: room for the capacity, eviction's slack and free pages not yet reused."""
+        return 2 * self.capacity + 256 * 2**20

@@ -1,0 +1,102 @@
+"""A real `cache-service serve` process on 127.0.0.1, started and stopped by its fixture."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+STARTUP_SECONDS = 20.0
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerProcess:
+    """One service process; `restart()` keeps its data folder and port."""
+
+    def __init__(self, data_dir: Path, log_path: Path, **flags: str) -> None:
+        self.data_dir = data_dir
+        self.log_path = log_path
+        self.flags = flags
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL of the service."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        """Start the process and wait until /readyz answers 200."""
+        args = [sys.executable, "-m", "cache_service.cli", "serve", "--host", "127.0.0.1"]
+        args += ["--port", str(self.port), "--data-dir", str(self.data_dir)]
+        for name, value in self.flags.items():
+            args += ["--" + name.replace("_", "-"), value]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_SERVICE_")}
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log_path.read_text()}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"server not ready in {STARTUP_SECONDS}s:\n{self.log_path.read_text()}")
+
+    def stop(self) -> None:
+        """Stop the process this object started (SIGTERM, then SIGKILL), by its PID."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        """Stop and start again on the same data folder and port."""
+        self.stop()
+        self.start()
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator[type[ServerProcess]]:
+    """A factory of servers on fresh data folders; every one is stopped at teardown."""
+    started: list[ServerProcess] = []
+
+    def factory(**flags: str) -> ServerProcess:
+        index = len(started)
+        server = ServerProcess(tmp_path / f"data{index}", tmp_path / f"server{index}.log", **flags)
+        started.append(server)
+        server.start()
+        return server
+
+    yield factory  # type: ignore[misc]
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def server(make_server: type[ServerProcess]) -> ServerProcess:
+    """One service on default settings (touch flushes every 50 ms to keep tests quick)."""
+    return make_server(touch_flush_interval="0.05")
