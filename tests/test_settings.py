@@ -1,0 +1,87 @@
+"""Configuration from flags and CACHE_SERVICE_* variables."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from cache_service.cli import build_parser, load_settings
+from cache_service.settings import Settings, parse_model_block_sizes
+
+
+def test_defaults_match_the_documented_ones() -> None:
+    settings = Settings()
+    assert settings.capacity == 10 * 2**30
+    assert settings.block_size == 64
+    assert settings.retention_policy().ttl_seconds == {"agent": 3 * 86400, "chat": 7 * 86400}
+    assert settings.retention_policy().default_class == "chat"
+    assert settings.host == "127.0.0.1"
+
+
+def test_environment_variables_configure_every_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHE_SERVICE_CAPACITY", "20GiB")
+    monkeypatch.setenv("CACHE_SERVICE_RETENTION", "agent=3d,chat=7d,batch=2h")
+    monkeypatch.setenv("CACHE_SERVICE_MODEL_BLOCK_SIZE", "llama-3-8b=16")
+    settings = Settings()
+    assert settings.capacity == 20 * 2**30
+    assert settings.retention_policy().ttl_seconds["batch"] == 7200
+    assert settings.model_block_sizes() == {"llama-3-8b": 16}
+
+
+def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHE_SERVICE_BLOCK_SIZE", "32")
+    args = vars(build_parser().parse_args(["serve", "--block-size", "16", "--capacity", "1GB"]))
+    args.pop("command")
+    settings = load_settings(args)
+    assert settings.block_size == 16
+    assert settings.capacity == 10**9
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"capacity": "lots"},
+        {"retention": "chat=forever"},
+        {"default_retention": "batch"},
+        {"model_block_size": "llama=0"},
+        {"lmdb_sync": "sometimes"},
+        {"low_water": 0.99, "high_water": 0.9},
+        {"block_size": 0},
+        {"bogus_flag": 1},
+    ],
+)
+def test_invalid_configuration_is_refused(overrides: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        Settings(**overrides)  # type: ignore[arg-type]
+
+
+def test_model_block_sizes_allow_equals_free_names() -> None:
+    assert parse_model_block_sizes("a=1, org/model-7b=16") == {"a": 1, "org/model-7b": 16}
+
+
+def test_cli_reports_bad_configuration_without_traceback() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "cache_service.cli", "serve", "--capacity", "lots"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "--capacity" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_help_names_each_environment_variable() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "cache_service.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    for name in Settings.model_fields:
+        assert f"CACHE_SERVICE_{name.upper()}" in result.stdout.replace("\n", "").replace(" ", "")
