@@ -35,6 +35,17 @@ class Namespace:
 
 
 @dataclass(frozen=True, slots=True)
+class NamespaceId:
+    """A namespace as the store sees it: its root key and the exact bytes hashed into it.
+
+    The store keeps the bytes per root, so two namespaces whose roots collide never share.
+    """
+
+    root: BlockKey
+    encoded: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class ChainLink:
     """One full block of a prompt: its key, its parent's key and its tokens (uint32 LE bytes)."""
 
@@ -76,8 +87,15 @@ class BlockMeta:
         return now < self.expires_at
 
     def holds(self, link: ChainLink) -> bool:
-        """Whether this stored block really is `link` (not a hash collision)."""
-        return self.parent == link.parent and self.tokens == link.tokens
+        """Whether this stored block really is `link` (not a hash collision).
+
+        With the parent's own verification this pins the whole prefix: a block's content
+        never changes while it has children, and the depth stops a block that is its own
+        parent (possible only under a collision) from matching twice.
+        """
+        return (
+            self.depth == link.depth and self.parent == link.parent and self.tokens == link.tokens
+        )
 
 
 @dataclass(frozen=True, slots=True)

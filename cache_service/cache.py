@@ -178,7 +178,8 @@ class PrefixCache:
         token_bytes = _as_bytes(tokens)
         links = self.hasher.chain(namespace, token_bytes, block_size=size)
         now = self.clock()
-        result = self.store.match(links, now=now, with_payloads=with_payloads)
+        namespace_id = self.hasher.namespace_id(namespace)
+        result = self.store.match(namespace_id, links, now=now, with_payloads=with_payloads)
         found = PrefixMatch(
             block_size=size,
             prompt_tokens=len(token_bytes) // 4,
@@ -226,8 +227,8 @@ class PrefixCache:
 
     def get_payloads(self, namespace: Namespace, keys: Sequence[BlockKey]) -> list[bytes | None]:
         """Checked payloads of blocks of one namespace; None for a block that is gone."""
-        root = self.hasher.root(namespace)
-        payloads, corrupt = self.store.get_payloads(root, keys, now=self.clock())
+        namespace_id = self.hasher.namespace_id(namespace)
+        payloads, corrupt = self.store.get_payloads(namespace_id, keys, now=self.clock())
         if corrupt:
             self.events.on_corrupt(corrupt)
         return payloads
@@ -265,14 +266,14 @@ class PrefixCache:
                 capacity_bytes=self.capacity_bytes,
             )
         parent = links[start_block - 1] if start_block > 0 else None
-        root = self.hasher.root(namespace)
+        namespace_id = self.hasher.namespace_id(namespace)
         result = None
         for _ in range(STORE_FULL_RETRIES):
             now = self.clock()
             try:
                 result = self.store.insert(
+                    namespace_id,
                     fitting,
-                    namespace_root=root,
                     parent=parent,
                     now=now,
                     retention=retention_class,

@@ -30,7 +30,9 @@ def encode_frames(
 ) -> list[bytes | memoryview]:
     """The body as a list of chunks (payloads are not copied); join or stream them."""
     head = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    chunks: list[bytes | memoryview] = [MAGIC + _U32.pack(len(head)) + head + _U32.pack(len(payloads))]
+    chunks: list[bytes | memoryview] = [
+        MAGIC + _U32.pack(len(head)) + head + _U32.pack(len(payloads))
+    ]
     for payload in payloads:
         if payload is None:
             chunks.append(_U64.pack(ABSENT))
@@ -56,7 +58,7 @@ def decode_frames(body: bytes | memoryview) -> tuple[dict[str, Any], list[memory
         raise MalformedBody("the body ends inside the frame header")
     try:
         header = json.loads(bytes(view[8:offset]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise MalformedBody(f"the frame header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
         raise MalformedBody("the frame header must be a JSON object")

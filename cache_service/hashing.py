@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import xxhash
 
-from cache_service.blocks import MAX_TOKEN_ID, BlockKey, ChainLink, Namespace
+from cache_service.blocks import MAX_TOKEN_ID, BlockKey, ChainLink, Namespace, NamespaceId
 
 HASH_SCHEME = "xxh3-128-chained"
 HASH_VERSION = 1
@@ -94,19 +94,24 @@ class BlockHasher:
     def __init__(self, *, seed: str = DEFAULT_SEED, hash_fn: HashFn = xxh3_128) -> None:
         self.seed = seed
         self._hash = hash_fn
-        self._root = lru_cache(maxsize=4096)(self._compute_root)
+        self._ids = lru_cache(maxsize=4096)(self._compute_id)
 
     @property
     def fingerprint(self) -> str:
         """The seed's public fingerprint."""
         return seed_fingerprint(self.seed)
 
-    def _compute_root(self, namespace: Namespace) -> BlockKey:
-        return BlockKey(self._hash(encode_namespace(self.seed, namespace)))
+    def _compute_id(self, namespace: Namespace) -> NamespaceId:
+        encoded = encode_namespace(self.seed, namespace)
+        return NamespaceId(root=BlockKey(self._hash(encoded)), encoded=encoded)
+
+    def namespace_id(self, namespace: Namespace) -> NamespaceId:
+        """The namespace's root key with the bytes it was hashed from."""
+        return self._ids(namespace)
 
     def root(self, namespace: Namespace) -> BlockKey:
         """The parent key of block 0 in this namespace."""
-        return self._root(namespace)
+        return self._ids(namespace).root
 
     def chain(
         self, namespace: Namespace, token_bytes: bytes, *, block_size: int
@@ -127,7 +132,9 @@ class BlockHasher:
             parent = key
         return links
 
-    def keys(self, namespace: Namespace, tokens: Sequence[int], *, block_size: int) -> list[BlockKey]:
+    def keys(
+        self, namespace: Namespace, tokens: Sequence[int], *, block_size: int
+    ) -> list[BlockKey]:
         """The keys of every full block of a prompt given as token ids."""
         links = self.chain(namespace, tokens_to_bytes(tokens), block_size=block_size)
         return [link.key for link in links]

@@ -12,6 +12,7 @@ from cache_service.blocks import (
     Evicted,
     InsertResult,
     MatchResult,
+    NamespaceId,
     NewBlock,
     StoreUsage,
     Touch,
@@ -28,16 +29,22 @@ class BlockStore(Protocol):
     """
 
     def match(
-        self, links: Sequence[ChainLink], *, now: float, with_payloads: bool = False
+        self,
+        namespace: NamespaceId,
+        links: Sequence[ChainLink],
+        *,
+        now: float,
+        with_payloads: bool = False,
     ) -> MatchResult:
-        """Count the leading links that are stored, alive and verified (parent and tokens)."""
+        """Count the leading links that are stored, alive and verified (namespace, depth,
+        parent and tokens)."""
         ...
 
     def insert(
         self,
+        namespace: NamespaceId,
         blocks: Sequence[NewBlock],
         *,
-        namespace_root: BlockKey,
         parent: ChainLink | None,
         now: float,
         retention: str,
@@ -51,7 +58,7 @@ class BlockStore(Protocol):
         ...
 
     def get_payloads(
-        self, namespace_root: BlockKey, keys: Sequence[BlockKey], *, now: float
+        self, namespace: NamespaceId, keys: Sequence[BlockKey], *, now: float
     ) -> tuple[list[bytes | None], int]:
         """Payloads of alive blocks of one namespace (None where absent) and a corrupt count."""
         ...
@@ -99,6 +106,14 @@ class BlockTxn(Protocol):
 
     def get_payload(self, key: BlockKey) -> bytes | memoryview | None:
         """The block's payload bytes, valid until the transaction ends."""
+        ...
+
+    def get_namespace(self, root: BlockKey) -> bytes | None:
+        """The encoded namespace stored for a root key, or None."""
+        ...
+
+    def put_namespace(self, root: BlockKey, encoded: bytes) -> None:
+        """Record the encoded namespace of a root key."""
         ...
 
     def put_payload(self, key: BlockKey, payload: bytes | memoryview) -> None:

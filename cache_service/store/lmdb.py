@@ -65,6 +65,13 @@ class _LmdbTxn:
     def put_payload(self, key: BlockKey, payload: bytes | memoryview) -> None:
         self._txn.put(key, payload, db=self._dbs["payloads"])
 
+    def get_namespace(self, root: BlockKey) -> bytes | None:
+        found = self._txn.get(root, db=self._dbs["namespaces"])
+        return bytes(found) if found is not None else None
+
+    def put_namespace(self, root: BlockKey, encoded: bytes) -> None:
+        self._txn.put(root, encoded, db=self._dbs["namespaces"])
+
     def index_add(self, index: str, sort_key: bytes, key: BlockKey) -> None:
         self._txn.put(sort_key + key, b"", db=self._dbs[index])
 
@@ -149,7 +156,7 @@ class LmdbStore(TxnStore):
         self.main_db = self.env.open_db(None)
         self.dbs = {
             name: self.env.open_db(name.encode())
-            for name in ("blocks", "payloads", VICTIMS, EXPIRY, "meta")
+            for name in ("blocks", "payloads", "namespaces", VICTIMS, EXPIRY, "meta")
         }
         with self.env.begin(write=True) as txn:
             found = txn.get(_FORMAT, db=self.dbs["meta"])

@@ -48,6 +48,12 @@ class _MemoryTxn:
     def put_payload(self, key: BlockKey, payload: bytes | memoryview) -> None:
         self._s.payloads[key] = bytes(payload)
 
+    def get_namespace(self, root: BlockKey) -> bytes | None:
+        return self._s.namespaces.get(root)
+
+    def put_namespace(self, root: BlockKey, encoded: bytes) -> None:
+        self._s.namespaces[root] = encoded
+
     def index_add(self, index: str, sort_key: bytes, key: BlockKey) -> None:
         bisect.insort(self._s.indexes[index], sort_key + key)
 
@@ -92,6 +98,7 @@ class MemoryStore(TxnStore):
         super().__init__(policy=policy)
         self.metas: dict[BlockKey, BlockMeta] = {}
         self.payloads: dict[BlockKey, bytes] = {}
+        self.namespaces: dict[BlockKey, bytes] = {}
         self.indexes: dict[str, list[bytes]] = {VICTIMS: [], EXPIRY: []}
         self.seq = 1
         self.payload_bytes = 0

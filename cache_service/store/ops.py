@@ -23,6 +23,7 @@ from cache_service.blocks import (
     Evicted,
     InsertResult,
     MatchResult,
+    NamespaceId,
     NewBlock,
     StoreUsage,
     Touch,
@@ -91,17 +92,25 @@ class TxnStore:
     # -- reads --------------------------------------------------------------------------------
 
     def match(
-        self, links: Sequence[ChainLink], *, now: float, with_payloads: bool = False
+        self,
+        namespace: NamespaceId,
+        links: Sequence[ChainLink],
+        *,
+        now: float,
+        with_payloads: bool = False,
     ) -> MatchResult:
         """Count the leading links that are stored, alive and verified."""
         matched = collisions = corrupt = 0
         payloads: list[bytes] = []
         with self._read() as txn:
+            known = txn.get_namespace(namespace.root) if links else None
+            if known is not None and known != namespace.encoded:
+                collisions, links = 1, ()
             for link in links:
                 meta = txn.get(link.key)
                 if meta is None or not meta.is_alive(now):
                     break
-                if not meta.holds(link):
+                if meta.namespace_root != namespace.root or not meta.holds(link):
                     collisions += 1
                     break
                 if with_payloads:
@@ -119,15 +128,17 @@ class TxnStore:
         )
 
     def get_payloads(
-        self, namespace_root: BlockKey, keys: Sequence[BlockKey], *, now: float
+        self, namespace: NamespaceId, keys: Sequence[BlockKey], *, now: float
     ) -> tuple[list[bytes | None], int]:
         """Payloads of alive blocks of one namespace; None where absent, foreign or corrupt."""
         out: list[bytes | None] = []
         corrupt = 0
         with self._read() as txn:
+            if keys and txn.get_namespace(namespace.root) != namespace.encoded:
+                return [None] * len(keys), 0
             for key in keys:
                 meta = txn.get(key)
-                if meta is None or not meta.is_alive(now) or meta.namespace_root != namespace_root:
+                if meta is None or not meta.is_alive(now) or meta.namespace_root != namespace.root:
                     out.append(None)
                     continue
                 payload = _verified_payload(txn, meta)
@@ -144,9 +155,9 @@ class TxnStore:
 
     def insert(
         self,
+        namespace: NamespaceId,
         blocks: Sequence[NewBlock],
         *,
-        namespace_root: BlockKey,
         parent: ChainLink | None,
         now: float,
         retention: str,
@@ -159,9 +170,20 @@ class TxnStore:
         stored: list[BlockKey] = []
         refreshed = conflicts = collisions = 0
         with self._write() as txn:
+            known = txn.get_namespace(namespace.root)
+            if known is None:
+                txn.put_namespace(namespace.root, namespace.encoded)
+            elif known != namespace.encoded:
+                # Another namespace hashed to the same root: it keeps it, this one stores nothing.
+                return InsertResult(collisions=len(blocks))
             if parent is not None:
                 held = txn.get(parent.key)
-                if held is None or not held.is_alive(now) or not held.holds(parent):
+                if (
+                    held is None
+                    or not held.is_alive(now)
+                    or held.namespace_root != namespace.root
+                    or not held.holds(parent)
+                ):
                     raise MissingParent(
                         f"block {parent.depth} (the parent of block {parent.depth + 1}) is not "
                         "stored: send it in the same request (lower start_block)",
@@ -174,7 +196,8 @@ class TxnStore:
                 seq = first_seq + len(blocks) - 1 - index
                 link = block.link
                 old = txn.get(link.key)
-                if old is not None and not old.holds(link):
+                foreign = old is not None and old.namespace_root != namespace.root
+                if old is not None and (foreign or not old.holds(link)):
                     collisions += 1
                     break
                 sum_ = checksum(block.payload)
@@ -193,7 +216,7 @@ class TxnStore:
                 else:
                     new = BlockMeta(
                         key=link.key,
-                        namespace_root=namespace_root,
+                        namespace_root=namespace.root,
                         parent=link.parent,
                         depth=link.depth,
                         tokens=link.tokens,

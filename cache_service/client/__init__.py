@@ -1,0 +1,23 @@
+"""CacheClient and AsyncCacheClient: the prompt cache's HTTP API over httpx.
+
+The twins share everything but the I/O call (as httpx's BaseClient -> Client / AsyncClient):
+`_BaseCacheClient` builds each request as a `_Call`, parses its answer and keeps the
+fail-open state; a twin only sends. Errors:
+
+- a problem answer (any non-2xx) raises `ServiceError(status, problem_body)`;
+- a 2xx answer the client cannot parse raises `ServiceError(502, ...)`, as a gateway would;
+- a transport error or timeout raises `ServiceUnavailable` (503).
+
+With `fail_open=True`, the data-path calls (lookup, get_blocks, store, put_prefix) turn
+`ServiceUnavailable` and 5xx answers into misses and back off: after a failure they return
+misses at once, without the network, for `backoff_initial_seconds`, doubling per consecutive
+failure up to `backoff_max_seconds`; one success resets it. A 507 (store full) is a miss but
+not a failure: the service is up. 4xx answers are the caller's bug and are always raised.
+"""
+
+from cache_service.client.aio import AsyncCacheClient
+from cache_service.client.answers import Match, StoreResult, Usage
+from cache_service.client.base import Clock
+from cache_service.client.sync import CacheClient
+
+__all__ = ["AsyncCacheClient", "CacheClient", "Clock", "Match", "StoreResult", "Usage"]

@@ -1,0 +1,252 @@
+"""The twins' shared base: each request built as a `_Call`, fail-open and backoff state.
+
+`_BaseCacheClient` does everything but the I/O: it builds a `_Call` (method, path, body, the
+parser of its answer and its fail-open miss), maps a transport error or a problem answer to a
+`ServiceError`, and keeps the backoff state that decides when a call skips the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Generic, TypeVar
+
+import httpx
+
+from cache_service.blocks import KEY_BYTES, BlockKey, key_from_hex, key_hex
+from cache_service.client.answers import (
+    Match,
+    StoreResult,
+    _json_object,
+    _missed_match,
+    _parse_blocks,
+    _parse_match,
+    _parse_store,
+    _problem_error,
+)
+from cache_service.errors import ServiceError, ServiceUnavailable
+from cache_service.framing import MEDIA_TYPE, encode_frames, join_frames
+from cache_service.hashing import bytes_to_tokens, tokens_to_bytes
+
+Clock = Callable[[], float]
+_T = TypeVar("_T")
+
+INSUFFICIENT_STORAGE = 507
+_MAX_DOUBLINGS = 64  # 2**64 * any sane initial backoff is far past any max: stops float overflow
+
+
+@dataclass(frozen=True, slots=True)
+class _Call(Generic[_T]):
+    """One request, how to parse its answer, and its fail-open miss (None: never fails open)."""
+
+    method: str
+    path: str
+    parse: Callable[[httpx.Response], _T]
+    json: dict[str, Any] | None = None
+    content: bytes | None = None
+    headers: dict[str, str] | None = None
+    miss: Callable[[], _T] | None = None
+
+
+class _BaseCacheClient:
+    """Request building, answer parsing and fail-open backoff shared by both twins."""
+
+    def __init__(
+        self,
+        *,
+        fail_open: bool,
+        backoff_initial_seconds: float,
+        backoff_max_seconds: float,
+        clock: Clock,
+    ) -> None:
+        if not 0 <= backoff_initial_seconds <= backoff_max_seconds:
+            raise ValueError("need 0 <= backoff_initial_seconds <= backoff_max_seconds")
+        self._fail_open = fail_open
+        self._backoff_initial_seconds = backoff_initial_seconds
+        self._backoff_max_seconds = backoff_max_seconds
+        self._clock = clock
+        self._failures = 0
+        self._retry_at = 0.0
+        self._epoch = 0  # bumped on every state change; a call's outcome counts only once
+
+    @staticmethod
+    def _default_headers(api_key: str | None) -> dict[str, str]:
+        return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+
+    def _build_lookup(
+        self,
+        model: str,
+        tokens: Sequence[int],
+        *,
+        kv_layout: str,
+        salt: str | None,
+        retention: str | None,
+        block_size: int | None,
+        fetch: bool,
+    ) -> _Call[Match]:
+        ids = _token_ids(tokens)
+        body = {
+            **_prompt_fields(
+                model,
+                ids,
+                kv_layout=kv_layout,
+                salt=salt,
+                retention=retention,
+                block_size=block_size,
+            ),
+            "fetch": fetch,
+        }
+        return _Call(
+            "POST",
+            "/v1/lookup",
+            partial(_parse_match, fetch=fetch),
+            json=body,
+            miss=partial(_missed_match, len(ids), block_size, fetch),
+        )
+
+    def _build_store(
+        self,
+        model: str,
+        tokens: Sequence[int],
+        payloads: Sequence[bytes | memoryview],
+        *,
+        kv_layout: str,
+        start_block: int,
+        salt: str | None,
+        retention: str | None,
+        block_size: int | None,
+    ) -> _Call[StoreResult]:
+        ids = _token_ids(tokens)
+        header = {
+            **_prompt_fields(
+                model,
+                ids,
+                kv_layout=kv_layout,
+                salt=salt,
+                retention=retention,
+                block_size=block_size,
+            ),
+            "start_block": start_block,
+        }
+        miss = StoreResult(
+            model=model,
+            block_size=block_size or 0,
+            start_block=start_block,
+            requested_blocks=len(payloads),
+            stored_blocks=0,
+            refreshed_blocks=0,
+            conflicts=0,
+            truncated_blocks=0,
+            collisions=0,
+            keys=[],
+        )
+        return _Call(
+            "POST",
+            "/v1/blocks",
+            _parse_store,
+            content=join_frames(encode_frames(header, payloads)),
+            headers={"Content-Type": MEDIA_TYPE},
+            miss=lambda: miss,
+        )
+
+    def _build_get_blocks(
+        self, model: str, keys: Sequence[BlockKey | str], *, kv_layout: str, salt: str | None
+    ) -> _Call[list[bytes | None]]:
+        texts = [_key_text(key) for key in keys]
+        body = {"model": model, "kv_layout": kv_layout, "salt": salt or "", "keys": texts}
+        return _Call(
+            "POST",
+            "/v1/blocks/fetch",
+            partial(_parse_blocks, count=len(texts)),
+            json=body,
+            miss=lambda: [None] * len(texts),
+        )
+
+    @staticmethod
+    def _build_get(path: str) -> _Call[dict[str, Any]]:
+        return _Call("GET", path, _json_object)
+
+    def _short_circuit(self, call: _Call[_T]) -> Callable[[], _T] | None:
+        """The call's miss while backing off (skip the network), else None."""
+        if self._fails_open(call) and self._failures and self._clock() < self._retry_at:
+            return call.miss
+        return None
+
+    def _on_transport_error(self, call: _Call[_T], epoch: int, exc: httpx.HTTPError) -> _T:
+        """Map an httpx error to ServiceUnavailable, then fail open or raise."""
+        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        error = ServiceUnavailable(f"{call.method} {call.path}: {reason}")
+        error.__cause__ = exc
+        return self._on_error(call, epoch, error)
+
+    def _on_response(self, call: _Call[_T], epoch: int, response: httpx.Response) -> _T:
+        """Parse a 2xx answer, or fail open or raise on a problem."""
+        try:
+            if not response.is_success:
+                raise _problem_error(response)
+            result = call.parse(response)
+        except ServiceError as error:
+            return self._on_error(call, epoch, error)
+        self._record(call, epoch, failed=False)
+        return result
+
+    def _on_error(self, call: _Call[_T], epoch: int, error: ServiceError) -> _T:
+        if not self._fail_open or call.miss is None or error.status < 500:
+            self._record(call, epoch, failed=False)  # any 4xx answer shows the service is up
+            raise error
+        self._record(call, epoch, failed=error.status != INSUFFICIENT_STORAGE)
+        return call.miss()
+
+    def _fails_open(self, call: _Call[Any]) -> bool:
+        return self._fail_open and call.miss is not None
+
+    def _record(self, call: _Call[Any], epoch: int, *, failed: bool) -> None:
+        """Update the backoff after a call that started at `epoch` (stale outcomes ignored)."""
+        if not self._fails_open(call) or epoch != self._epoch:
+            return
+        if failed:
+            self._failures += 1
+            self._epoch += 1
+            doublings = min(self._failures - 1, _MAX_DOUBLINGS)
+            delay = min(self._backoff_initial_seconds * 2.0**doublings, self._backoff_max_seconds)
+            self._retry_at = self._clock() + delay
+        elif self._failures:
+            self._failures = 0
+            self._epoch += 1
+
+
+# Request fields ---------------------------------------------------------------------------
+
+
+def _token_ids(tokens: Sequence[int]) -> list[int]:
+    """Token ids as plain ints (the service is strict); ValueError for one outside uint32."""
+    return bytes_to_tokens(tokens_to_bytes(tokens))
+
+
+def _key_text(key: BlockKey | str) -> str:
+    """A key as the API's 32 lowercase hex characters; ValueError if it is not a key."""
+    if isinstance(key, bytes):
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a block key is {KEY_BYTES} bytes, got {len(key)}")
+        return key_hex(key)
+    return key_hex(key_from_hex(key))
+
+
+def _prompt_fields(
+    model: str,
+    tokens: list[int],
+    *,
+    kv_layout: str,
+    salt: str | None,
+    retention: str | None,
+    block_size: int | None,
+) -> dict[str, Any]:
+    return {
+        "model": model,
+        "tokens": tokens,
+        "kv_layout": kv_layout,
+        "salt": salt or "",
+        "retention": retention,
+        "block_size": block_size,
+    }

@@ -1,0 +1,175 @@
+"""CacheClient: the blocking twin, which sends each `_Call` over one httpx.Client."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+from cache_service.blocks import BlockKey
+from cache_service.client.answers import Match, StoreResult
+from cache_service.client.base import _T, Clock, _BaseCacheClient, _Call
+from cache_service.errors import ServiceError
+
+
+class CacheClient(_BaseCacheClient):
+    """A blocking client of the prompt cache service; one httpx.Client, one connection pool."""
+
+    def __init__(
+        self,
+        base_url: str | httpx.URL,
+        *,
+        api_key: str | None = None,
+        timeout: float = 5.0,
+        fail_open: bool = False,
+        transport: httpx.BaseTransport | None = None,
+        backoff_initial_seconds: float = 0.5,
+        backoff_max_seconds: float = 30.0,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        super().__init__(
+            fail_open=fail_open,
+            backoff_initial_seconds=backoff_initial_seconds,
+            backoff_max_seconds=backoff_max_seconds,
+            clock=clock,
+        )
+        self._http = httpx.Client(
+            base_url=base_url,
+            headers=self._default_headers(api_key),
+            timeout=timeout,
+            transport=transport,
+        )
+
+    def _send(self, call: _Call[_T]) -> _T:
+        skipped = self._short_circuit(call)
+        if skipped is not None:
+            return skipped()
+        epoch = self._epoch
+        try:
+            response = self._http.request(
+                call.method, call.path, json=call.json, content=call.content, headers=call.headers
+            )
+        except httpx.HTTPError as exc:
+            return self._on_transport_error(call, epoch, exc)
+        return self._on_response(call, epoch, response)
+
+    def lookup(
+        self,
+        model: str,
+        tokens: Sequence[int],
+        *,
+        kv_layout: str = "",
+        salt: str | None = None,
+        retention: str | None = None,
+        block_size: int | None = None,
+        fetch: bool = False,
+    ) -> Match:
+        """The longest cached prefix of `tokens`; with fetch, its payloads too."""
+        return self._send(
+            self._build_lookup(
+                model,
+                tokens,
+                kv_layout=kv_layout,
+                salt=salt,
+                retention=retention,
+                block_size=block_size,
+                fetch=fetch,
+            )
+        )
+
+    def store(
+        self,
+        model: str,
+        tokens: Sequence[int],
+        payloads: Sequence[bytes | memoryview],
+        *,
+        kv_layout: str = "",
+        start_block: int = 0,
+        salt: str | None = None,
+        retention: str | None = None,
+        block_size: int | None = None,
+    ) -> StoreResult:
+        """Store payloads of blocks start_block.. of `tokens`; the service's full answer."""
+        return self._send(
+            self._build_store(
+                model,
+                tokens,
+                payloads,
+                kv_layout=kv_layout,
+                start_block=start_block,
+                salt=salt,
+                retention=retention,
+                block_size=block_size,
+            )
+        )
+
+    def put_prefix(
+        self,
+        model: str,
+        tokens: Sequence[int],
+        payloads: Sequence[bytes | memoryview],
+        *,
+        kv_layout: str = "",
+        start_block: int = 0,
+        salt: str | None = None,
+        retention: str | None = None,
+        block_size: int | None = None,
+    ) -> int:
+        """Store payloads of blocks start_block.. of `tokens`; how many were newly stored."""
+        return self.store(
+            model,
+            tokens,
+            payloads,
+            kv_layout=kv_layout,
+            start_block=start_block,
+            salt=salt,
+            retention=retention,
+            block_size=block_size,
+        ).stored_blocks
+
+    def get_blocks(
+        self,
+        model: str,
+        keys: Sequence[BlockKey | str],
+        *,
+        kv_layout: str = "",
+        salt: str | None = None,
+    ) -> list[bytes | None]:
+        """The payload of each key, in order; None for a block the service no longer has."""
+        if not keys:
+            return []
+        return self._send(self._build_get_blocks(model, keys, kv_layout=kv_layout, salt=salt))
+
+    def info(self) -> dict[str, Any]:
+        """What a worker must agree with to share the cache: hashing, block sizes, limits."""
+        return self._send(self._build_get("/v1/info"))
+
+    def stats(self) -> dict[str, Any]:
+        """The store's size and the service's hit and miss tokens."""
+        return self._send(self._build_get("/v1/stats"))
+
+    def healthy(self, *, ready: bool = False) -> bool:
+        """Whether /healthz (the process is up) or, if ready, /readyz (the store is open) is 2xx."""
+        try:
+            self._send(self._build_get("/readyz" if ready else "/healthz"))
+        except ServiceError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
