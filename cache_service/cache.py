@@ -6,7 +6,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from cache_service.blocks import (
     BlockKey,
@@ -37,8 +36,9 @@ EVICT_BATCH_BLOCKS = 1024  # blocks per eviction transaction: keeps the write lo
 STORE_FULL_RETRIES = 3
 
 
-class CacheEvents(Protocol):
-    """What the cache reports as it works; metrics and the replay implement it."""
+class CacheEvents:
+    """What the cache reports as it works: every method does nothing here; metrics and the
+    replay override what they count."""
 
     def on_lookup(
         self, *, retention: str, hit_tokens: int, miss_tokens: int, complete: bool
@@ -49,34 +49,13 @@ class CacheEvents(Protocol):
         """An insert finished."""
 
     def on_collision(self, count: int) -> None:
-        """Stored blocks whose key matched but parent or tokens did not."""
+        """Stored blocks whose key matched but namespace, depth, parent or tokens did not."""
 
     def on_corrupt(self, count: int) -> None:
         """Payloads that failed their checksum and were not served."""
 
     def on_evicted(self, evicted: Sequence[Evicted], *, now: float) -> None:
         """Blocks removed for expiry or capacity."""
-
-
-class NullEvents:
-    """Ignores every event."""
-
-    def on_lookup(
-        self, *, retention: str, hit_tokens: int, miss_tokens: int, complete: bool
-    ) -> None:
-        """Ignore."""
-
-    def on_insert(self, *, stored: int, refreshed: int, conflicts: int) -> None:
-        """Ignore."""
-
-    def on_collision(self, count: int) -> None:
-        """Ignore."""
-
-    def on_corrupt(self, count: int) -> None:
-        """Ignore."""
-
-    def on_evicted(self, evicted: Sequence[Evicted], *, now: float) -> None:
-        """Ignore."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +105,7 @@ class PrefixCache:
         self.high_water = high_water
         self.low_water = low_water
         self.defer_touches = defer_touches
-        self.events: CacheEvents = events or NullEvents()
+        self.events = events or CacheEvents()
         self._pending: list[Touch] = []
         self._pending_lock = threading.Lock()
 
@@ -260,7 +239,10 @@ class PrefixCache:
             )
         blocks = [NewBlock(links[start_block + i], p) for i, p in enumerate(payloads)]
         fitting = self._fit(blocks, start_block)
+        keys = tuple(block.link.key for block in blocks)
         if blocks and not fitting:
+            if self.capacity_blocks is not None:  # the prefix before start_block fills the cache
+                return InsertOutcome(keys, len(blocks), 0, 0, 0, len(blocks), 0)
             raise InsufficientStorage(
                 "the first block alone is larger than the cache's capacity",
                 capacity_bytes=self.capacity_bytes,
@@ -292,7 +274,7 @@ class PrefixCache:
             stored=len(kept), refreshed=result.refreshed, conflicts=result.conflicts
         )
         return InsertOutcome(
-            keys=tuple(block.link.key for block in blocks),
+            keys=keys,
             requested=len(blocks),
             stored=len(kept),
             refreshed=result.refreshed,

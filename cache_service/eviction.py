@@ -46,4 +46,6 @@ def make_policy(name: str) -> EvictionPolicy:
     try:
         return POLICIES[name]()
     except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r} (known: {', '.join(POLICIES)})") from None
+        raise ValueError(
+            f"unknown eviction policy {name!r} (known: {', '.join(POLICIES)})"
+        ) from None

@@ -102,6 +102,12 @@ def parse_json(model: type[Model], raw: bytes) -> Model:
         raise validation_problem(exc.errors(include_url=False)) from None
 
 
+async def read_json(request: Request, model: type[Model], *, limit_bytes: int) -> Model:
+    """Check the media type, read the body within its limit and validate it as `model`."""
+    require_media_type(request, JSON)
+    return parse_json(model, await read_body(request, limit_bytes=limit_bytes))
+
+
 def parse_object(model: type[Model], data: dict[str, Any]) -> Model:
     """Validate an already decoded object (a frame header) against `model`."""
     try:

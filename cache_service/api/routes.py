@@ -14,9 +14,9 @@ from cache_service import __version__
 from cache_service.api.bodies import (
     JSON,
     check_count,
-    parse_json,
     parse_object,
     read_body,
+    read_json,
     require_media_type,
 )
 from cache_service.api.openapi import binary_body, json_body, responses
@@ -67,9 +67,7 @@ def lookup_answer(model: str, found: PrefixMatch) -> dict[str, Any]:
 async def lookup(request: Request) -> Response:
     """Find the longest stored, verified prefix; optionally return its payloads too."""
     state = service_state(request)
-    require_media_type(request, JSON)
-    raw = await read_body(request, limit_bytes=state.settings.max_body_size)
-    body = parse_json(LookupRequest, raw)
+    body = await read_json(request, LookupRequest, limit_bytes=state.settings.max_body_size)
     limit = state.settings.max_tokens_per_request
     check_count("tokens", len(body.tokens), limit, "max_tokens_per_request")
     namespace = _namespace(body)
@@ -142,9 +140,7 @@ async def store_blocks(request: Request) -> Response:
 async def fetch_blocks(request: Request) -> Response:
     """Payloads of blocks of the caller's namespace, checked against their checksums."""
     state = service_state(request)
-    require_media_type(request, JSON)
-    raw = await read_body(request, limit_bytes=state.settings.max_body_size)
-    body = parse_json(FetchRequest, raw)
+    body = await read_json(request, FetchRequest, limit_bytes=state.settings.max_body_size)
     limit = state.settings.max_blocks_per_request
     check_count("keys", len(body.keys), limit, "max_blocks_per_request")
     keys = [key_from_hex(text) for text in body.keys]

@@ -1,0 +1,136 @@
+"""Shared fixtures: a virtual clock, and a `store` fixture run once per BlockStore backend.
+
+A backend is one entry in `BACKENDS` (how to open it) and one in `RAW_ACCESS` (how a test
+reads its metadata and damages its payloads behind the protocol's back). Adding Redis is
+adding one entry to each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import pytest
+
+from cache_service.blocks import BlockKey, BlockMeta
+from cache_service.store.base import BlockStore
+from cache_service.store.codec import decode_meta
+from cache_service.store.lmdb import LmdbStore
+from cache_service.store.memory import MemoryStore
+
+LMDB_MAP_SIZE_BYTES = 1 << 30
+CLOCK_START = 1_700_000_000.0
+
+
+class VirtualClock:
+    """A clock for tests: calling it returns the current virtual time in seconds."""
+
+    def __init__(self, start: float = CLOCK_START) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> float:
+        """Move time forward and return the new time."""
+        if seconds < 0:
+            raise ValueError("a virtual clock never goes back")
+        self.now += seconds
+        return self.now
+
+
+@pytest.fixture
+def clock() -> VirtualClock:
+    """A fresh virtual clock, starting at a realistic epoch time."""
+    return VirtualClock()
+
+
+def open_memory_store(tmp_path: Path) -> BlockStore:
+    """A fresh in-memory store (tmp_path unused)."""
+    return MemoryStore()
+
+
+def open_lmdb_store(tmp_path: Path) -> BlockStore:
+    """A fresh LMDB store in its own directory under tmp_path."""
+    return LmdbStore(tmp_path / "lmdb", map_size_bytes=LMDB_MAP_SIZE_BYTES)
+
+
+BACKENDS: dict[str, Callable[[Path], BlockStore]] = {
+    "memory": open_memory_store,
+    "lmdb": open_lmdb_store,
+}
+
+
+@pytest.fixture(params=list(BACKENDS))
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlockStore]:
+    """One empty store per backend; closed when the test ends."""
+    opened = BACKENDS[request.param](tmp_path)
+    yield opened
+    opened.close()
+
+
+class RawAccess(Protocol):
+    """What a test may do to a backend below the BlockStore protocol."""
+
+    def blocks(self) -> dict[BlockKey, BlockMeta]:
+        """Every stored block's metadata, expired or not."""
+        ...
+
+    def overwrite_payload(self, key: BlockKey, payload: bytes) -> None:
+        """Replace a block's payload bytes without updating its checksum."""
+        ...
+
+
+class MemoryRawAccess:
+    """Raw access to a MemoryStore's dicts."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self.store = store
+
+    def blocks(self) -> dict[BlockKey, BlockMeta]:
+        return dict(self.store.metas)
+
+    def overwrite_payload(self, key: BlockKey, payload: bytes) -> None:
+        self.store.payloads[key] = payload
+
+
+class LmdbRawAccess:
+    """Raw access to an LmdbStore's named databases."""
+
+    def __init__(self, store: LmdbStore) -> None:
+        self.store = store
+
+    def blocks(self) -> dict[BlockKey, BlockMeta]:
+        with self.store.env.begin() as txn:
+            return {
+                BlockKey(bytes(key)): decode_meta(BlockKey(bytes(key)), bytes(record))
+                for key, record in txn.cursor(db=self.store.dbs["blocks"])
+            }
+
+    def overwrite_payload(self, key: BlockKey, payload: bytes) -> None:
+        with self.store.env.begin(write=True) as txn:
+            txn.put(key, payload, db=self.store.dbs["payloads"])
+
+
+RAW_ACCESS: dict[type, Callable[[Any], RawAccess]] = {
+    MemoryStore: MemoryRawAccess,
+    LmdbStore: LmdbRawAccess,
+}
+
+
+def raw_access(store: BlockStore) -> RawAccess:
+    """The raw access helper for a store's backend."""
+    return RAW_ACCESS[type(store)](store)
+
+
+@pytest.fixture
+def raw(store: BlockStore) -> RawAccess:
+    """Raw access to the `store` fixture's backend."""
+    return raw_access(store)
+
+
+@pytest.fixture
+def raw_of() -> Callable[[BlockStore], RawAccess]:
+    """Raw access to any store a test opened itself."""
+    return raw_access

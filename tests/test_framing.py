@@ -1,0 +1,167 @@
+"""The binary frame format: round trips, and every defect raises MalformedBody."""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cache_service.errors import MalformedBody, RequestError
+from cache_service.framing import (
+    ABSENT,
+    MAGIC,
+    MEDIA_TYPE,
+    decode_frames,
+    encode_frames,
+    join_frames,
+)
+
+MIB = 1 << 20
+
+
+def encode(header: dict[str, object], payloads: list[bytes | None]) -> bytes:
+    return join_frames(encode_frames(header, payloads))
+
+
+def as_bytes(payloads: list[memoryview | None]) -> list[bytes | None]:
+    return [None if p is None else bytes(p) for p in payloads]
+
+
+def test_round_trip_with_no_payloads() -> None:
+    header, payloads = decode_frames(encode({"model": "m"}, []))
+    assert header == {"model": "m"}
+    assert payloads == []
+
+
+def test_round_trip_keeps_empty_and_absent_payloads_apart() -> None:
+    header, payloads = decode_frames(encode({"n": 3}, [b"", None, b"x"]))
+    assert header == {"n": 3}
+    assert as_bytes(payloads) == [b"", None, b"x"]
+
+
+def test_round_trip_of_multi_mib_payloads() -> None:
+    big = bytes(range(256)) * (3 * MIB // 256) + b"tail"
+    other = b"\xab" * (2 * MIB)
+    header, payloads = decode_frames(encode({"keys": ["a", "b"]}, [big, None, other, b""]))
+    assert header == {"keys": ["a", "b"]}
+    assert as_bytes(payloads) == [big, None, other, b""]
+
+
+def test_encode_does_not_copy_payloads() -> None:
+    payload = memoryview(b"\x01" * 1000)
+    chunks = encode_frames({}, [payload])
+    assert any(chunk is payload for chunk in chunks)
+
+
+def test_decode_accepts_a_memoryview_body() -> None:
+    _, payloads = decode_frames(memoryview(encode({}, [b"abc"])))
+    assert as_bytes(payloads) == [b"abc"]
+
+
+def test_layout_is_the_documented_one() -> None:
+    body = encode({"a": 1}, [b"xy", None])
+    head = b'{"a":1}'
+    assert body == (
+        MAGIC
+        + struct.pack("<I", len(head))
+        + head
+        + struct.pack("<I", 2)
+        + struct.pack("<Q", 2)
+        + b"xy"
+        + struct.pack("<Q", ABSENT)
+    )
+    assert MEDIA_TYPE == "application/vnd.prompt-cache.frames"
+
+
+def test_header_may_hold_unicode() -> None:
+    header, _ = decode_frames(encode({"tenant": "équipe-東京"}, []))
+    assert header == {"tenant": "équipe-東京"}
+
+
+@given(
+    header=st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=8), max_size=4),
+    payloads=st.lists(st.none() | st.binary(max_size=64), max_size=8),
+)
+def test_round_trip_property(header: dict[str, object], payloads: list[bytes | None]) -> None:
+    decoded_header, decoded = decode_frames(encode(header, payloads))
+    assert decoded_header == header
+    assert as_bytes(decoded) == payloads
+
+
+# -- defects ---------------------------------------------------------------------------------
+
+GOOD = encode({"model": "m"}, [b"payload-one", None, b"", b"payload-two"])
+
+
+@pytest.mark.parametrize("length", range(len(GOOD)))
+def test_every_truncation_raises_malformed_body(length: int) -> None:
+    with pytest.raises(MalformedBody):
+        decode_frames(GOOD[:length])
+
+
+@pytest.mark.parametrize("extra", [b"\0", b"garbage", struct.pack("<Q", 0)])
+def test_bytes_after_the_last_frame_raise_malformed_body(extra: bytes) -> None:
+    with pytest.raises(MalformedBody, match="after the last frame"):
+        decode_frames(GOOD + extra)
+
+
+def _body(head: bytes, tail: bytes = struct.pack("<I", 0)) -> bytes:
+    return MAGIC + struct.pack("<I", len(head)) + head + tail
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(b"", id="empty"),
+        pytest.param(b"PCF", id="short-magic"),
+        pytest.param(b"PCF2" + GOOD[4:], id="wrong-magic"),
+        pytest.param(b"pcf1" + GOOD[4:], id="lowercase-magic"),
+        pytest.param(MAGIC + struct.pack("<I", 2**32 - 1) + b"{}", id="header-length-too-big"),
+        pytest.param(_body(b"{not json"), id="header-not-json"),
+        pytest.param(_body(b"\xff\xfe\xfd"), id="header-not-utf8"),
+        pytest.param(_body(b"[1, 2]"), id="header-array"),
+        pytest.param(_body(b'"text"'), id="header-string"),
+        pytest.param(_body(b"null"), id="header-null"),
+        pytest.param(_body(b""), id="header-empty"),
+        pytest.param(_body(b"{}", struct.pack("<I", 1)), id="count-without-frames"),
+        pytest.param(_body(b"{}", struct.pack("<I", 2**32 - 1)), id="huge-count"),
+        pytest.param(
+            _body(b"{}", struct.pack("<I", 1) + struct.pack("<Q", 10) + b"short"),
+            id="frame-shorter-than-length",
+        ),
+        pytest.param(
+            _body(b"{}", struct.pack("<I", 1) + struct.pack("<Q", ABSENT - 1)),
+            id="frame-length-near-2**64",
+        ),
+        pytest.param(
+            _body(b"{}", struct.pack("<I", 1) + struct.pack("<Q", 0) + struct.pack("<Q", 0)),
+            id="more-frames-than-count",
+        ),
+        pytest.param(_body(b"{}", b"\0\0"), id="count-truncated"),
+    ],
+)
+def test_garbage_raises_malformed_body(body: bytes) -> None:
+    with pytest.raises(MalformedBody):
+        decode_frames(body)
+
+
+def test_deeply_nested_header_raises_malformed_body_not_recursion_error() -> None:
+    head = b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(MalformedBody):
+        decode_frames(_body(head))
+
+
+@given(garbage=st.binary(max_size=64))
+def test_random_bytes_either_decode_or_raise_malformed_body(garbage: bytes) -> None:
+    for body in (garbage, MAGIC + garbage):
+        with contextlib.suppress(MalformedBody):
+            decode_frames(body)
+
+
+def test_malformed_body_is_a_400_request_error() -> None:
+    error = MalformedBody("x")
+    assert isinstance(error, RequestError)
+    assert error.status == 400
