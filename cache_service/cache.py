@@ -156,29 +156,84 @@ class PrefixCache:
         size = self.block_size_for(namespace.model, block_size)
         token_bytes = _as_bytes(tokens)
         links = self.hasher.chain(namespace, token_bytes, block_size=size)
-        now = self.clock()
-        namespace_id = self.hasher.namespace_id(namespace)
-        result = self.store.match(namespace_id, links, now=now, with_payloads=with_payloads)
-        found = PrefixMatch(
+        found = self._match_links(
+            namespace,
+            links,
             block_size=size,
             prompt_tokens=len(token_bytes) // 4,
+            retention=retention_class,
+            with_payloads=with_payloads,
+        )
+        if touch and found.keys:
+            self.touch(found.keys, at=self.clock(), retention=retention_class, ttl_seconds=ttl)
+        return found
+
+    def _match_links(
+        self,
+        namespace: Namespace,
+        links: Sequence[ChainLink],
+        *,
+        block_size: int,
+        prompt_tokens: int,
+        retention: str,
+        with_payloads: bool = False,
+    ) -> PrefixMatch:
+        namespace_id = self.hasher.namespace_id(namespace)
+        result = self.store.match(
+            namespace_id, links, now=self.clock(), with_payloads=with_payloads
+        )
+        found = PrefixMatch(
+            block_size=block_size,
+            prompt_tokens=prompt_tokens,
             keys=tuple(link.key for link in links[: result.matched]),
             payloads=result.payloads,
-            retention=retention_class,
+            retention=retention,
         )
         if result.collisions:
             self.events.on_collision(result.collisions)
         if result.corrupt:
             self.events.on_corrupt(result.corrupt)
         self.events.on_lookup(
-            retention=retention_class,
+            retention=retention,
             hit_tokens=found.cached_tokens,
             miss_tokens=found.miss_tokens,
             complete=result.matched == len(links),
         )
-        if touch and found.keys:
-            self.touch(found.keys, at=now, retention=retention_class, ttl_seconds=ttl)
         return found
+
+    def lookup_and_fill(
+        self,
+        namespace: Namespace,
+        tokens: TokenInput,
+        *,
+        retention: str | None = None,
+        payload: bytes = b"",
+    ) -> tuple[PrefixMatch, InsertOutcome]:
+        """Serve one request as a worker would: look up, store the blocks that missed (each
+        with `payload`), then mark the hit prefix used, so the head is the most recent."""
+        retention_class, ttl = self.resolve_retention(retention)
+        size = self.block_size_for(namespace.model)
+        token_bytes = _as_bytes(tokens)
+        links = self.hasher.chain(namespace, token_bytes, block_size=size)
+        with self.store.batch():  # one transaction: a replay commits once per request
+            found = self._match_links(
+                namespace,
+                links,
+                block_size=size,
+                prompt_tokens=len(token_bytes) // 4,
+                retention=retention_class,
+            )
+            outcome = self._store_links(
+                namespace,
+                links,
+                [payload] * (len(links) - found.matched_blocks),
+                start_block=found.matched_blocks,
+                retention=retention_class,
+                ttl_seconds=ttl,
+            )
+            if found.keys:
+                self.touch(found.keys, at=self.clock(), retention=retention_class, ttl_seconds=ttl)
+        return found, outcome
 
     def touch(
         self, keys: Sequence[BlockKey], *, at: float, retention: str, ttl_seconds: float
@@ -227,6 +282,25 @@ class PrefixCache:
         """Store blocks start_block.. of a prompt; their parent must be stored or sent."""
         retention_class, ttl = self.resolve_retention(retention)
         links = self.chain(namespace, tokens, block_size=block_size)
+        return self._store_links(
+            namespace,
+            links,
+            payloads,
+            start_block=start_block,
+            retention=retention_class,
+            ttl_seconds=ttl,
+        )
+
+    def _store_links(
+        self,
+        namespace: Namespace,
+        links: Sequence[ChainLink],
+        payloads: Sequence[bytes | memoryview],
+        *,
+        start_block: int,
+        retention: str,
+        ttl_seconds: float,
+    ) -> InsertOutcome:
         if start_block < 0 or start_block > len(links):
             raise InvalidField(
                 "start_block", f"must be between 0 and {len(links)} (the prompt's full blocks)"
@@ -238,6 +312,8 @@ class PrefixCache:
                 f"{len(links)} full blocks",
             )
         blocks = [NewBlock(links[start_block + i], p) for i, p in enumerate(payloads)]
+        if not blocks:
+            return InsertOutcome((), 0, 0, 0, 0, 0, 0)
         fitting = self._fit(blocks, start_block)
         keys = tuple(block.link.key for block in blocks)
         if blocks and not fitting:
@@ -258,8 +334,8 @@ class PrefixCache:
                     fitting,
                     parent=parent,
                     now=now,
-                    retention=retention_class,
-                    ttl_seconds=ttl,
+                    retention=retention,
+                    ttl_seconds=ttl_seconds,
                 )
                 break
             except StoreFull:
@@ -286,7 +362,7 @@ class PrefixCache:
     def _estimate(self, block: NewBlock) -> int:
         return self.store.estimate_bytes(len(block.payload), len(block.link.tokens))
 
-    def _fit(self, blocks: list[NewBlock], start_block: int) -> list[NewBlock]:
+    def _fit(self, blocks: Sequence[NewBlock], start_block: int) -> Sequence[NewBlock]:
         """The longest head of `blocks` that the whole cache could hold."""
         if self.capacity_blocks is not None:
             return blocks[: max(self.capacity_blocks - start_block, 0)]

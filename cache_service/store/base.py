@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 from cache_service.blocks import (
@@ -78,6 +79,10 @@ class BlockStore(Protocol):
 
     def usage(self) -> StoreUsage:
         """Blocks, payload bytes and the space the backend really uses."""
+        ...
+
+    def batch(self) -> AbstractContextManager[None]:
+        """Group this thread's calls into one transaction (all or nothing)."""
         ...
 
     def estimate_bytes(self, payload_size: int, token_bytes: int) -> int:

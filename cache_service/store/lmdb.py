@@ -46,6 +46,7 @@ class _LmdbTxn:
         self._store = store
         self._txn = txn
         self._dbs = store.dbs
+        self._payload_delta = 0
 
     def get(self, key: BlockKey) -> BlockMeta | None:
         record = self._txn.get(key, db=self._dbs["blocks"])
@@ -105,8 +106,15 @@ class _LmdbTxn:
         return first
 
     def add_payload_bytes(self, delta: int) -> None:
-        total = self._counter(_PAYLOAD_BYTES, _I64) + delta
-        self._txn.put(_PAYLOAD_BYTES, _I64.pack(total), db=self._dbs["meta"])
+        # Summed here and written once before commit: one counter write per transaction.
+        self._payload_delta += delta
+
+    def flush(self) -> None:
+        """Write the counters this transaction changed."""
+        if self._payload_delta:
+            total = self._counter(_PAYLOAD_BYTES, _I64) + self._payload_delta
+            self._txn.put(_PAYLOAD_BYTES, _I64.pack(total), db=self._dbs["meta"])
+            self._payload_delta = 0
 
     def usage(self) -> StoreUsage:
         pages = 2  # the two LMDB meta pages
@@ -118,7 +126,7 @@ class _LmdbTxn:
         blocks = int(self._txn.stat(self._dbs["blocks"])["entries"])
         return StoreUsage(
             blocks=blocks,
-            payload_bytes=self._counter(_PAYLOAD_BYTES, _I64),
+            payload_bytes=self._counter(_PAYLOAD_BYTES, _I64) + self._payload_delta,
             used_bytes=pages * psize,
         )
 
@@ -170,15 +178,17 @@ class LmdbStore(TxnStore):
         self._psize = int(self.env.stat()["psize"])
 
     @contextmanager
-    def _read(self) -> Iterator[_LmdbTxn]:
+    def _begin_read(self) -> Iterator[_LmdbTxn]:
         with self.env.begin(buffers=True) as txn:
             yield _LmdbTxn(self, txn)
 
     @contextmanager
-    def _write(self) -> Iterator[_LmdbTxn]:
+    def _begin_write(self) -> Iterator[_LmdbTxn]:
         try:
             with self.env.begin(write=True, buffers=True) as txn:
-                yield _LmdbTxn(self, txn)
+                wrapped = _LmdbTxn(self, txn)
+                yield wrapped
+                wrapped.flush()
         except lmdb.MapFullError as exc:
             raise StoreFull("the LMDB map is full") from exc
 

@@ -106,11 +106,11 @@ class MemoryStore(TxnStore):
         self._lock = threading.RLock()
 
     @contextmanager
-    def _read(self) -> Iterator[_MemoryTxn]:
+    def _begin_read(self) -> Iterator[_MemoryTxn]:
         with self._lock:
             yield _MemoryTxn(self)
 
-    _write = _read
+    _begin_write = _begin_read
 
     def estimate_bytes(self, payload_size: int, token_bytes: int) -> int:
         """The space one block takes here."""

@@ -10,9 +10,9 @@ Invariants every operation keeps:
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import replace
+from contextlib import AbstractContextManager, contextmanager
 
 import xxhash
 
@@ -32,7 +32,9 @@ from cache_service.errors import MissingParent
 from cache_service.eviction import EvictionPolicy, LruPolicy
 from cache_service.store.base import EXPIRY, VICTIMS, BlockTxn
 
-SCAN_BATCH = 32
+SCAN_FIRST = 4  # most scans need one entry: start small, widen when entries are skipped
+SCAN_MOST = 1024
+_Indexed = tuple[bytes | None, float]  # (victims sort key if a leaf, expires_at)
 
 
 def checksum(payload: bytes | memoryview) -> int:
@@ -50,30 +52,72 @@ class TxnStore:
 
     def __init__(self, *, policy: EvictionPolicy | None = None) -> None:
         self.policy: EvictionPolicy = policy or LruPolicy()
+        self._batch = threading.local()
 
-    def _read(self) -> AbstractContextManager[BlockTxn]:
+    def _begin_read(self) -> AbstractContextManager[BlockTxn]:
         raise NotImplementedError
 
-    def _write(self) -> AbstractContextManager[BlockTxn]:
+    def _begin_write(self) -> AbstractContextManager[BlockTxn]:
         raise NotImplementedError
+
+    @contextmanager
+    def _read(self) -> Iterator[BlockTxn]:
+        batch: BlockTxn | None = getattr(self._batch, "txn", None)
+        if batch is not None:
+            yield batch
+            return
+        with self._begin_read() as txn:
+            yield txn
+
+    @contextmanager
+    def _write(self) -> Iterator[BlockTxn]:
+        batch: BlockTxn | None = getattr(self._batch, "txn", None)
+        if batch is not None:
+            yield batch
+            return
+        with self._begin_write() as txn:
+            yield txn
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Run this thread's store calls inside one write transaction (one commit).
+
+        All or nothing: an error anywhere aborts every call in the batch. Meant for the
+        replay, whose store is private; a server keeps its transactions short instead.
+        """
+        if getattr(self._batch, "txn", None) is not None:
+            yield
+            return
+        with self._begin_write() as txn:
+            self._batch.txn = txn
+            try:
+                yield
+            finally:
+                self._batch.txn = None
 
     # -- index upkeep -------------------------------------------------------------------------
 
     def _victim_key(self, meta: BlockMeta) -> bytes:
         return struct.pack(">Q", self.policy.priority(meta))
 
-    def _save(self, txn: BlockTxn, old: BlockMeta | None, new: BlockMeta) -> None:
-        """Write `new`, keeping the victims and expiry indexes in step with `old`."""
-        if old is not None:
-            if old.children == 0:
-                txn.index_remove(VICTIMS, self._victim_key(old), old.key)
-            if old.expires_at != new.expires_at:
-                txn.index_remove(EXPIRY, expiry_sort_key(old.expires_at), old.key)
-        if new.children == 0:
-            txn.index_add(VICTIMS, self._victim_key(new), new.key)
-        if old is None or old.expires_at != new.expires_at:
-            txn.index_add(EXPIRY, expiry_sort_key(new.expires_at), new.key)
-        txn.put(new)
+    def _indexed(self, meta: BlockMeta) -> _Indexed:
+        """Where a block stands in the indexes now; taken before changing it."""
+        return (self._victim_key(meta) if meta.children == 0 else None, meta.expires_at)
+
+    def _save(self, txn: BlockTxn, meta: BlockMeta, before: _Indexed | None) -> None:
+        """Write `meta`, moving its index entries from where `before` says they were."""
+        victim, expires_at = before if before is not None else (None, None)
+        new_victim = self._victim_key(meta) if meta.children == 0 else None
+        if victim != new_victim:
+            if victim is not None:
+                txn.index_remove(VICTIMS, victim, meta.key)
+            if new_victim is not None:
+                txn.index_add(VICTIMS, new_victim, meta.key)
+        if expires_at != meta.expires_at:
+            if expires_at is not None:
+                txn.index_remove(EXPIRY, expiry_sort_key(expires_at), meta.key)
+            txn.index_add(EXPIRY, expiry_sort_key(meta.expires_at), meta.key)
+        txn.put(meta)
 
     def _drop(self, txn: BlockTxn, meta: BlockMeta) -> bool:
         """Delete a leaf block; True when that made its parent a leaf."""
@@ -86,8 +130,10 @@ class TxnStore:
         parent = txn.get(meta.parent)
         if parent is None:
             return False
-        self._save(txn, parent, replace(parent, children=max(parent.children - 1, 0)))
-        return parent.children <= 1
+        before = self._indexed(parent)
+        parent.children = max(parent.children - 1, 0)
+        self._save(txn, parent, before)
+        return parent.children == 0
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -204,15 +250,12 @@ class TxnStore:
                 if old is not None and old.is_alive(now):
                     conflicts += sum_ != old.checksum or len(block.payload) != old.payload_size
                     refreshed += 1
-                    later, later_class = _later_expiry(old, expires_at, retention)
-                    new = replace(
-                        old,
-                        last_used_at=max(old.last_used_at, now),
-                        lru_seq=seq,
-                        expires_at=later,
-                        retention=later_class,
-                    )
-                    self._save(txn, old, new)
+                    before = self._indexed(old)
+                    old.last_used_at = max(old.last_used_at, now)
+                    old.lru_seq = seq
+                    old.expires_at, old.retention = _later_expiry(old, expires_at, retention)
+                    self._save(txn, old, before)
+                    new = old
                 else:
                     new = BlockMeta(
                         key=link.key,
@@ -231,7 +274,7 @@ class TxnStore:
                     )
                     txn.put_payload(link.key, block.payload)
                     txn.add_payload_bytes(new.payload_size - (old.payload_size if old else 0))
-                    self._save(txn, old, new)
+                    self._save(txn, new, self._indexed(old) if old is not None else None)
                     if old is None and link.depth > 0:
                         self._add_child(txn, link.parent)
                     stored.append(link.key)
@@ -245,7 +288,9 @@ class TxnStore:
     def _add_child(self, txn: BlockTxn, parent_key: BlockKey) -> None:
         parent = txn.get(parent_key)
         if parent is not None:
-            self._save(txn, parent, replace(parent, children=parent.children + 1))
+            before = self._indexed(parent)
+            parent.children += 1
+            self._save(txn, parent, before)
 
     def _extend_ancestors(
         self, txn: BlockTxn, link: ChainLink, expires_at: float, retention: str
@@ -256,7 +301,9 @@ class TxnStore:
             meta = txn.get(key)
             if meta is None or meta.expires_at >= expires_at:
                 return
-            self._save(txn, meta, replace(meta, expires_at=expires_at, retention=retention))
+            before = self._indexed(meta)
+            meta.expires_at, meta.retention = expires_at, retention
+            self._save(txn, meta, before)
             key, depth = meta.parent, meta.depth - 1
 
     def touch(self, touches: Sequence[Touch]) -> None:
@@ -276,16 +323,12 @@ class TxnStore:
                 first_seq = txn.next_seq(len(present))
                 expires_at = hit.at + hit.ttl_seconds
                 for index, meta in enumerate(present):
-                    later, later_class = _later_expiry(meta, expires_at, hit.retention)
-                    new = replace(
-                        meta,
-                        last_used_at=max(meta.last_used_at, hit.at),
-                        lru_seq=first_seq + len(present) - 1 - index,
-                        hits=meta.hits + 1,
-                        expires_at=later,
-                        retention=later_class,
-                    )
-                    self._save(txn, meta, new)
+                    before = self._indexed(meta)
+                    meta.last_used_at = max(meta.last_used_at, hit.at)
+                    meta.lru_seq = first_seq + len(present) - 1 - index
+                    meta.hits += 1
+                    meta.expires_at, meta.retention = _later_expiry(meta, expires_at, hit.retention)
+                    self._save(txn, meta, before)
 
     def evict(
         self,
@@ -300,16 +343,16 @@ class TxnStore:
         """Remove leaf blocks, expired first, then in policy order, until a target is met."""
         evicted: list[Evicted] = []
         with self._write() as txn:
+            # Each eviction removes exactly one block: a block target is a count, known now.
+            if target_blocks is not None:
+                max_blocks = min(max_blocks, max(txn.usage().blocks - target_blocks, 0))
 
             def satisfied() -> bool:
                 if len(evicted) >= max_blocks:
                     return True
-                if target_used_bytes is None and target_blocks is None:
+                if target_used_bytes is None:
                     return False
-                usage = txn.usage()
-                if target_used_bytes is not None and usage.used_bytes <= target_used_bytes:
-                    return True
-                return target_blocks is not None and usage.blocks <= target_blocks
+                return txn.usage().used_bytes <= target_used_bytes
 
             for index, upto, reason in (
                 (EXPIRY, expiry_sort_key(now), "expired"),
@@ -359,8 +402,9 @@ class TxnStore:
     ) -> Iterator[BlockMeta]:
         """Leaf blocks from the front of an index; rescans after each batch it yields from."""
         after: bytes | None = None
+        limit = SCAN_FIRST
         while True:
-            entries = list(txn.index_scan(index, after=after, upto=upto, limit=SCAN_BATCH))
+            entries = list(txn.index_scan(index, after=after, upto=upto, limit=limit))
             found = False
             for _, key in entries:
                 meta = txn.get(key)
@@ -368,9 +412,10 @@ class TxnStore:
                     continue
                 found = True
                 yield meta
-            if found or len(entries) < SCAN_BATCH:
+            if found or len(entries) < limit:
                 return
             after = entries[-1][0] + entries[-1][1]
+            limit = min(limit * 4, SCAN_MOST)
 
 
 def _later_expiry(meta: BlockMeta, expires_at: float, retention: str) -> tuple[float, str]:
