@@ -34,6 +34,7 @@ TokenInput = bytes | Sequence[int]
 DEFAULT_BLOCK_SIZE = 64
 EVICT_BATCH_BLOCKS = 1024  # blocks per eviction transaction: keeps the write lock short
 STORE_FULL_RETRIES = 3
+MAX_PENDING_TOUCHES = 100_000  # lookups whose refresh waits; past this the oldest are dropped
 
 
 class CacheEvents:
@@ -69,6 +70,7 @@ class InsertOutcome:
     conflicts: int  # of those, how many had different payload bytes
     truncated: int  # blocks not stored because the request is larger than the cache
     collisions: int  # blocks refused because another block holds their key
+    prefix_touched: bool = False  # the stored blocks' ancestors were marked used
 
 
 class PrefixCache:
@@ -231,7 +233,7 @@ class PrefixCache:
                 retention=retention_class,
                 ttl_seconds=ttl,
             )
-            if found.keys:
+            if found.keys and not outcome.prefix_touched:
                 self.touch(found.keys, at=self.clock(), retention=retention_class, ttl_seconds=ttl)
         return found, outcome
 
@@ -245,13 +247,22 @@ class PrefixCache:
             return
         with self._pending_lock:
             self._pending.append(hit)
+            if len(self._pending) > MAX_PENDING_TOUCHES:
+                del self._pending[0]
 
     def flush_touches(self) -> int:
         """Apply deferred touches in one write; returns how many lookups were applied."""
         with self._pending_lock:
             pending, self._pending = self._pending, []
-        if pending:
+        if not pending:
+            return 0
+        try:
             self.store.touch(pending)
+        except Exception:
+            with self._pending_lock:  # keep them for the next flush, within a bound
+                self._pending[:0] = pending[-MAX_PENDING_TOUCHES:]
+                del self._pending[MAX_PENDING_TOUCHES:]
+            raise
         return len(pending)
 
     @property
@@ -343,7 +354,10 @@ class PrefixCache:
                     break
         if result is None:
             raise InsufficientStorage("the store is full and nothing in it can be evicted")
-        kept = set(result.stored) - {e.key for e in self.enforce_capacity(set(result.stored))}
+        evicted = {e.key for e in self.enforce_capacity(set(result.stored))}
+        kept = set(result.stored) - evicted
+        # The request's own blocks go only when they alone overflow the cache: truncated too.
+        own_evicted = len(result.stored) - len(kept)
         if result.collisions:
             self.events.on_collision(result.collisions)
         self.events.on_insert(
@@ -355,8 +369,9 @@ class PrefixCache:
             stored=len(kept),
             refreshed=result.refreshed,
             conflicts=result.conflicts,
-            truncated=len(blocks) - len(fitting),
+            truncated=len(blocks) - len(fitting) + own_evicted,
             collisions=result.collisions,
+            prefix_touched=result.prefix_touched,
         )
 
     def _estimate(self, block: NewBlock) -> int:
@@ -368,7 +383,7 @@ class PrefixCache:
             return blocks[: max(self.capacity_blocks - start_block, 0)]
         if self.capacity_bytes is None:
             return blocks
-        total = 0
+        total = self.store.reserved_bytes()
         for count, block in enumerate(blocks):
             total += self._estimate(block)
             if total > self.capacity_bytes:

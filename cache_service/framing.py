@@ -47,6 +47,15 @@ def join_frames(chunks: Iterable[bytes | memoryview]) -> bytes:
     return b"".join(chunks)
 
 
+def frame_header_length(body: bytes | memoryview) -> int:
+    """The length of a frame body's JSON header; 0 when the body cannot hold what it declares
+    (`decode_frames` then says what is malformed)."""
+    if len(body) < 8:
+        return 0
+    declared = int(_U32.unpack_from(body, 4)[0])
+    return declared if 8 + declared <= len(body) else 0
+
+
 def decode_frames(body: bytes | memoryview) -> tuple[dict[str, Any], list[memoryview | None]]:
     """Parse a frame body into its header and payload views; MalformedBody on any defect."""
     view = memoryview(body)
@@ -58,7 +67,7 @@ def decode_frames(body: bytes | memoryview) -> tuple[dict[str, Any], list[memory
         raise MalformedBody("the body ends inside the frame header")
     try:
         header = json.loads(bytes(view[8:offset]))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # also integers of more than 4,300 digits
         raise MalformedBody(f"the frame header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
         raise MalformedBody("the frame header must be a JSON object")

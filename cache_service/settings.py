@@ -52,7 +52,9 @@ class Settings(BaseSettings):
     seed: str = Field(DEFAULT_SEED, description="Hash seed; every worker of a fleet must share it.")
     lmdb_sync: str = Field("full", description="LMDB durability: full, nometasync or nosync.")
     max_body_size: int = Field(512 * 2**20, gt=0, description="Largest request body in bytes.")
-    max_blocks_per_request: int = Field(8192, gt=0, description="Most payloads in one store.")
+    max_blocks_per_request: int = Field(
+        8192, gt=0, description="Most payloads in one store, or keys in one fetch."
+    )
     max_tokens_per_request: int = Field(1 << 20, gt=0, description="Most tokens in a request.")
     sweep_interval: float = Field(30.0, gt=0, description="Seconds between expiry sweeps.")
     touch_flush_interval: float = Field(

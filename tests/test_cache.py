@@ -634,3 +634,22 @@ def test_capacity_in_blocks_filled_by_the_prefix_stores_nothing_more(
     outcome = cache.insert(namespace, prompt, [b"c"], start_block=2)
     assert (outcome.stored, outcome.truncated) == (0, 1)
     assert cache.match_prefix(namespace, prompt).matched_blocks == 2
+
+
+def test_storing_from_start_block_marks_the_prefix_used(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    cache = PrefixCache(store, clock=clock, default_block_size=2, capacity_blocks=6)
+    namespace = Namespace("m")
+    p = [1, 2, 3, 4, 5, 6, 7, 8]
+    q = [9, 10, 11, 12]
+    cache.insert(namespace, p[:4], [b"p0", b"p1"])
+    clock.advance(1)
+    cache.insert(namespace, q, [b"q0", b"q1"])
+    clock.advance(1)
+    # Continuing P uses its first two blocks: Q is now the least recently used prefix.
+    cache.insert(namespace, p[:8], [b"p2", b"p3"], start_block=2)
+    clock.advance(1)
+    cache.insert(namespace, [20, 21], [b"r0"])
+    assert cache.match_prefix(namespace, p, touch=False).matched_blocks == 4
+    assert cache.match_prefix(namespace, q, touch=False).matched_blocks == 1

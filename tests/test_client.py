@@ -14,7 +14,7 @@ import pytest
 
 from cache_service.blocks import BlockKey
 from cache_service.client import AsyncCacheClient, CacheClient, Match, StoreResult, Usage
-from cache_service.errors import ServiceError, ServiceUnavailable
+from cache_service.errors import InvalidField, ServiceError, ServiceUnavailable
 from cache_service.framing import MEDIA_TYPE, decode_frames, encode_frames, join_frames
 
 BASE_URL = "http://cache.test"
@@ -253,10 +253,12 @@ def test_an_unparseable_2xx_answer_raises_a_502_service_error(
     assert not isinstance(caught.value, ServiceUnavailable)
 
 
-@pytest.mark.parametrize("tokens", [[1, -1], [2**32], [1.5]], ids=["negative", "big", "float"])
+@pytest.mark.parametrize(
+    "tokens", [[1, -1], [2**32], [1.5], [True]], ids=["negative", "big", "float", "bool"]
+)
 def test_lookup_refuses_bad_token_ids_before_sending(connect: Any, tokens: list[Any]) -> None:
     service = Service(answer_json(LOOKUP_ANSWER))
-    with pytest.raises((ValueError, TypeError)):
+    with pytest.raises(InvalidField):
         connect(service, fail_open=True).lookup("llama", tokens)
     assert service.requests == []
 
@@ -325,7 +327,7 @@ def test_get_blocks_without_keys_sends_nothing(connect: Any) -> None:
 @pytest.mark.parametrize("key", ["abc", "zz" * 16, BlockKey(b"short")], ids=repr)
 def test_get_blocks_refuses_a_malformed_key_before_sending(connect: Any, key: Any) -> None:
     service = Service(unreachable)
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidField):
         connect(service, fail_open=True).get_blocks("llama", [KEY_A, key])
     assert service.requests == []
 

@@ -33,12 +33,11 @@ cached prefix of a prompt, fetch its KV payloads, and store the blocks they comp
 
 
 class RequestTimer:
-    """ASGI middleware: request latency by route template (unknown paths count as 'other')."""
+    """ASGI middleware: request latency by route template (unmatched paths count as 'other')."""
 
-    def __init__(self, app: ASGIApp, *, metrics: CacheMetrics, paths: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, *, metrics: CacheMetrics) -> None:
         self.app = app
         self.metrics = metrics
-        self.paths = paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Time one request."""
@@ -49,7 +48,8 @@ class RequestTimer:
         try:
             await self.app(scope, receive, send)
         finally:
-            route = scope["path"] if scope["path"] in self.paths else "other"
+            # The router leaves the matched route in the scope: its template is a bounded label.
+            route = getattr(scope.get("route"), "path", None) or "other"
             self.metrics.request_duration.labels(route=route).observe(time.perf_counter() - started)
 
 
@@ -146,6 +146,5 @@ def create_app(
     app.include_router(router)
     install_problem_handlers(app)
     install_openapi(app)
-    paths = frozenset(getattr(route, "path", "") for route in app.routes)
-    app.add_middleware(RequestTimer, metrics=metrics, paths=paths)
+    app.add_middleware(RequestTimer, metrics=metrics)
     return app

@@ -18,6 +18,11 @@ from cache_service.errors import (
 Model = TypeVar("Model", bound=BaseModel)
 MAX_REPORTED_ERRORS = 20
 JSON = "application/json"
+INLINE_BODY_BYTES = 256 * 1024  # larger bodies are parsed and hashed in a worker thread
+# A token in JSON takes at most 10 digits, a comma and some white space; with room for the
+# other fields, a body larger than this cannot be within the token limit: refuse it unparsed.
+JSON_BYTES_PER_TOKEN = 24
+JSON_FIELDS_ALLOWANCE_BYTES = 64 * 1024
 
 
 def media_type(request: Request) -> str:
@@ -114,6 +119,20 @@ def parse_object(model: type[Model], data: dict[str, Any]) -> Model:
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_problem(exc.errors(include_url=False)) from None
+
+
+def check_token_room(json_bytes: int, max_tokens: int) -> None:
+    """PayloadTooLarge, before parsing, for JSON too long to hold at most `max_tokens` tokens."""
+    bound = max_tokens * JSON_BYTES_PER_TOKEN + JSON_FIELDS_ALLOWANCE_BYTES
+    if json_bytes > bound:
+        raise PayloadTooLarge(
+            f"tokens: {json_bytes} bytes of JSON are more than {max_tokens} tokens can take "
+            f"({JSON_BYTES_PER_TOKEN} bytes each plus {JSON_FIELDS_ALLOWANCE_BYTES}; "
+            "max_tokens_per_request)",
+            field="tokens",
+            limit="max_tokens_per_request",
+            limit_value=max_tokens,
+        )
 
 
 def check_count(field: str, count: int, limit: int, setting: str) -> None:

@@ -62,12 +62,12 @@ def responses(success: dict[str, Any], *errors: int) -> dict[int | str, dict[str
     """The `responses` of a route: its 200 media types and its problem+json errors."""
     content: dict[str, Any] = {}
     for media, what in success.items():
-        if isinstance(what, str) and media != MEDIA_TYPE:
-            content[media] = {"schema": _ref(what)}
-        elif isinstance(what, str):
-            content[media] = {"schema": {"type": "string", "format": "binary"}}
+        name = what if isinstance(what, str) else what.__name__
+        if media == MEDIA_TYPE:  # frames: binary, with the JSON header's model named
+            schema = {"type": "string", "format": "binary", "contentMediaType": MEDIA_TYPE}
+            content[media] = {"schema": schema, "x-frame-header": _ref(name)}
         else:
-            content[media] = {"schema": _ref(what.__name__)}
+            content[media] = {"schema": _ref(name)}
     out: dict[int | str, dict[str, Any]] = {200: {"description": "Success", "content": content}}
     for status in errors:
         out[status] = {

@@ -12,8 +12,11 @@ from starlette.responses import JSONResponse, Response
 
 from cache_service import __version__
 from cache_service.api.bodies import (
+    INLINE_BODY_BYTES,
     JSON,
     check_count,
+    check_token_room,
+    parse_json,
     parse_object,
     read_body,
     read_json,
@@ -23,8 +26,14 @@ from cache_service.api.openapi import binary_body, json_body, responses
 from cache_service.api.schemas import FetchRequest, LookupRequest, LookupResponse, StoreHeader
 from cache_service.api.state import ServiceState, service_state
 from cache_service.blocks import KEY_BYTES, Namespace, PrefixMatch, key_from_hex, key_hex
-from cache_service.errors import InvalidField, PromptCacheError
-from cache_service.framing import MEDIA_TYPE, decode_frames, encode_frames, join_frames
+from cache_service.errors import InvalidField
+from cache_service.framing import (
+    MEDIA_TYPE,
+    decode_frames,
+    encode_frames,
+    frame_header_length,
+    join_frames,
+)
 from cache_service.hashing import HASH_SCHEME, HASH_VERSION
 
 router = APIRouter()
@@ -57,7 +66,7 @@ def lookup_answer(model: str, found: PrefixMatch) -> dict[str, Any]:
     summary="Longest cached prefix of a prompt",
     openapi_extra=json_body("LookupRequest"),
     responses=responses(
-        {JSON: LookupResponse, MEDIA_TYPE: "with fetch=true: frames, header = the JSON answer"},
+        {JSON: LookupResponse, MEDIA_TYPE: LookupResponse},
         400,
         413,
         415,
@@ -67,19 +76,31 @@ def lookup_answer(model: str, found: PrefixMatch) -> dict[str, Any]:
 async def lookup(request: Request) -> Response:
     """Find the longest stored, verified prefix; optionally return its payloads too."""
     state = service_state(request)
-    body = await read_json(request, LookupRequest, limit_bytes=state.settings.max_body_size)
+    require_media_type(request, JSON)
+    raw = await read_body(request, limit_bytes=state.settings.max_body_size)
+    check_token_room(len(raw), state.settings.max_tokens_per_request)
+    if len(raw) >= INLINE_BODY_BYTES:
+        return await run_in_threadpool(_lookup, state, parse_json(LookupRequest, raw))
+    body = parse_json(LookupRequest, raw)
+    if body.fetch:  # copies payloads: never on the event loop
+        return await run_in_threadpool(_lookup, state, body)
+    return _lookup(state, body)
+
+
+def _lookup(state: ServiceState, body: LookupRequest) -> Response:
     limit = state.settings.max_tokens_per_request
     check_count("tokens", len(body.tokens), limit, "max_tokens_per_request")
-    namespace = _namespace(body)
-    options: dict[str, Any] = {"retention": body.retention, "block_size": body.block_size}
-    if not body.fetch:
-        found = state.cache.match_prefix(namespace, body.tokens, **options)
-        return JSONResponse(lookup_answer(body.model, found))
-    found = await run_in_threadpool(
-        lambda: state.cache.match_prefix(namespace, body.tokens, with_payloads=True, **options)
+    found = state.cache.match_prefix(
+        _namespace(body),
+        body.tokens,
+        retention=body.retention,
+        block_size=body.block_size,
+        with_payloads=body.fetch,
     )
-    chunks = encode_frames(lookup_answer(body.model, found), found.payloads or ())
-    return Response(join_frames(chunks), media_type=MEDIA_TYPE)
+    answer = lookup_answer(body.model, found)
+    if not body.fetch:
+        return JSONResponse(answer)
+    return Response(join_frames(encode_frames(answer, found.payloads or ())), media_type=MEDIA_TYPE)
 
 
 @router.post(
@@ -93,6 +114,11 @@ async def store_blocks(request: Request) -> Response:
     state = service_state(request)
     require_media_type(request, MEDIA_TYPE)
     raw = await read_body(request, limit_bytes=state.settings.max_body_size)
+    check_token_room(frame_header_length(raw), state.settings.max_tokens_per_request)
+    return await run_in_threadpool(_store, state, raw)
+
+
+def _store(state: ServiceState, raw: bytes) -> Response:
     header, payloads = decode_frames(raw)
     body = parse_object(StoreHeader, header)
     settings = state.settings
@@ -105,15 +131,13 @@ async def store_blocks(request: Request) -> Response:
         if payload is None:
             raise InvalidField(f"frames[{index}]", "an absent frame cannot be stored")
         present.append(payload)
-    outcome = await run_in_threadpool(
-        lambda: state.cache.insert(
-            _namespace(body),
-            body.tokens,
-            present,
-            start_block=body.start_block,
-            retention=body.retention,
-            block_size=body.block_size,
-        )
+    outcome = state.cache.insert(
+        _namespace(body),
+        body.tokens,
+        present,
+        start_block=body.start_block,
+        retention=body.retention,
+        block_size=body.block_size,
     )
     return JSONResponse(
         {
@@ -135,7 +159,8 @@ async def store_blocks(request: Request) -> Response:
     "/v1/blocks/fetch",
     summary="Fetch payloads by key",
     openapi_extra=json_body("FetchRequest"),
-    responses=responses({MEDIA_TYPE: "frames, one per key; absent = gone"}, 400, 413, 415, 422),
+    response_class=Response,
+    responses=responses({MEDIA_TYPE: "FetchHeader"}, 400, 413, 415, 422),
 )
 async def fetch_blocks(request: Request) -> Response:
     """Payloads of blocks of the caller's namespace, checked against their checksums."""
@@ -212,13 +237,8 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz", summary="The store is open and answering")
 async def readyz(request: Request) -> Response:
     """Readiness: the store is open and a read succeeds."""
-    state: ServiceState | None = getattr(request.app.state, "service", None)
-    if state is None:
-        return JSONResponse({"status": "starting"}, status_code=503)
-    try:
-        await run_in_threadpool(state.cache.usage)
-    except PromptCacheError as exc:
-        return JSONResponse({"status": "unavailable", "detail": exc.detail}, status_code=503)
+    state = service_state(request)  # 503 problem while starting or stopping
+    await run_in_threadpool(state.cache.usage)  # a store error becomes a problem answer
     return JSONResponse({"status": "ready"})
 
 

@@ -25,7 +25,7 @@ from cache_service.client.answers import (
     _parse_store,
     _problem_error,
 )
-from cache_service.errors import ServiceError, ServiceUnavailable
+from cache_service.errors import InvalidField, ServiceError, ServiceUnavailable
 from cache_service.framing import MEDIA_TYPE, encode_frames, join_frames
 from cache_service.hashing import bytes_to_tokens, tokens_to_bytes
 
@@ -220,17 +220,25 @@ class _BaseCacheClient:
 
 
 def _token_ids(tokens: Sequence[int]) -> list[int]:
-    """Token ids as plain ints (the service is strict); ValueError for one outside uint32."""
-    return bytes_to_tokens(tokens_to_bytes(tokens))
+    """Token ids as plain ints (the service is strict); InvalidField for anything else."""
+    if any(isinstance(token, bool) for token in tokens):
+        raise InvalidField("tokens", "token ids are integers, not booleans")
+    try:
+        return bytes_to_tokens(tokens_to_bytes(tokens))
+    except (ValueError, TypeError) as exc:
+        raise InvalidField("tokens", f"token ids are integers in 0..2^32-1 ({exc})") from None
 
 
 def _key_text(key: BlockKey | str) -> str:
-    """A key as the API's 32 lowercase hex characters; ValueError if it is not a key."""
-    if isinstance(key, bytes):
-        if len(key) != KEY_BYTES:
-            raise ValueError(f"a block key is {KEY_BYTES} bytes, got {len(key)}")
-        return key_hex(key)
-    return key_hex(key_from_hex(key))
+    """A key as the API's 32 lowercase hex characters; InvalidField if it is not a key."""
+    try:
+        if isinstance(key, bytes):
+            if len(key) != KEY_BYTES:
+                raise ValueError(f"a block key is {KEY_BYTES} bytes, got {len(key)}")
+            return key_hex(key)
+        return key_hex(key_from_hex(key))
+    except (ValueError, TypeError) as exc:
+        raise InvalidField("keys", str(exc)) from None
 
 
 def _prompt_fields(

@@ -89,6 +89,10 @@ class BlockStore(Protocol):
         """The space one block of this size would take in this backend."""
         ...
 
+    def reserved_bytes(self) -> int:
+        """The space the backend takes before any block is counted (tables, headers)."""
+        ...
+
     def close(self) -> None:
         """Release the backend's resources."""
         ...

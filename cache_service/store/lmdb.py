@@ -1,10 +1,10 @@
-"""The LMDB store: block records, payloads and two ordered indexes in one environment.
+"""The LMDB store: block records, payloads, namespaces and two ordered indexes in one environment.
 
 Durability: every write is one short transaction; a caller is answered only after it commits.
-`writemap` stays off, so a full disk is an error on write, never a SIGBUS; with sync mode
-"full" a committed write survives power loss, with "nometasync" the last transaction may be
-lost, with "nosync" the last seconds of writes may be lost. LMDB's copy-on-write B-tree never
-leaves a half-written state visible, so a crash loses recent writes but does not corrupt.
+`writemap` stays off, so a full disk is an error on write, never a SIGBUS. Sync mode "full"
+flushes every commit (nothing acknowledged is lost, nothing is corrupted); "nometasync" may
+undo the last transaction on a system crash; "nosync" leaves flushing to the OS, and a system
+crash may then lose recent writes or, where the file system reorders writes, corrupt the file.
 """
 
 from __future__ import annotations
@@ -202,6 +202,10 @@ class LmdbStore(TxnStore):
         record = 2 * (record_size(token_bytes) + 32)
         indexes = 2 * 2 * (8 + 16 + 16)
         return payload + record + indexes
+
+    def reserved_bytes(self) -> int:
+        """Two meta pages, and a root page for the main table and each named one."""
+        return (2 + 1 + len(self.dbs)) * self._psize
 
     def file_bytes(self) -> int:
         """The size of the data file on disk (live pages plus LMDB's free list)."""

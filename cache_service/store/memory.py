@@ -116,5 +116,9 @@ class MemoryStore(TxnStore):
         """The space one block takes here."""
         return payload_size + record_size(token_bytes) + BLOCK_OVERHEAD_BYTES
 
+    def reserved_bytes(self) -> int:
+        """Nothing is counted for an empty store."""
+        return 0
+
     def close(self) -> None:
         """Nothing to release."""

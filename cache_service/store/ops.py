@@ -280,9 +280,14 @@ class TxnStore:
                     stored.append(link.key)
                 if index == 0:
                     first_expiry = new.expires_at
-            self._extend_ancestors(txn, blocks[0].link, first_expiry, retention)
+            if stored or refreshed:
+                self._touch_ancestors(txn, blocks[0].link, now, first_expiry, retention)
         return InsertResult(
-            stored=tuple(stored), refreshed=refreshed, conflicts=conflicts, collisions=collisions
+            stored=tuple(stored),
+            refreshed=refreshed,
+            conflicts=conflicts,
+            collisions=collisions,
+            prefix_touched=bool(stored or refreshed),
         )
 
     def _add_child(self, txn: BlockTxn, parent_key: BlockKey) -> None:
@@ -292,17 +297,23 @@ class TxnStore:
             parent.children += 1
             self._save(txn, parent, before)
 
-    def _extend_ancestors(
-        self, txn: BlockTxn, link: ChainLink, expires_at: float, retention: str
+    def _touch_ancestors(
+        self, txn: BlockTxn, link: ChainLink, now: float, expires_at: float, retention: str
     ) -> None:
-        """No block may expire before a stored descendant: lift ancestors to `expires_at`."""
+        """Storing a block uses its whole prefix: mark the ancestors used, head newest, and
+        lift their expiry to at least the block's, so none expires before a descendant."""
+        if link.depth == 0:
+            return
+        first_seq = txn.next_seq(link.depth)
         key, depth = link.parent, link.depth - 1
         while depth >= 0:
             meta = txn.get(key)
-            if meta is None or meta.expires_at >= expires_at:
+            if meta is None:
                 return
             before = self._indexed(meta)
-            meta.expires_at, meta.retention = expires_at, retention
+            meta.last_used_at = max(meta.last_used_at, now)
+            meta.lru_seq = first_seq + link.depth - 1 - depth
+            meta.expires_at, meta.retention = _later_expiry(meta, expires_at, retention)
             self._save(txn, meta, before)
             key, depth = meta.parent, meta.depth - 1
 
@@ -354,17 +365,22 @@ class TxnStore:
                     return False
                 return txn.usage().used_bytes <= target_used_bytes
 
-            for index, upto, reason in (
-                (EXPIRY, expiry_sort_key(now), "expired"),
-                (VICTIMS, None, "capacity"),
-            ):
-                if reason == "capacity" and expired_only:
-                    break
+            self._evict_from(
+                txn,
+                EXPIRY,
+                upto=expiry_sort_key(now),
+                reason="expired",
+                evicted=evicted,
+                satisfied=satisfied,
+                protected=protected,
+                now=now,
+            )
+            if not expired_only:
                 self._evict_from(
                     txn,
-                    index,
-                    upto=upto,
-                    reason=reason,
+                    VICTIMS,
+                    upto=None,
+                    reason="capacity",
                     evicted=evicted,
                     satisfied=satisfied,
                     protected=protected,
@@ -381,21 +397,42 @@ class TxnStore:
         evicted: list[Evicted],
         satisfied: Callable[[], bool],
         protected: frozenset[BlockKey],
+        now: float | None = None,
     ) -> None:
+        """Drop leaves from the front of `index`; with `now`, expired ancestors follow at once."""
         while not satisfied():
             progressed = False
             for meta in self._candidates(txn, index, upto, protected):
-                new_leaf = self._drop(txn, meta)
-                evicted.append(
-                    Evicted(meta.key, reason, meta.retention, meta.expires_at, meta.payload_size)
-                )
-                progressed = True
-                if satisfied():
-                    return
-                if new_leaf:
-                    break  # the parent may now come first: scan again from the front
+                victim: BlockMeta | None = meta
+                while victim is not None:
+                    new_leaf = self._drop(txn, victim)
+                    evicted.append(
+                        Evicted(
+                            victim.key, reason, victim.retention, victim.expires_at,
+                            victim.payload_size,
+                        )
+                    )  # fmt: skip
+                    progressed = True
+                    if satisfied():
+                        return
+                    victim = self._expired_parent(txn, victim, now, protected) if new_leaf else None
+                if new_leaf and now is None:
+                    break  # the parent may now come first in policy order: scan again
             if not progressed:
                 return
+
+    @staticmethod
+    def _expired_parent(
+        txn: BlockTxn, child: BlockMeta, now: float | None, protected: frozenset[BlockKey]
+    ) -> BlockMeta | None:
+        """The dropped child's parent when it is now an expired leaf: swept next, so a long
+        chain is swept in one pass instead of one index scan per block."""
+        if now is None:
+            return None
+        parent = txn.get(child.parent)
+        if parent is None or parent.children or parent.is_alive(now) or parent.key in protected:
+            return None
+        return parent
 
     def _candidates(
         self, txn: BlockTxn, index: str, upto: bytes | None, protected: frozenset[BlockKey]

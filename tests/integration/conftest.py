@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -21,6 +21,14 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def service_command() -> list[str]:
+    """The installed `cache-service` console script beside this Python, as users run it."""
+    script = Path(sys.executable).with_name("cache-service")
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "cache_service.cli"]  # not installed: run the module
 
 
 class ServerProcess:
@@ -40,7 +48,7 @@ class ServerProcess:
 
     def start(self) -> None:
         """Start the process and wait until /readyz answers 200."""
-        args = [sys.executable, "-m", "cache_service.cli", "serve", "--host", "127.0.0.1"]
+        args = [*service_command(), "serve", "--host", "127.0.0.1"]
         args += ["--port", str(self.port), "--data-dir", str(self.data_dir)]
         for name, value in self.flags.items():
             args += ["--" + name.replace("_", "-"), value]
@@ -80,7 +88,7 @@ class ServerProcess:
 
 
 @pytest.fixture
-def make_server(tmp_path: Path) -> Iterator[type[ServerProcess]]:
+def make_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     """A factory of servers on fresh data folders; every one is stopped at teardown."""
     started: list[ServerProcess] = []
 
@@ -91,12 +99,12 @@ def make_server(tmp_path: Path) -> Iterator[type[ServerProcess]]:
         server.start()
         return server
 
-    yield factory  # type: ignore[misc]
+    yield factory
     for server in started:
         server.stop()
 
 
 @pytest.fixture
-def server(make_server: type[ServerProcess]) -> ServerProcess:
+def server(make_server: Callable[..., ServerProcess]) -> ServerProcess:
     """One service on default settings (touch flushes every 50 ms to keep tests quick)."""
     return make_server(touch_flush_interval="0.05")

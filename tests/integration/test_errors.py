@@ -206,6 +206,27 @@ CASES: list[tuple[str, str, bytes, dict[str, str], int, str | None]] = [
         None,
     ),
     ("body too large", "/v1/lookup", b" " * (65 * 1024), JSON_HEADERS, 413, None),
+    (
+        "lookup 5000-digit token",
+        "/v1/lookup",
+        b'{"model": "m", "tokens": [' + b"9" * 5000 + b"]}",
+        JSON_HEADERS,
+        400,
+        None,
+    ),
+    (
+        "store 5000-digit token",
+        "/v1/blocks",
+        b"PCF1"
+        + len(b'{"model":"m","tokens":[' + b"9" * 5000 + b"]}").to_bytes(4, "little")
+        + b'{"model":"m","tokens":['
+        + b"9" * 5000
+        + b"]}"
+        + bytes(4),
+        FRAME_HEADERS,
+        400,
+        None,
+    ),
 ]
 
 

@@ -239,3 +239,41 @@ def test_lookup_with_fetch_answers_frames(server: ServerProcess) -> None:
     header, frames = decode_frames(response.content)
     assert header["matched_blocks"] == 2
     assert [bytes(f) for f in frames if f is not None] == [b"one", b"two"]
+
+
+def test_request_durations_are_labelled_by_route_template(server: ServerProcess) -> None:
+    httpx.post(server.url + "/v1/lookup", json={"model": "m", "tokens": [1, 2]})
+    httpx.get(server.url + "/v1/info")
+    httpx.get(server.url + "/no/such/path")
+    text = httpx.get(server.url + "/metrics").text
+    count = "prompt_cache_request_duration_seconds_count"
+    assert metric(text, count, route="/v1/lookup") == 1
+    assert metric(text, count, route="/v1/info") == 1
+    assert metric(text, count, route="other") == 1
+
+
+def test_block_that_cannot_fit_is_507_and_evicts_nothing(make_server: MakeServer) -> None:
+    server = make_server(capacity="8MiB")
+    small = list(range(256))
+    with CacheClient(server.url) as client:
+        assert client.put_prefix("m", small, [b"x" * 1000] * 4) == 4
+    response = _post_frames(
+        server.url, {"model": "big", "tokens": list(range(64))}, [b"z" * (8 * 2**20 - 20000)]
+    )
+    assert response.status_code == 507
+    with CacheClient(server.url) as client:
+        assert client.lookup("m", small).matched_blocks == 4
+
+
+def test_token_heavy_body_is_refused_before_it_is_parsed(make_server: MakeServer) -> None:
+    server = make_server(max_tokens_per_request="1000")
+    body = b'{"model": "m", "tokens": [' + b"1," * 60_000 + b"1]}"
+    response = httpx.post(
+        server.url + "/v1/lookup", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 413
+    assert response.json()["limit"] == "max_tokens_per_request"
+    header = {"model": "m", "tokens": [1] * 60_000}
+    response = _post_frames(server.url, header, [])
+    assert response.status_code == 413
+    assert response.json()["limit"] == "max_tokens_per_request"
