@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from cache_service import __version__
+from cache_service.replay.arguments import add_replay_parser, run_replay_command
 from cache_service.settings import ENV_PREFIX, Settings
 
 _FLAG_EXAMPLES = {
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"variable {ENV_PREFIX}<FLAG> (upper case, '_' for '-').",
     )
     _add_settings_flags(serve)
+    add_replay_parser(commands)
     return parser
 
 
@@ -87,10 +89,12 @@ def serve(settings: Settings) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `cache-service` console script."""
-    args = vars(build_parser().parse_args(argv))
-    command = args.pop("command")
-    if command == "serve":
-        serve(load_settings(args))
+    parsed = build_parser().parse_args(argv)
+    if parsed.command == "replay":
+        sys.exit(run_replay_command(parsed))
+    args = vars(parsed)
+    args.pop("command")
+    serve(load_settings(args))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Replay request logs through the cache: hit rates, capacity curves, cost and plots."""

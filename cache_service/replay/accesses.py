@@ -1,0 +1,51 @@
+"""The replay as a sequence of block accesses, for capacity curves and the offline optimum."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cache_service.hashing import BlockHasher, bytes_to_tokens
+from cache_service.replay.traces import TraceRequest
+from cache_service.replay.units import BlockUnits, request_namespace
+
+
+@dataclass(frozen=True, slots=True)
+class Accesses:
+    """Per request, its trace blocks as small integers (head first), and what a hit is worth."""
+
+    blocks: list[list[int]]
+    input_lengths: list[int]
+    block_tokens: int
+    distinct: int
+
+    def token_hits(self, request: int, hit_blocks: int) -> int:
+        """Tokens a request hits with `hit_blocks` blocks, as the trace counts them."""
+        return min(hit_blocks * self.block_tokens, self.input_lengths[request])
+
+
+def build_accesses(requests: Sequence[TraceRequest], units: BlockUnits) -> Accesses:
+    """Number every distinct trace block of the replay in order of first appearance.
+
+    A hash id names a block together with its prefix, within its file and namespace; a token
+    block is named by its chained key, so equal prefixes share numbers exactly as in the cache.
+    """
+    ids: dict[object, int] = {}
+    hasher = BlockHasher()
+    blocks: list[list[int]] = []
+    for request in requests:
+        namespace = request_namespace(request)
+        names: list[object]
+        if request.hash_ids is not None:
+            names = [(namespace, hash_id) for hash_id in request.hash_ids]
+        else:
+            assert request.tokens is not None
+            tokens = bytes_to_tokens(request.tokens)
+            names = list(hasher.keys(namespace, tokens, block_size=units.trace_tokens))
+        blocks.append([ids.setdefault(name, len(ids)) for name in names])
+    return Accesses(
+        blocks=blocks,
+        input_lengths=[r.input_length for r in requests],
+        block_tokens=units.trace_tokens,
+        distinct=len(ids),
+    )

@@ -1,0 +1,100 @@
+"""PNG figures of a replay report: hit ratio over time, and the miss-ratio curve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+GIB = 2**30
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not installed."""
+
+
+def plot_report(report: dict[str, Any], path: str | Path) -> None:
+    """Write the report's figures to one PNG file."""
+    try:
+        import matplotlib  # noqa: PLC0415 - optional dependency, loaded only to plot
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError as exc:
+        raise PlotUnavailable(
+            "plots need matplotlib: pip install 'prompt-cache-service[plot]'"
+        ) from exc
+    curves = report.get("mrc") is not None
+    figure, axes = plt.subplots(
+        2 if curves else 1, 1, figsize=(10, 9 if curves else 4.8), squeeze=False
+    )
+    _plot_over_time(axes[0][0], report)
+    if curves:
+        _plot_curve(axes[1][0], report)
+    figure.suptitle(_title(report))
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _title(report: dict[str, Any]) -> str:
+    capacity = report["capacity_tokens"]
+    size = "unbounded" if capacity is None else f"{capacity:,} tokens"
+    return (
+        f"{', '.join(Path(t).name for t in report['traces'])} - {report['requests']:,} requests, "
+        f"{report['policy']}, capacity {size}"
+    )
+
+
+def _plot_over_time(axis: Any, report: dict[str, Any]) -> None:
+    windows = report["windows"]["points"]
+    width = report["windows"]["window_seconds"]
+    starts = [point["start_seconds"] / 60 for point in windows]
+    token = [point["token_hit_ratio"] if point["requests"] else None for point in windows]
+    block = [point["block_hit_ratio"] if point["requests"] else None for point in windows]
+    axis.plot(starts, token, label="token hit ratio", color="tab:blue", marker=".", ms=3)
+    axis.plot(starts, block, label="block hit ratio", color="tab:green", alpha=0.6, lw=1)
+    axis.axhline(report["token_hit_ratio"], color="tab:blue", ls=":", label="whole run (tokens)")
+    ceiling = report.get("ceiling")
+    if ceiling and report["capacity_tokens"] is not None:
+        axis.axhline(ceiling["token_hit_ratio"], color="black", ls="--", label="unbounded ceiling")
+    axis.set_xlabel("trace time (minutes)")
+    axis.set_ylabel(f"hit ratio per {width:g} s window")
+    axis.set_ylim(0, 1)
+    axis.grid(alpha=0.3)
+    axis.legend(loc="lower right", fontsize=8)
+    axis.set_title("Hit ratio over time")
+
+
+def _plot_curve(axis: Any, report: dict[str, Any]) -> None:
+    mrc, belady = report["mrc"], report["belady"]
+    xs = [point["capacity_tokens"] for point in mrc["points"]]
+    axis.plot(
+        xs,
+        [point["token_hit_ratio"] for point in mrc["points"]],
+        label=f"{report['policy'].upper()} ({mrc['method']})",
+        color="tab:blue",
+        marker="." if mrc["method"] != "lru-stack-distance" else None,
+    )
+    axis.plot(
+        [point["capacity_tokens"] for point in belady["points"]],
+        [point["token_hit_ratio"] for point in belady["points"]],
+        label="offline optimum (Belady)",
+        color="tab:red",
+        marker="o",
+        ls="--",
+    )
+    axis.axhline(report["ceiling"]["token_hit_ratio"], color="black", ls=":", label="ceiling")
+    if report["capacity_tokens"] is not None:
+        axis.axvline(report["capacity_tokens"], color="gray", ls="-.", label="this run's capacity")
+    axis.set_xscale("log")
+    axis.set_xlabel("capacity (tokens)")
+    axis.set_ylabel("token hit ratio")
+    axis.set_ylim(0, 1)
+    axis.grid(alpha=0.3, which="both")
+    axis.legend(loc="upper left", fontsize=8)
+    per_token = mrc["kv_bytes_per_token"]
+    top = axis.secondary_xaxis(
+        "top", functions=(lambda t: t * per_token / GIB, lambda g: g * GIB / per_token)
+    )
+    top.set_xlabel(f"capacity (GiB at {per_token} bytes of KV per token)")
+    axis.set_title("Miss-ratio curve: hit ratio at every capacity", pad=28)
