@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print what they measured."""

@@ -1,0 +1,81 @@
+"""Replay speed: requests per second of the embedded replay on a shared trace.
+
+Usage: python bench/replay_speed.py [TRACE] [--runs 3]
+
+Prints the median of several runs for each way of replaying, and, as a reference measured in
+the same process, the cost of only reading the trace and computing its block keys (the part
+of a replay no cache can avoid).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from cache_service.hashing import BlockHasher
+from cache_service.replay.accesses import build_accesses
+from cache_service.replay.command import ReplayConfig, load_traces, run_replay
+from cache_service.replay.mrc import lru_curve
+from cache_service.replay.units import plan_units, request_namespace, request_tokens
+
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[1].parent / "shared/traces/conversation_trace.jsonl"
+)
+
+
+def _median_seconds(runs: int, work: Callable[[], object]) -> float:
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main() -> None:
+    """Measure and print."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace", nargs="?", default=str(DEFAULT_TRACE))
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    quiet = io.StringIO()
+    requests = load_traces(ReplayConfig(traces=[args.trace]), log=quiet).requests
+    units = plan_units(requests, None)
+    hasher = BlockHasher()
+
+    def keys_only() -> None:
+        for request in requests:
+            hasher.chain(
+                request_namespace(request), request_tokens(request), block_size=units.cache_tokens
+            )
+
+    rows = [("read + block keys only (floor)", _median_seconds(args.runs, keys_only))]
+    for label, store, capacity in (
+        ("embedded LMDB, unbounded", "lmdb", None),
+        ("embedded LMDB, 3M-token LRU + ceiling run", "lmdb", 3_000_000),
+        ("embedded memory store, unbounded", "memory", None),
+    ):
+        config = ReplayConfig(traces=[args.trace], store=store, capacity_tokens=capacity)
+        rows.append((label, _median_seconds(args.runs, lambda c=config: run_replay(c, log=quiet))))
+    accesses = build_accesses(requests, units)
+    rows.append(
+        (
+            "LRU curve, every capacity (one pass)",
+            _median_seconds(args.runs, lambda: lru_curve(accesses)),
+        )
+    )
+    floor = rows[0][1]
+    print(f"trace: {args.trace} ({len(requests):,} requests); median of {args.runs} runs")
+    print(f"{'what':42} {'seconds':>8} {'requests/s':>11} {'x floor':>8}")
+    for label, seconds in rows:
+        print(f"{label:42} {seconds:8.2f} {len(requests) / seconds:11,.0f} {seconds / floor:8.1f}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
