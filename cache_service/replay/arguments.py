@@ -85,7 +85,11 @@ def add_replay_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
     parser.add_argument("--price-miss", type=float, default=0.15, help="$ per M cache-miss tokens")
     parser.add_argument("--price-output", type=float, default=0.60, help="$ per M output tokens")
     parser.add_argument("--active-params", type=float, default=8e9)
-    parser.add_argument("--window-seconds", type=float, default=60.0)
+    parser.add_argument(
+        "--window-seconds",
+        type=float,
+        help="hit-ratio-over-time window (default 60, wider for traces of days)",
+    )
     parser.add_argument("--strict", action="store_true", help="a malformed line fails the run")
     parser.add_argument("--store", choices=("lmdb", "memory"), default="lmdb")
     parser.add_argument("--workdir", type=Path, help="folder for the temporary LMDB store")

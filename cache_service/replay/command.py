@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -26,6 +27,17 @@ from cache_service.replay.units import BlockUnits, plan_units
 from cache_service.retention import RetentionPolicy
 
 MAX_ERRORS_SHOWN = 20
+MAX_WINDOWS = 500  # automatic windows widen (in whole minutes) to keep about this many
+
+
+def window_width(requests: Sequence[TraceRequest], chosen: float | None) -> float:
+    """The hit-ratio-over-time window: as chosen, else a minute, or wider for a long trace."""
+    if chosen is not None:
+        if chosen <= 0:
+            raise ReplayError("--window-seconds must be positive")
+        return chosen
+    span = requests[-1].timestamp - requests[0].timestamp if requests else 0.0
+    return max(60.0, math.ceil(span / MAX_WINDOWS / 60.0) * 60.0)
 
 
 @dataclass
@@ -46,7 +58,7 @@ class ReplayConfig:
     capacities: Sequence[int] = ()
     kv_bytes_per_token: int = 890
     prices: Prices = field(default_factory=Prices)
-    window_seconds: float = 60.0
+    window_seconds: float | None = None  # None: a minute, wider for traces of days
     strict: bool = False
     store: str = "lmdb"
     workdir: Path | None = None
@@ -115,7 +127,7 @@ def _replay(
     label: str,
     over_http: bool = False,
 ) -> ReplayStats:
-    stats = ReplayStats(window_seconds=config.window_seconds)
+    stats = ReplayStats(window_seconds=window_width(requests, config.window_seconds))
     progress = Progress(len(requests), label=label)
 
     def count(outcome: Outcome, retention: str) -> None:
@@ -193,7 +205,7 @@ def run_replay(config: ReplayConfig, *, log: TextIO = sys.stderr) -> dict[str, A
             if config.url is None
             else None
         ),
-        "windows": {"window_seconds": config.window_seconds, "points": main.window_points()},
+        "windows": {"window_seconds": main.window_seconds, "points": main.window_points()},
         "mrc": None,
         "belady": None,
         "cost": cost_report(main.total, config.prices),
