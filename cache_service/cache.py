@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from cache_service.blocks import (
     BlockKey,
-    ChainLink,
     Evicted,
     Namespace,
     NewBlock,
@@ -24,7 +23,7 @@ from cache_service.errors import (
     StoreFull,
     UnknownRetention,
 )
-from cache_service.hashing import BlockHasher, tokens_to_bytes
+from cache_service.hashing import BlockHasher, Chain, tokens_to_bytes
 from cache_service.retention import RetentionPolicy
 from cache_service.store.base import BlockStore
 
@@ -136,7 +135,7 @@ class PrefixCache:
 
     def chain(
         self, namespace: Namespace, tokens: TokenInput, *, block_size: int | None = None
-    ) -> list[ChainLink]:
+    ) -> Chain:
         """The chain links of every full block of a prompt."""
         size = self.block_size_for(namespace.model, block_size)
         return self.hasher.chain(namespace, _as_bytes(tokens), block_size=size)
@@ -173,7 +172,7 @@ class PrefixCache:
     def _match_links(
         self,
         namespace: Namespace,
-        links: Sequence[ChainLink],
+        links: Chain,
         *,
         block_size: int,
         prompt_tokens: int,
@@ -187,7 +186,7 @@ class PrefixCache:
         found = PrefixMatch(
             block_size=block_size,
             prompt_tokens=prompt_tokens,
-            keys=tuple(link.key for link in links[: result.matched]),
+            keys=tuple(links.keys[: result.matched]),
             payloads=result.payloads,
             retention=retention,
         )
@@ -305,7 +304,7 @@ class PrefixCache:
     def _store_links(
         self,
         namespace: Namespace,
-        links: Sequence[ChainLink],
+        links: Chain,
         payloads: Sequence[bytes | memoryview],
         *,
         start_block: int,

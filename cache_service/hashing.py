@@ -19,6 +19,7 @@ import sys
 from array import array
 from collections.abc import Callable, Sequence
 from functools import lru_cache
+from typing import overload
 
 import xxhash
 
@@ -78,9 +79,7 @@ def encode_namespace(seed: str, namespace: Namespace) -> bytes:
     )
 
 
-def xxh3_128(data: bytes) -> bytes:
-    """xxh3-128 of data with seed 0, as 16 canonical (big-endian) bytes."""
-    return bytes(xxhash.xxh3_128_digest(data))
+xxh3_128: HashFn = xxhash.xxh3_128_digest  # seed 0, 16 canonical (big-endian) bytes
 
 
 def seed_fingerprint(seed: str) -> str:
@@ -113,28 +112,64 @@ class BlockHasher:
         """The parent key of block 0 in this namespace."""
         return self._ids(namespace).root
 
-    def chain(
-        self, namespace: Namespace, token_bytes: bytes, *, block_size: int
-    ) -> list[ChainLink]:
+    def chain(self, namespace: Namespace, token_bytes: bytes, *, block_size: int) -> Chain:
         """The chain of every full block of a prompt given as uint32 LE bytes."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         stride = block_size * 4
-        full_blocks = len(token_bytes) // stride
+        end = len(token_bytes) // stride * stride
+        root = self.root(namespace)
         hash_fn = self._hash
-        parent = self.root(namespace)
-        links: list[ChainLink] = []
-        view = memoryview(token_bytes)
-        for depth in range(full_blocks):
-            chunk = bytes(view[depth * stride : (depth + 1) * stride])
-            key = BlockKey(hash_fn(parent + chunk))
-            links.append(ChainLink(key=key, parent=parent, tokens=chunk, depth=depth))
-            parent = key
-        return links
+        keys: list[BlockKey] = []
+        append = keys.append
+        parent = root
+        # The hot loop: one concatenation and one hash per block, nothing else.
+        for offset in range(0, end, stride):
+            parent = hash_fn(parent + token_bytes[offset : offset + stride])  # type: ignore[assignment]
+            append(parent)
+        return Chain(root, keys, token_bytes, stride)
 
     def keys(
         self, namespace: Namespace, tokens: Sequence[int], *, block_size: int
     ) -> list[BlockKey]:
         """The keys of every full block of a prompt given as token ids."""
-        links = self.chain(namespace, tokens_to_bytes(tokens), block_size=block_size)
-        return [link.key for link in links]
+        return self.chain(namespace, tokens_to_bytes(tokens), block_size=block_size).keys
+
+
+class Chain(Sequence[ChainLink]):
+    """A prompt's chain links, made on demand: lookups usually read only the matched ones."""
+
+    __slots__ = ("_stride", "_tokens", "keys", "root")
+
+    def __init__(self, root: BlockKey, keys: list[BlockKey], token_bytes: bytes, stride: int):
+        self.root = root
+        self.keys = keys
+        self._tokens = token_bytes
+        self._stride = stride
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @overload
+    def __getitem__(self, index: int) -> ChainLink: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[ChainLink]: ...
+
+    def __getitem__(self, index: int | slice) -> ChainLink | list[ChainLink]:
+        if isinstance(index, slice):
+            return [self._link(i) for i in range(*index.indices(len(self.keys)))]
+        if index < 0:
+            index += len(self.keys)
+        if not 0 <= index < len(self.keys):
+            raise IndexError(index)
+        return self._link(index)
+
+    def _link(self, depth: int) -> ChainLink:
+        start = depth * self._stride
+        return ChainLink(
+            key=self.keys[depth],
+            parent=self.keys[depth - 1] if depth else self.root,
+            tokens=self._tokens[start : start + self._stride],
+            depth=depth,
+        )
