@@ -80,6 +80,12 @@ class Service:
         """The JSON body of the last request."""
         return json.loads(self.requests[-1].content)
 
+    @property
+    def last_frames(self) -> tuple[dict[str, Any], list[bytes | None]]:
+        """The frame header and frames of the last request."""
+        header, frames = decode_frames(self.requests[-1].content)
+        return header, [bytes(frame) if frame is not None else None for frame in frames]
+
 
 class Blocking:
     """Calls an AsyncCacheClient's coroutine methods from a plain test, one loop per call."""
@@ -147,7 +153,7 @@ def connect(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
 # Requests and answers ---------------------------------------------------------------------
 
 
-def test_lookup_posts_the_prompt_as_json_and_parses_the_match(connect: Any) -> None:
+def test_lookup_posts_the_tokens_as_a_binary_frame_and_parses_the_match(connect: Any) -> None:
     service = Service(answer_json(LOOKUP_ANSWER))
     client = connect(service, api_key="s3cret")
     match = client.lookup(
@@ -156,16 +162,18 @@ def test_lookup_posts_the_prompt_as_json_and_parses_the_match(connect: Any) -> N
     request = service.requests[-1]
     assert (request.method, request.url.path) == ("POST", "/v1/lookup")
     assert request.headers["Authorization"] == "Bearer s3cret"
-    assert request.headers["Content-Type"] == "application/json"
-    assert service.last_json == {
-        "model": "llama",
-        "tokens": TOKENS,
-        "kv_layout": "fp16",
-        "salt": "pepper",
-        "retention": "chat",
-        "block_size": 4,
-        "fetch": False,
-    }
+    assert request.headers["Content-Type"] == MEDIA_TYPE
+    assert service.last_frames == (
+        {
+            "model": "llama",
+            "kv_layout": "fp16",
+            "salt": "pepper",
+            "retention": "chat",
+            "block_size": 4,
+            "fetch": False,
+        },
+        [array("I", TOKENS).tobytes()],
+    )
     assert match == Match(
         matched_blocks=2,
         cached_tokens=8,
@@ -181,21 +189,30 @@ def test_lookup_defaults_send_empty_salt_null_options_and_no_authorization(conne
     service = Service(answer_json(LOOKUP_ANSWER))
     connect(service).lookup("llama", array("I", TOKENS))
     assert "Authorization" not in service.requests[-1].headers
-    assert service.last_json == {
-        "model": "llama",
-        "tokens": TOKENS,
-        "kv_layout": "",
-        "salt": "",
-        "retention": None,
-        "block_size": None,
-        "fetch": False,
-    }
+    assert service.last_frames == (
+        {
+            "model": "llama",
+            "kv_layout": "",
+            "salt": "",
+            "retention": None,
+            "block_size": None,
+            "fetch": False,
+        },
+        [array("I", TOKENS).tobytes()],
+    )
+
+
+def test_lookup_sends_already_encoded_tokens_as_they_are(connect: Any) -> None:
+    service = Service(answer_json(LOOKUP_ANSWER))
+    encoded = array("I", TOKENS).tobytes()
+    connect(service).lookup("llama", encoded)
+    assert service.last_frames[1] == [encoded]
 
 
 def test_lookup_with_fetch_returns_the_payload_frames(connect: Any) -> None:
     service = Service(answer_frames(LOOKUP_ANSWER, [b"kv-0", b""]))
     match = connect(service).lookup("llama", TOKENS, fetch=True)
-    assert service.last_json["fetch"] is True
+    assert service.last_frames[0]["fetch"] is True
     assert match.payloads == [b"kv-0", b""]
     assert all(type(payload) is bytes for payload in match.payloads)
     assert (match.matched_blocks, match.keys) == (2, [KEY_A, KEY_B])
@@ -254,7 +271,7 @@ def test_an_unparseable_2xx_answer_raises_a_502_service_error(
 
 
 @pytest.mark.parametrize(
-    "tokens", [[1, -1], [2**32], [1.5], [True]], ids=["negative", "big", "float", "bool"]
+    "tokens", [[1, -1], [2**32], [1.5], b"abc"], ids=["negative", "big", "float", "ragged-bytes"]
 )
 def test_lookup_refuses_bad_token_ids_before_sending(connect: Any, tokens: list[Any]) -> None:
     service = Service(answer_json(LOOKUP_ANSWER))
@@ -280,26 +297,26 @@ def test_store_sends_a_frame_body_with_the_header_and_one_frame_per_block(connec
     assert (request.method, request.url.path) == ("POST", "/v1/blocks")
     assert request.headers["Content-Type"] == MEDIA_TYPE
     assert request.headers["Authorization"] == "Bearer k"
-    header, frames = decode_frames(request.content)
-    assert header == {
-        "model": "llama",
-        "tokens": TOKENS,
-        "kv_layout": "fp16",
-        "salt": "pepper",
-        "retention": "agent",
-        "block_size": 4,
-        "start_block": 1,
-    }
-    assert [bytes(frame) for frame in frames if frame is not None] == [b"kv-1", b"kv-2"]
+    assert service.last_frames == (
+        {
+            "model": "llama",
+            "kv_layout": "fp16",
+            "salt": "pepper",
+            "retention": "agent",
+            "block_size": 4,
+            "start_block": 1,
+        },
+        [array("I", TOKENS).tobytes(), b"kv-1", b"kv-2"],
+    )
     assert result == StoreResult(**STORE_ANSWER)
 
 
 def test_put_prefix_returns_the_newly_stored_block_count(connect: Any) -> None:
     service = Service(answer_json({**STORE_ANSWER, "stored_blocks": 0, "refreshed_blocks": 1}))
     assert connect(service).put_prefix("llama", TOKENS, [b"kv-0"]) == 0
-    header, frames = decode_frames(service.requests[-1].content)
+    header, frames = service.last_frames
     assert (header["start_block"], header["salt"], header["retention"]) == (0, "", None)
-    assert len(frames) == 1
+    assert frames == [array("I", TOKENS).tobytes(), b"kv-0"]
 
 
 def test_get_blocks_posts_hex_keys_and_maps_absent_frames_to_none(connect: Any) -> None:

@@ -121,6 +121,13 @@ def parse_object(model: type[Model], data: dict[str, Any]) -> Model:
         raise validation_problem(exc.errors(include_url=False)) from None
 
 
+def tokens_frame(frame: memoryview | None, field: str) -> bytes:
+    """Token ids sent as a frame of uint32 little-endian (any 32-bit value is a valid id)."""
+    if frame is None or len(frame) % 4:
+        raise InvalidField(field, "binary tokens are uint32 little-endian: 4 bytes a token")
+    return bytes(frame)
+
+
 def check_token_room(json_bytes: int, max_tokens: int) -> None:
     """PayloadTooLarge, before parsing, for JSON too long to hold at most `max_tokens` tokens."""
     bound = max_tokens * JSON_BYTES_PER_TOKEN + JSON_FIELDS_ALLOWANCE_BYTES

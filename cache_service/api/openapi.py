@@ -45,6 +45,19 @@ def json_body(model: str) -> dict[str, Any]:
     }
 
 
+def lookup_body() -> dict[str, Any]:
+    """openapi_extra for the lookup: JSON, or a frame body with the tokens in one frame."""
+    frames = binary_body("LookupHeader")["requestBody"]["content"]
+    return {
+        "requestBody": {
+            "required": True,
+            "description": f"JSON, or frames: {FRAMES_DOC} The header is a LookupHeader and "
+            "the one frame holds the tokens as uint32 little-endian.",
+            "content": {"application/json": {"schema": _ref("LookupRequest")}, **frames},
+        }
+    }
+
+
 def binary_body(header_model: str) -> dict[str, Any]:
     """openapi_extra for a frame request body whose header is `header_model`."""
     schema = {"type": "string", "format": "binary", "contentMediaType": MEDIA_TYPE}

@@ -16,14 +16,22 @@ from cache_service.api.bodies import (
     JSON,
     check_count,
     check_token_room,
+    media_type,
     parse_json,
     parse_object,
     read_body,
     read_json,
     require_media_type,
+    tokens_frame,
 )
-from cache_service.api.openapi import binary_body, json_body, responses
-from cache_service.api.schemas import FetchRequest, LookupRequest, LookupResponse, StoreHeader
+from cache_service.api.openapi import binary_body, json_body, lookup_body, responses
+from cache_service.api.schemas import (
+    FetchRequest,
+    LookupHeader,
+    LookupRequest,
+    LookupResponse,
+    StoreHeader,
+)
 from cache_service.api.state import ServiceState, service_state
 from cache_service.blocks import KEY_BYTES, Namespace, PrefixMatch, key_from_hex, key_hex
 from cache_service.errors import InvalidField
@@ -39,7 +47,7 @@ from cache_service.hashing import HASH_SCHEME, HASH_VERSION
 router = APIRouter()
 
 
-def _namespace(body: FetchRequest | LookupRequest | StoreHeader) -> Namespace:
+def _namespace(body: FetchRequest | LookupHeader | StoreHeader) -> Namespace:
     # The tenant is empty until authentication exists; it will come from the API key.
     return Namespace(model=body.model, kv_layout=body.kv_layout, tenant="", salt=body.salt)
 
@@ -64,7 +72,7 @@ def lookup_answer(model: str, found: PrefixMatch) -> dict[str, Any]:
 @router.post(
     "/v1/lookup",
     summary="Longest cached prefix of a prompt",
-    openapi_extra=json_body("LookupRequest"),
+    openapi_extra=lookup_body(),
     responses=responses(
         {JSON: LookupResponse, MEDIA_TYPE: LookupResponse},
         400,
@@ -76,29 +84,43 @@ def lookup_answer(model: str, found: PrefixMatch) -> dict[str, Any]:
 async def lookup(request: Request) -> Response:
     """Find the longest stored, verified prefix; optionally return its payloads too."""
     state = service_state(request)
-    require_media_type(request, JSON)
+    require_media_type(request, JSON, MEDIA_TYPE)
+    binary = media_type(request) == MEDIA_TYPE
     raw = await read_body(request, limit_bytes=state.settings.max_body_size)
-    check_token_room(len(raw), state.settings.max_tokens_per_request)
-    if len(raw) >= INLINE_BODY_BYTES:
-        return await run_in_threadpool(_lookup, state, parse_json(LookupRequest, raw))
-    body = parse_json(LookupRequest, raw)
-    if body.fetch:  # copies payloads: never on the event loop
-        return await run_in_threadpool(_lookup, state, body)
-    return _lookup(state, body)
-
-
-def _lookup(state: ServiceState, body: LookupRequest) -> Response:
-    limit = state.settings.max_tokens_per_request
-    check_count("tokens", len(body.tokens), limit, "max_tokens_per_request")
-    found = state.cache.match_prefix(
-        _namespace(body),
-        body.tokens,
-        retention=body.retention,
-        block_size=body.block_size,
-        with_payloads=body.fetch,
+    check_token_room(
+        frame_header_length(raw) if binary else len(raw), state.settings.max_tokens_per_request
     )
-    answer = lookup_answer(body.model, found)
-    if not body.fetch:
+    if not binary and len(raw) >= INLINE_BODY_BYTES:  # parsing a long JSON array takes a while
+        return await run_in_threadpool(lambda: _lookup(state, *_parse_lookup(raw, binary)))
+    options, tokens = _parse_lookup(raw, binary)
+    if options.fetch:  # copies payloads: never on the event loop
+        return await run_in_threadpool(_lookup, state, options, tokens)
+    return _lookup(state, options, tokens)
+
+
+def _parse_lookup(raw: bytes, binary: bool) -> tuple[LookupHeader, list[int] | bytes]:
+    if not binary:
+        body = parse_json(LookupRequest, raw)
+        return body, body.tokens
+    header, frames = decode_frames(raw)
+    if len(frames) != 1:
+        raise InvalidField("frames", f"a lookup carries one frame (its tokens), not {len(frames)}")
+    return parse_object(LookupHeader, header), tokens_frame(frames[0], "frames[0]")
+
+
+def _lookup(state: ServiceState, options: LookupHeader, tokens: list[int] | bytes) -> Response:
+    limit = state.settings.max_tokens_per_request
+    count = len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)
+    check_count("tokens", count, limit, "max_tokens_per_request")
+    found = state.cache.match_prefix(
+        _namespace(options),
+        tokens,
+        retention=options.retention,
+        block_size=options.block_size,
+        with_payloads=options.fetch,
+    )
+    answer = lookup_answer(options.model, found)
+    if not options.fetch:
         return JSONResponse(answer)
     return Response(join_frames(encode_frames(answer, found.payloads or ())), media_type=MEDIA_TYPE)
 
@@ -119,21 +141,29 @@ async def store_blocks(request: Request) -> Response:
 
 
 def _store(state: ServiceState, raw: bytes) -> Response:
-    header, payloads = decode_frames(raw)
+    header, frames = decode_frames(raw)
     body = parse_object(StoreHeader, header)
     settings = state.settings
-    check_count(
-        "tokens", len(body.tokens), settings.max_tokens_per_request, "max_tokens_per_request"
-    )
+    tokens: list[int] | bytes
+    first_payload = 0
+    if body.tokens is None:  # binary tokens: the first frame
+        if not frames:
+            raise InvalidField("frames[0]", "without `tokens` in the header, frame 0 holds them")
+        tokens, first_payload = tokens_frame(frames[0], "frames[0]"), 1
+        count = len(tokens) // 4
+    else:
+        tokens, count = body.tokens, len(body.tokens)
+    check_count("tokens", count, settings.max_tokens_per_request, "max_tokens_per_request")
+    payloads = frames[first_payload:]
     check_count("blocks", len(payloads), settings.max_blocks_per_request, "max_blocks_per_request")
     present: list[memoryview] = []
-    for index, payload in enumerate(payloads):
+    for index, payload in enumerate(payloads, start=first_payload):
         if payload is None:
             raise InvalidField(f"frames[{index}]", "an absent frame cannot be stored")
         present.append(payload)
     outcome = state.cache.insert(
         _namespace(body),
-        body.tokens,
+        tokens,
         present,
         start_block=body.start_block,
         retention=body.retention,

@@ -23,25 +23,39 @@ class NamespaceFields(BaseModel):
     salt: Name = Field("", description="Cache salt; requests with different salts never share.")
 
 
-class PromptFields(NamespaceFields):
-    """A prompt and how to cache it."""
+class PromptOptions(NamespaceFields):
+    """How to cache a prompt."""
 
-    tokens: list[Token] = Field(description="Token ids, unsigned 32-bit integers.")
     retention: Name | None = Field(None, description="Retention class; the default if omitted.")
     block_size: Annotated[int, Field(ge=1)] | None = Field(
         None, description="The block size the caller expects; 422 if the service's differs."
     )
 
 
-class LookupRequest(PromptFields):
-    """POST /v1/lookup."""
+TOKENS_DOC = "Token ids, unsigned 32-bit integers."
+TOKENS_FRAME_DOC = (
+    "Token ids; omit them to send the tokens as the first frame instead, as uint32 "
+    "little-endian (4 bytes a token): no JSON to encode or parse."
+)
+
+
+class LookupHeader(PromptOptions):
+    """The JSON header of a POST /v1/lookup frame body; its one frame holds the tokens."""
 
     fetch: bool = Field(False, description="Also return the matched blocks' payloads (frames).")
 
 
-class StoreHeader(PromptFields):
-    """The JSON header of a POST /v1/blocks frame body; one frame per block stored."""
+class LookupRequest(LookupHeader):
+    """POST /v1/lookup as JSON."""
 
+    tokens: list[Token] = Field(description=TOKENS_DOC)
+
+
+class StoreHeader(PromptOptions):
+    """The JSON header of a POST /v1/blocks frame body: frames are the tokens (if not given
+    here), then one payload per block stored."""
+
+    tokens: list[Token] | None = Field(None, description=TOKENS_FRAME_DOC)
     start_block: Annotated[int, Field(ge=0)] = Field(
         0, description="Index of the first block whose payload is sent."
     )
@@ -118,4 +132,9 @@ class Problem(BaseModel):
     errors: list[ProblemField] | None = None
 
 
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (LookupRequest, StoreHeader, FetchRequest)
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    LookupRequest,
+    LookupHeader,
+    StoreHeader,
+    FetchRequest,
+)

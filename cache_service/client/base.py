@@ -27,9 +27,11 @@ from cache_service.client.answers import (
 )
 from cache_service.errors import InvalidField, ServiceError, ServiceUnavailable
 from cache_service.framing import MEDIA_TYPE, encode_frames, join_frames
-from cache_service.hashing import bytes_to_tokens, tokens_to_bytes
+from cache_service.hashing import tokens_to_bytes
 
 Clock = Callable[[], float]
+Tokens = Sequence[int] | bytes | memoryview  # ids, or already uint32 little-endian bytes
+FRAME_HEADERS = {"Content-Type": MEDIA_TYPE}
 _T = TypeVar("_T")
 
 INSUFFICIENT_STORAGE = 507
@@ -77,7 +79,7 @@ class _BaseCacheClient:
     def _build_lookup(
         self,
         model: str,
-        tokens: Sequence[int],
+        tokens: Tokens,
         *,
         kv_layout: str,
         salt: str | None,
@@ -85,15 +87,10 @@ class _BaseCacheClient:
         block_size: int | None,
         fetch: bool,
     ) -> _Call[Match]:
-        ids = _token_ids(tokens)
-        body = {
-            **_prompt_fields(
-                model,
-                ids,
-                kv_layout=kv_layout,
-                salt=salt,
-                retention=retention,
-                block_size=block_size,
+        token_bytes = _token_bytes(tokens)
+        header = {
+            **_prompt_options(
+                model, kv_layout=kv_layout, salt=salt, retention=retention, block_size=block_size
             ),
             "fetch": fetch,
         }
@@ -101,14 +98,15 @@ class _BaseCacheClient:
             "POST",
             "/v1/lookup",
             partial(_parse_match, fetch=fetch),
-            json=body,
-            miss=partial(_missed_match, len(ids), block_size, fetch),
+            content=join_frames(encode_frames(header, [token_bytes])),
+            headers=FRAME_HEADERS,
+            miss=partial(_missed_match, len(token_bytes) // 4, block_size, fetch),
         )
 
     def _build_store(
         self,
         model: str,
-        tokens: Sequence[int],
+        tokens: Tokens,
         payloads: Sequence[bytes | memoryview],
         *,
         kv_layout: str,
@@ -117,15 +115,10 @@ class _BaseCacheClient:
         retention: str | None,
         block_size: int | None,
     ) -> _Call[StoreResult]:
-        ids = _token_ids(tokens)
+        token_bytes = _token_bytes(tokens)
         header = {
-            **_prompt_fields(
-                model,
-                ids,
-                kv_layout=kv_layout,
-                salt=salt,
-                retention=retention,
-                block_size=block_size,
+            **_prompt_options(
+                model, kv_layout=kv_layout, salt=salt, retention=retention, block_size=block_size
             ),
             "start_block": start_block,
         }
@@ -145,8 +138,8 @@ class _BaseCacheClient:
             "POST",
             "/v1/blocks",
             _parse_store,
-            content=join_frames(encode_frames(header, payloads)),
-            headers={"Content-Type": MEDIA_TYPE},
+            content=join_frames(encode_frames(header, [token_bytes, *payloads])),
+            headers=FRAME_HEADERS,
             miss=lambda: miss,
         )
 
@@ -219,12 +212,14 @@ class _BaseCacheClient:
 # Request fields ---------------------------------------------------------------------------
 
 
-def _token_ids(tokens: Sequence[int]) -> list[int]:
-    """Token ids as plain ints (the service is strict); InvalidField for anything else."""
-    if any(isinstance(token, bool) for token in tokens):
-        raise InvalidField("tokens", "token ids are integers, not booleans")
+def _token_bytes(tokens: Tokens) -> bytes:
+    """Token ids as the service's binary encoding (uint32 LE); InvalidField if they are not."""
+    if isinstance(tokens, bytes | memoryview):
+        if len(tokens) % 4:
+            raise InvalidField("tokens", "binary tokens are uint32 little-endian: 4 bytes each")
+        return bytes(tokens)
     try:
-        return bytes_to_tokens(tokens_to_bytes(tokens))
+        return tokens_to_bytes(tokens)
     except (ValueError, TypeError) as exc:
         raise InvalidField("tokens", f"token ids are integers in 0..2^32-1 ({exc})") from None
 
@@ -241,9 +236,8 @@ def _key_text(key: BlockKey | str) -> str:
         raise InvalidField("keys", str(exc)) from None
 
 
-def _prompt_fields(
+def _prompt_options(
     model: str,
-    tokens: list[int],
     *,
     kv_layout: str,
     salt: str | None,
@@ -252,7 +246,6 @@ def _prompt_fields(
 ) -> dict[str, Any]:
     return {
         "model": model,
-        "tokens": tokens,
         "kv_layout": kv_layout,
         "salt": salt or "",
         "retention": retention,

@@ -11,7 +11,7 @@ import httpx
 
 from cache_service.blocks import BlockKey
 from cache_service.client.answers import Match, StoreResult
-from cache_service.client.base import _T, Clock, _BaseCacheClient, _Call
+from cache_service.client.base import _T, Clock, Tokens, _BaseCacheClient, _Call
 from cache_service.errors import ServiceError
 
 
@@ -59,7 +59,7 @@ class CacheClient(_BaseCacheClient):
     def lookup(
         self,
         model: str,
-        tokens: Sequence[int],
+        tokens: Tokens,
         *,
         kv_layout: str = "",
         salt: str | None = None,
@@ -83,7 +83,7 @@ class CacheClient(_BaseCacheClient):
     def store(
         self,
         model: str,
-        tokens: Sequence[int],
+        tokens: Tokens,
         payloads: Sequence[bytes | memoryview],
         *,
         kv_layout: str = "",
@@ -109,7 +109,7 @@ class CacheClient(_BaseCacheClient):
     def put_prefix(
         self,
         model: str,
-        tokens: Sequence[int],
+        tokens: Tokens,
         payloads: Sequence[bytes | memoryview],
         *,
         kv_layout: str = "",

@@ -105,6 +105,10 @@ class BlockTxn(Protocol):
         """The block's metadata, or None."""
         ...
 
+    def check(self, link: ChainLink, namespace_root: BlockKey, now: float) -> int:
+        """codec.MISSING, HIT or COLLISION for a link, as cheaply as the backend can tell."""
+        ...
+
     def put(self, meta: BlockMeta) -> None:
         """Write the block's metadata."""
         ...

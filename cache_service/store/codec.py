@@ -78,3 +78,35 @@ def decode_meta(key: BlockKey, record: bytes | memoryview) -> BlockMeta:
 def record_size(token_bytes: int, retention_len: int = 8) -> int:
     """Bytes of one encoded record."""
     return _HEADER.size + retention_len + token_bytes
+
+
+# Fixed offsets into the header, for reads that check a record without decoding it.
+_DEPTH = struct.Struct("<I")
+_EXPIRES = struct.Struct("<d")
+_DEPTH_AT, _EXPIRES_AT, _ROOT_AT, _PARENT_AT, _RETENTION_LEN_AT = 1, 25, 65, 81, 97
+
+MISSING, HIT, COLLISION = 0, 1, 2
+
+
+def check_record(
+    record: bytes | memoryview | None,
+    *,
+    namespace_root: bytes,
+    parent: bytes,
+    tokens: bytes,
+    depth: int,
+    now: float,
+) -> int:
+    """MISSING (absent or expired), HIT (this very block, alive) or COLLISION, read straight
+    from the record: a lookup checks hundreds of blocks and decodes none of them."""
+    if record is None or now >= _EXPIRES.unpack_from(record, _EXPIRES_AT)[0]:
+        return MISSING
+    tokens_at = _HEADER.size + record[_RETENTION_LEN_AT]
+    if (
+        _DEPTH.unpack_from(record, _DEPTH_AT)[0] == depth
+        and record[_ROOT_AT:_PARENT_AT] == namespace_root
+        and record[_PARENT_AT : _PARENT_AT + 16] == parent
+        and record[tokens_at:] == tokens
+    ):
+        return HIT
+    return COLLISION

@@ -19,11 +19,11 @@ from typing import Any
 
 import lmdb
 
-from cache_service.blocks import BlockKey, BlockMeta, StoreUsage
+from cache_service.blocks import BlockKey, BlockMeta, ChainLink, StoreUsage
 from cache_service.errors import StorageError, StoreFull
 from cache_service.eviction import EvictionPolicy
 from cache_service.store.base import EXPIRY, VICTIMS
-from cache_service.store.codec import decode_meta, encode_meta, record_size
+from cache_service.store.codec import check_record, decode_meta, encode_meta, record_size
 from cache_service.store.ops import TxnStore
 
 FORMAT_VERSION = b"1"
@@ -51,6 +51,16 @@ class _LmdbTxn:
     def get(self, key: BlockKey) -> BlockMeta | None:
         record = self._txn.get(key, db=self._dbs["blocks"])
         return decode_meta(key, record) if record is not None else None
+
+    def check(self, link: ChainLink, namespace_root: BlockKey, now: float) -> int:
+        return check_record(
+            self._txn.get(link.key, db=self._dbs["blocks"]),
+            namespace_root=namespace_root,
+            parent=link.parent,
+            tokens=link.tokens,
+            depth=link.depth,
+            now=now,
+        )
 
     def put(self, meta: BlockMeta) -> None:
         self._txn.put(meta.key, encode_meta(meta), db=self._dbs["blocks"])

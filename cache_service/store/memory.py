@@ -8,10 +8,10 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
-from cache_service.blocks import BlockKey, BlockMeta, StoreUsage
+from cache_service.blocks import BlockKey, BlockMeta, ChainLink, StoreUsage
 from cache_service.eviction import EvictionPolicy
 from cache_service.store.base import EXPIRY, VICTIMS
-from cache_service.store.codec import record_size
+from cache_service.store.codec import COLLISION, HIT, MISSING, record_size
 from cache_service.store.ops import TxnStore
 
 # What a block costs beyond its payload and tokens here (dict slots, objects): an estimate,
@@ -28,6 +28,12 @@ class _MemoryTxn:
     def get(self, key: BlockKey) -> BlockMeta | None:
         meta = self._s.metas.get(key)
         return replace(meta) if meta is not None else None
+
+    def check(self, link: ChainLink, namespace_root: BlockKey, now: float) -> int:
+        meta = self._s.metas.get(link.key)
+        if meta is None or not meta.is_alive(now):
+            return MISSING
+        return HIT if meta.namespace_root == namespace_root and meta.holds(link) else COLLISION
 
     def put(self, meta: BlockMeta) -> None:
         old = self._s.metas.get(meta.key)

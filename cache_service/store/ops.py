@@ -31,6 +31,7 @@ from cache_service.blocks import (
 from cache_service.errors import MissingParent
 from cache_service.eviction import EvictionPolicy, LruPolicy
 from cache_service.store.base import EXPIRY, VICTIMS, BlockTxn
+from cache_service.store.codec import COLLISION, HIT
 
 SCAN_FIRST = 4  # most scans need one entry: start small, widen when entries are skipped
 SCAN_MOST = 1024
@@ -153,13 +154,13 @@ class TxnStore:
             if known is not None and known != namespace.encoded:
                 collisions, links = 1, ()
             for link in links:
-                meta = txn.get(link.key)
-                if meta is None or not meta.is_alive(now):
-                    break
-                if meta.namespace_root != namespace.root or not meta.holds(link):
-                    collisions += 1
+                status = txn.check(link, namespace.root, now)
+                if status != HIT:
+                    collisions += status == COLLISION
                     break
                 if with_payloads:
+                    meta = txn.get(link.key)
+                    assert meta is not None
                     payload = _verified_payload(txn, meta)
                     if payload is None:
                         corrupt += 1
