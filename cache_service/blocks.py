@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import NewType, overload
 
 BlockKey = NewType("BlockKey", bytes)
 """A 16-byte chained xxh3-128 block key (see `hashing`)."""
@@ -55,6 +56,59 @@ class ChainLink:
     depth: int
 
 
+class Chain(Sequence[ChainLink]):
+    """A prompt's chain links, made on demand: lookups usually read only the matched ones."""
+
+    __slots__ = ("_stride", "_tokens", "keys", "root")
+
+    def __init__(self, root: BlockKey, keys: list[BlockKey], token_bytes: bytes, stride: int):
+        self.root = root
+        self.keys = keys
+        self._tokens = token_bytes
+        self._stride = stride
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @overload
+    def __getitem__(self, index: int) -> ChainLink: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[ChainLink]: ...
+
+    def __getitem__(self, index: int | slice) -> ChainLink | list[ChainLink]:
+        if isinstance(index, slice):
+            return [self._link(i) for i in range(*index.indices(len(self.keys)))]
+        if index < 0:
+            index += len(self.keys)
+        if not 0 <= index < len(self.keys):
+            raise IndexError(index)
+        return self._link(index)
+
+    def parts(self) -> Iterator[tuple[BlockKey, BlockKey, bytes, int]]:
+        """(key, parent, tokens, depth) of every block, without building link objects."""
+        parent, stride, tokens = self.root, self._stride, self._tokens
+        for depth, key in enumerate(self.keys):
+            yield key, parent, tokens[depth * stride : (depth + 1) * stride], depth
+            parent = key
+
+    def _link(self, depth: int) -> ChainLink:
+        start = depth * self._stride
+        return ChainLink(
+            key=self.keys[depth],
+            parent=self.keys[depth - 1] if depth else self.root,
+            tokens=self._tokens[start : start + self._stride],
+            depth=depth,
+        )
+
+
+def link_parts(links: Sequence[ChainLink]) -> Iterator[tuple[BlockKey, BlockKey, bytes, int]]:
+    """(key, parent, tokens, depth) of each link; cheap for a Chain."""
+    if isinstance(links, Chain):
+        return links.parts()
+    return ((link.key, link.parent, link.tokens, link.depth) for link in links)
+
+
 @dataclass(frozen=True, slots=True)
 class NewBlock:
     """A block to store: its place in the chain and its KV payload."""
@@ -81,6 +135,9 @@ class BlockMeta:
     children: int = 0
     lru_seq: int = 0
     hits: int = 0
+    # Where the expiry index lists the block: at most expires_at (sliding a block's expiry
+    # leaves its entry early; the sweeper moves an entry it finds early to its real time).
+    indexed_expiry: float = 0.0
 
     def is_alive(self, now: float) -> bool:
         """A block is alive while now < expires_at."""
@@ -106,6 +163,7 @@ class Touch:
     at: float
     retention: str
     ttl_seconds: float
+    uses: int = 1  # hits this touch stands for (equal touches are merged before a flush)
 
 
 @dataclass(frozen=True, slots=True)

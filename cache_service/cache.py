@@ -5,10 +5,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cache_service.blocks import (
     BlockKey,
+    Chain,
     Evicted,
     Namespace,
     NewBlock,
@@ -23,7 +24,7 @@ from cache_service.errors import (
     StoreFull,
     UnknownRetention,
 )
-from cache_service.hashing import BlockHasher, Chain, tokens_to_bytes
+from cache_service.hashing import BlockHasher, tokens_to_bytes
 from cache_service.retention import RetentionPolicy
 from cache_service.store.base import BlockStore
 
@@ -256,7 +257,7 @@ class PrefixCache:
         if not pending:
             return 0
         try:
-            self.store.touch(pending)
+            self.store.touch(_coalesce(pending))
         except Exception:
             with self._pending_lock:  # keep them for the next flush, within a bound
                 self._pending[:0] = pending[-MAX_PENDING_TOUCHES:]
@@ -454,6 +455,19 @@ class PrefixCache:
     def usage(self) -> StoreUsage:
         """What the store holds now."""
         return self.store.usage()
+
+
+def _coalesce(touches: list[Touch]) -> list[Touch]:
+    """One touch per hit prefix and class, the latest, in order of last use: a hot prompt hit
+    a hundred times between flushes is refreshed once, with the same result."""
+    latest: dict[tuple[tuple[BlockKey, ...], str], Touch] = {}
+    for touch in touches:
+        earlier = latest.pop((touch.keys, touch.retention), None)
+        merged = touch
+        if earlier is not None:
+            merged = replace(touch, at=max(touch.at, earlier.at), uses=touch.uses + earlier.uses)
+        latest[(touch.keys, touch.retention)] = merged
+    return list(latest.values())
 
 
 def _as_bytes(tokens: TokenInput) -> bytes:

@@ -19,11 +19,10 @@ import sys
 from array import array
 from collections.abc import Callable, Sequence
 from functools import lru_cache
-from typing import overload
 
 import xxhash
 
-from cache_service.blocks import MAX_TOKEN_ID, BlockKey, ChainLink, Namespace, NamespaceId
+from cache_service.blocks import MAX_TOKEN_ID, BlockKey, Chain, Namespace, NamespaceId
 
 HASH_SCHEME = "xxh3-128-chained"
 HASH_VERSION = 1
@@ -134,42 +133,3 @@ class BlockHasher:
     ) -> list[BlockKey]:
         """The keys of every full block of a prompt given as token ids."""
         return self.chain(namespace, tokens_to_bytes(tokens), block_size=block_size).keys
-
-
-class Chain(Sequence[ChainLink]):
-    """A prompt's chain links, made on demand: lookups usually read only the matched ones."""
-
-    __slots__ = ("_stride", "_tokens", "keys", "root")
-
-    def __init__(self, root: BlockKey, keys: list[BlockKey], token_bytes: bytes, stride: int):
-        self.root = root
-        self.keys = keys
-        self._tokens = token_bytes
-        self._stride = stride
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    @overload
-    def __getitem__(self, index: int) -> ChainLink: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[ChainLink]: ...
-
-    def __getitem__(self, index: int | slice) -> ChainLink | list[ChainLink]:
-        if isinstance(index, slice):
-            return [self._link(i) for i in range(*index.indices(len(self.keys)))]
-        if index < 0:
-            index += len(self.keys)
-        if not 0 <= index < len(self.keys):
-            raise IndexError(index)
-        return self._link(index)
-
-    def _link(self, depth: int) -> ChainLink:
-        start = depth * self._stride
-        return ChainLink(
-            key=self.keys[depth],
-            parent=self.keys[depth - 1] if depth else self.root,
-            tokens=self._tokens[start : start + self._stride],
-            depth=depth,
-        )

@@ -105,8 +105,21 @@ class BlockTxn(Protocol):
         """The block's metadata, or None."""
         ...
 
-    def check(self, link: ChainLink, namespace_root: BlockKey, now: float) -> int:
-        """codec.MISSING, HIT or COLLISION for a link, as cheaply as the backend can tell."""
+    def check(
+        self, key: BlockKey, root_and_parent: bytes, tokens: bytes, depth: int, now: float
+    ) -> int:
+        """codec.MISSING, HIT or COLLISION for one block of a chain, as cheaply as the
+        backend can tell (`root_and_parent`: the namespace root then the parent key)."""
+        ...
+
+    def count_hits(
+        self,
+        root: BlockKey,
+        parts: Iterable[tuple[BlockKey, BlockKey, bytes, int]],
+        now: float,
+    ) -> tuple[int, int]:
+        """How many leading blocks of a chain `check` as HIT, and 1 if a COLLISION ended
+        the run (else 0): the lookup's hot loop, in one call."""
         ...
 
     def put(self, meta: BlockMeta) -> None:

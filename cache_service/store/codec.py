@@ -6,10 +6,10 @@ import struct
 
 from cache_service.blocks import BlockKey, BlockMeta
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 # version, depth, children, created, last_used, expires, lru_seq, hits, payload_size,
-# checksum, namespace root, parent key, retention length
-_HEADER = struct.Struct("<BIIdddQQQQ16s16sB")
+# checksum, namespace root, parent key, indexed expiry, retention length
+_HEADER = struct.Struct("<BIIdddQQQQ16s16sdB")
 
 
 def encode_meta(meta: BlockMeta) -> bytes:
@@ -29,6 +29,7 @@ def encode_meta(meta: BlockMeta) -> bytes:
             meta.checksum,
             meta.namespace_root,
             meta.parent,
+            meta.indexed_expiry,
             len(retention),
         )
         + retention
@@ -51,6 +52,7 @@ def decode_meta(key: BlockKey, record: bytes | memoryview) -> BlockMeta:
         checksum,
         namespace_root,
         parent,
+        indexed_expiry,
         retention_len,
     ) = _HEADER.unpack_from(record)
     if version != RECORD_VERSION:
@@ -72,6 +74,7 @@ def decode_meta(key: BlockKey, record: bytes | memoryview) -> BlockMeta:
         children=children,
         lru_seq=lru_seq,
         hits=hits,
+        indexed_expiry=indexed_expiry,
     )
 
 
@@ -81,9 +84,10 @@ def record_size(token_bytes: int, retention_len: int = 8) -> int:
 
 
 # Fixed offsets into the header, for reads that check a record without decoding it.
-_DEPTH = struct.Struct("<I")
-_EXPIRES = struct.Struct("<d")
-_DEPTH_AT, _EXPIRES_AT, _ROOT_AT, _PARENT_AT, _RETENTION_LEN_AT = 1, 25, 65, 81, 97
+DEPTH = struct.Struct("<I")
+EXPIRES = struct.Struct("<d")
+DEPTH_AT, EXPIRES_AT, ROOT_AT, PARENT_END, RETENTION_LEN_AT = 1, 25, 65, 97, 105
+TOKENS_AT = _HEADER.size  # plus the retention name's length
 
 MISSING, HIT, COLLISION = 0, 1, 2
 
@@ -91,22 +95,22 @@ MISSING, HIT, COLLISION = 0, 1, 2
 def check_record(
     record: bytes | memoryview | None,
     *,
-    namespace_root: bytes,
-    parent: bytes,
+    root_and_parent: bytes,
     tokens: bytes,
     depth: int,
     now: float,
 ) -> int:
     """MISSING (absent or expired), HIT (this very block, alive) or COLLISION, read straight
     from the record: a lookup checks hundreds of blocks and decodes none of them."""
-    if record is None or now >= _EXPIRES.unpack_from(record, _EXPIRES_AT)[0]:
+    if record is None:
         return MISSING
-    tokens_at = _HEADER.size + record[_RETENTION_LEN_AT]
+    raw = bytes(record)  # a no-op for bytes (LMDB reads here return bytes, not views)
+    if now >= EXPIRES.unpack_from(raw, EXPIRES_AT)[0]:
+        return MISSING
     if (
-        _DEPTH.unpack_from(record, _DEPTH_AT)[0] == depth
-        and record[_ROOT_AT:_PARENT_AT] == namespace_root
-        and record[_PARENT_AT : _PARENT_AT + 16] == parent
-        and record[tokens_at:] == tokens
+        raw[ROOT_AT:PARENT_END] == root_and_parent
+        and DEPTH.unpack_from(raw, DEPTH_AT)[0] == depth
+        and raw[TOKENS_AT + raw[RETENTION_LEN_AT] :] == tokens
     ):
         return HIT
     return COLLISION

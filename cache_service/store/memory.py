@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
-from cache_service.blocks import BlockKey, BlockMeta, ChainLink, StoreUsage
+from cache_service.blocks import BlockKey, BlockMeta, StoreUsage
 from cache_service.eviction import EvictionPolicy
 from cache_service.store.base import EXPIRY, VICTIMS
 from cache_service.store.codec import COLLISION, HIT, MISSING, record_size
@@ -29,11 +29,32 @@ class _MemoryTxn:
         meta = self._s.metas.get(key)
         return replace(meta) if meta is not None else None
 
-    def check(self, link: ChainLink, namespace_root: BlockKey, now: float) -> int:
-        meta = self._s.metas.get(link.key)
+    def check(
+        self, key: BlockKey, root_and_parent: bytes, tokens: bytes, depth: int, now: float
+    ) -> int:
+        meta = self._s.metas.get(key)
         if meta is None or not meta.is_alive(now):
             return MISSING
-        return HIT if meta.namespace_root == namespace_root and meta.holds(link) else COLLISION
+        same = (
+            meta.namespace_root + meta.parent == root_and_parent
+            and meta.depth == depth
+            and meta.tokens == tokens
+        )
+        return HIT if same else COLLISION
+
+    def count_hits(
+        self,
+        root: BlockKey,
+        parts: Iterable[tuple[BlockKey, BlockKey, bytes, int]],
+        now: float,
+    ) -> tuple[int, int]:
+        matched = 0
+        for key, parent, tokens, depth in parts:
+            status = self.check(key, root + parent, tokens, depth, now)
+            if status != HIT:
+                return matched, int(status == COLLISION)
+            matched += 1
+        return matched, 0
 
     def put(self, meta: BlockMeta) -> None:
         old = self._s.metas.get(meta.key)

@@ -27,6 +27,7 @@ from cache_service.blocks import (
     NewBlock,
     StoreUsage,
     Touch,
+    link_parts,
 )
 from cache_service.errors import MissingParent
 from cache_service.eviction import EvictionPolicy, LruPolicy
@@ -35,7 +36,7 @@ from cache_service.store.codec import COLLISION, HIT
 
 SCAN_FIRST = 4  # most scans need one entry: start small, widen when entries are skipped
 SCAN_MOST = 1024
-_Indexed = tuple[bytes | None, float]  # (victims sort key if a leaf, expires_at)
+_Indexed = bytes | None  # the victims sort key while the block is a leaf
 
 
 def checksum(payload: bytes | memoryview) -> int:
@@ -102,28 +103,35 @@ class TxnStore:
         return struct.pack(">Q", self.policy.priority(meta))
 
     def _indexed(self, meta: BlockMeta) -> _Indexed:
-        """Where a block stands in the indexes now; taken before changing it."""
-        return (self._victim_key(meta) if meta.children == 0 else None, meta.expires_at)
+        """Where a block stands in the victims index now; taken before changing it."""
+        return self._victim_key(meta) if meta.children == 0 else None
 
-    def _save(self, txn: BlockTxn, meta: BlockMeta, before: _Indexed | None) -> None:
-        """Write `meta`, moving its index entries from where `before` says they were."""
-        victim, expires_at = before if before is not None else (None, None)
-        new_victim = self._victim_key(meta) if meta.children == 0 else None
-        if victim != new_victim:
+    def _save(self, txn: BlockTxn, meta: BlockMeta, before: _Indexed, *, new: bool = False) -> None:
+        """Write `meta`, moving its victims entry from `before`; a new block joins the expiry
+        index. Later expiry changes leave that entry early on purpose: sliding a block's TTL
+        on every hit then costs no index write, and the sweeper re-files early entries."""
+        victim = self._victim_key(meta) if meta.children == 0 else None
+        if before != victim:
+            if before is not None:
+                txn.index_remove(VICTIMS, before, meta.key)
             if victim is not None:
-                txn.index_remove(VICTIMS, victim, meta.key)
-            if new_victim is not None:
-                txn.index_add(VICTIMS, new_victim, meta.key)
-        if expires_at != meta.expires_at:
-            if expires_at is not None:
-                txn.index_remove(EXPIRY, expiry_sort_key(expires_at), meta.key)
+                txn.index_add(VICTIMS, victim, meta.key)
+        if new:
+            meta.indexed_expiry = meta.expires_at
             txn.index_add(EXPIRY, expiry_sort_key(meta.expires_at), meta.key)
+        txn.put(meta)
+
+    def _refile_expiry(self, txn: BlockTxn, meta: BlockMeta) -> None:
+        """Move an early expiry entry to the block's real expiry."""
+        txn.index_remove(EXPIRY, expiry_sort_key(meta.indexed_expiry), meta.key)
+        meta.indexed_expiry = meta.expires_at
+        txn.index_add(EXPIRY, expiry_sort_key(meta.expires_at), meta.key)
         txn.put(meta)
 
     def _drop(self, txn: BlockTxn, meta: BlockMeta) -> bool:
         """Delete a leaf block; True when that made its parent a leaf."""
         txn.index_remove(VICTIMS, self._victim_key(meta), meta.key)
-        txn.index_remove(EXPIRY, expiry_sort_key(meta.expires_at), meta.key)
+        txn.index_remove(EXPIRY, expiry_sort_key(meta.indexed_expiry), meta.key)
         txn.delete(meta.key)
         txn.add_payload_bytes(-meta.payload_size)
         if meta.depth == 0:
@@ -151,27 +159,26 @@ class TxnStore:
         payloads: list[bytes] = []
         with self._read() as txn:
             known = txn.get_namespace(namespace.root) if links else None
-            if known is not None and known != namespace.encoded:
-                collisions, links = 1, ()
-            for link in links:
-                status = txn.check(link, namespace.root, now)
+            if known is not None and known != namespace.encoded:  # another namespace's root
+                return MatchResult(matched=0, collisions=1, payloads=() if with_payloads else None)
+            root = namespace.root
+            if not with_payloads:
+                matched, collisions = txn.count_hits(root, link_parts(links), now)
+                return MatchResult(matched=matched, collisions=collisions)
+            for key, parent, tokens, depth in link_parts(links):
+                status = txn.check(key, root + parent, tokens, depth, now)
                 if status != HIT:
                     collisions += status == COLLISION
                     break
-                if with_payloads:
-                    meta = txn.get(link.key)
-                    assert meta is not None
-                    payload = _verified_payload(txn, meta)
-                    if payload is None:
-                        corrupt += 1
-                        break
-                    payloads.append(payload)
+                meta = txn.get(key)
+                payload = _verified_payload(txn, meta) if meta is not None else None
+                if payload is None:
+                    corrupt += 1
+                    break
+                payloads.append(payload)
                 matched += 1
         return MatchResult(
-            matched=matched,
-            collisions=collisions,
-            payloads=tuple(payloads) if with_payloads else None,
-            corrupt=corrupt,
+            matched=matched, collisions=collisions, payloads=tuple(payloads), corrupt=corrupt
         )
 
     def get_payloads(
@@ -272,10 +279,14 @@ class TxnStore:
                         retention=retention,
                         children=old.children if old is not None else 0,
                         lru_seq=seq,
+                        indexed_expiry=old.indexed_expiry if old is not None else 0.0,
                     )
                     txn.put_payload(link.key, block.payload)
                     txn.add_payload_bytes(new.payload_size - (old.payload_size if old else 0))
-                    self._save(txn, new, self._indexed(old) if old is not None else None)
+                    if old is None:
+                        self._save(txn, new, None, new=True)
+                    else:  # an expired block replaced: its early expiry entry stays valid
+                        self._save(txn, new, self._indexed(old))
                     if old is None and link.depth > 0:
                         self._add_child(txn, link.parent)
                     stored.append(link.key)
@@ -338,7 +349,7 @@ class TxnStore:
                     before = self._indexed(meta)
                     meta.last_used_at = max(meta.last_used_at, hit.at)
                     meta.lru_seq = first_seq + len(present) - 1 - index
-                    meta.hits += 1
+                    meta.hits += hit.uses
                     meta.expires_at, meta.retention = _later_expiry(meta, expires_at, hit.retention)
                     self._save(txn, meta, before)
 
@@ -403,7 +414,7 @@ class TxnStore:
         """Drop leaves from the front of `index`; with `now`, expired ancestors follow at once."""
         while not satisfied():
             progressed = False
-            for meta in self._candidates(txn, index, upto, protected):
+            for meta in self._candidates(txn, index, upto, protected, now):
                 victim: BlockMeta | None = meta
                 while victim is not None:
                     new_leaf = self._drop(txn, victim)
@@ -436,7 +447,12 @@ class TxnStore:
         return parent
 
     def _candidates(
-        self, txn: BlockTxn, index: str, upto: bytes | None, protected: frozenset[BlockKey]
+        self,
+        txn: BlockTxn,
+        index: str,
+        upto: bytes | None,
+        protected: frozenset[BlockKey],
+        now: float | None,
     ) -> Iterator[BlockMeta]:
         """Leaf blocks from the front of an index; rescans after each batch it yields from."""
         after: bytes | None = None
@@ -446,7 +462,12 @@ class TxnStore:
             found = False
             for _, key in entries:
                 meta = txn.get(key)
-                if meta is None or meta.children or key in protected:
+                if meta is None or key in protected:
+                    continue
+                if index == EXPIRY and now is not None and meta.is_alive(now):
+                    self._refile_expiry(txn, meta)  # listed early: its TTL slid since
+                    continue
+                if meta.children:
                     continue
                 found = True
                 yield meta
