@@ -73,8 +73,8 @@ def replay_prefix_cache(
     """The prefix cache of the issue, simulated block by block (requests in replay order).
 
     Per request: look up (the longest prefix of blocks that are held and alive: now <
-    expires_at, where expires_at is the latest use time + TTL of that use's class since the
-    block was stored); store the blocks that missed (only the first `capacity_blocks` of the
+    expires_at, the largest use time + TTL of that use's class over the block's uses since
+    it was stored); store the blocks that missed (only the first `capacity_blocks` of the
     request when it is larger than the cache); mark every kept block of the request used, tail
     first, so the head is the most recent; then evict down to exactly `capacity_blocks`: a
     block with no held child, expired ones first, else the least recently used.

@@ -30,22 +30,28 @@ def build_accesses(requests: Sequence[TraceRequest], units: BlockUnits) -> Acces
     A hash id names a block together with its prefix, within its file and namespace; a token
     block is named by its chained key, so equal prefixes share numbers exactly as in the cache.
     """
-    ids: dict[object, int] = {}
+    numbers: dict[object, int] = {}  # a block's name -> its number
     hasher = BlockHasher()
     blocks: list[list[int]] = []
     for request in requests:
         namespace = request_namespace(request)
-        names: list[object]
         if request.hash_ids is not None:
-            names = [(namespace, hash_id) for hash_id in request.hash_ids]
+            # Named by its whole prefix, as the cache's chained keys name it: an id that
+            # follows another prefix is another block.
+            path: list[int] = []
+            parent: object = namespace
+            for hash_id in request.hash_ids:
+                parent = numbers.setdefault((parent, hash_id), len(numbers))
+                path.append(parent)
+            blocks.append(path)
         else:
             assert request.tokens is not None
             tokens = bytes_to_tokens(request.tokens)
-            names = list(hasher.keys(namespace, tokens, block_size=units.trace_tokens))
-        blocks.append([ids.setdefault(name, len(ids)) for name in names])
+            keys = hasher.keys(namespace, tokens, block_size=units.trace_tokens)
+            blocks.append([numbers.setdefault(key, len(numbers)) for key in keys])
     return Accesses(
         blocks=blocks,
         input_lengths=[r.input_length for r in requests],
         block_tokens=units.trace_tokens,
-        distinct=len(ids),
+        distinct=len(numbers),
     )

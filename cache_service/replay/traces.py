@@ -12,6 +12,7 @@ listed for the cacheable part only); the rest always counts as miss tokens.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,9 +78,15 @@ def _str(record: dict[str, Any], name: str, default: str) -> str:
 
 def _timestamp(record: dict[str, Any], scale: float) -> float:
     value = record.get("timestamp")
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"`timestamp` must be a number >= 0, got {value!r}")
-    return float(value) * scale
+    try:
+        seconds = float(value) * scale
+    except OverflowError:
+        seconds = math.inf
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"`timestamp` must be a finite number >= 0, got {value!r}")
+    return seconds
 
 
 def _hash_ids(record: dict[str, Any]) -> tuple[int, ...]:
@@ -183,16 +190,16 @@ def read_trace(
     if fmt not in FORMATS:
         raise ValueError(f"unknown trace format {fmt!r} (known: {', '.join(FORMATS)})")
     chosen = None if fmt == "auto" else fmt
-    with open(path, encoding="utf-8") as lines:
-        for number, text in enumerate(lines, start=1):
-            if not text.strip():
+    with open(path, "rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            if not raw.strip():
                 continue
             try:
-                record = json.loads(text)
+                record = json.loads(raw.decode("utf-8"))
                 if chosen is None and isinstance(record, dict):
                     chosen = detect_format(record)
                 yield parse_record(record, chosen or "jsonl", source=source, line=number)
-            except (ValueError, RecursionError) as exc:
+            except (ValueError, RecursionError, OverflowError) as exc:  # UnicodeError too
                 error = TraceError(str(path), number, str(exc))
                 if strict:
                     raise error from None
