@@ -12,6 +12,8 @@ from cache_service.replay.mrc import lru_curve
 
 CURVE_POINTS = 48  # log-spaced capacities in the report (the curve itself is exact everywhere)
 BELADY_FRACTIONS = (1 / 1024, 1 / 256, 1 / 64, 1 / 16, 1 / 4, 1)  # of the distinct blocks
+# Round capacities (tokens) always reported, so runs of different traces line up.
+ROUND_CAPACITY_TOKENS = (10**5, 3 * 10**5, 10**6, 3 * 10**6, 10**7, 3 * 10**7, 10**8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +70,9 @@ def capacity_curves(
         total_tokens=sum(accesses.input_lengths),
         kv_bytes_per_token=plan.kv_bytes_per_token,
     )
-    extra = [tokens // accesses.block_tokens for tokens in plan.extra_capacity_tokens]
+    whole = accesses.distinct * accesses.block_tokens
+    rounds = [tokens for tokens in ROUND_CAPACITY_TOKENS if tokens < whole]
+    extra = [tokens // accesses.block_tokens for tokens in [*plan.extra_capacity_tokens, *rounds]]
     belady_capacities = sorted(
         {max(1, int(accesses.distinct * f)) for f in BELADY_FRACTIONS} | {b for b in extra if b > 0}
     )

@@ -7,6 +7,7 @@ from typing import Any
 from cache_service.replay.curves import capacity_for_share
 
 GIB = 2**30
+MAX_CURVE_ROWS = 6
 
 
 def _ratio(figures: dict[str, Any]) -> str:
@@ -57,10 +58,18 @@ def format_summary(report: dict[str, Any]) -> str:
                     f"{report['policy'].upper()} reaches {share:.0%} of the ceiling at "
                     f"{tokens:,} tokens ({tokens * mrc['kv_bytes_per_token'] / GIB:,.1f} GiB of KV)"
                 )
-        best = ", ".join(
-            f"{p['capacity_tokens']:,} tok {p['token_hit_ratio']:.1%}" for p in belady["points"]
-        )
-        lines.append(f"Offline optimum (Belady): {best}")
+        lru = {p["capacity_blocks"]: p["token_hit_ratio"] for p in mrc["points"]}
+        points = belady["points"]
+        shown = points[:: max(1, -(-len(points) // MAX_CURVE_ROWS))]
+        policy = report["policy"].upper()
+        lines.append(f"Token hit ratio by capacity: {'tokens':>15}  {policy:>6}  Belady")
+        for point in shown:
+            ours = lru.get(point["capacity_blocks"])
+            lines.append(
+                f"{'':28} {point['capacity_tokens']:>15,}  "
+                + (f"{ours:6.1%}" if ours is not None else "     -")
+                + f"  {point['token_hit_ratio']:6.1%}"
+            )
     if report["skipped_lines"]:
         lines.append(f"Skipped {report['skipped_lines']:,} malformed lines (listed above)")
     return "\n".join(lines)
