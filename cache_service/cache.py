@@ -29,6 +29,7 @@ from cache_service.retention import RetentionPolicy
 from cache_service.store.base import BlockStore
 
 Clock = Callable[[], float]
+PayloadSink = Callable[[int, bytes | memoryview | None], None]
 TokenInput = bytes | Sequence[int]
 
 DEFAULT_BLOCK_SIZE = 64
@@ -152,8 +153,10 @@ class PrefixCache:
         block_size: int | None = None,
         with_payloads: bool = False,
         touch: bool = True,
+        sink: PayloadSink | None = None,
     ) -> PrefixMatch:
-        """The longest stored, alive and verified prefix of a prompt (a miss is empty)."""
+        """The longest stored, alive and verified prefix of a prompt (a miss is empty); with
+        payloads, each goes to `sink(index, view)` if given, else into the match."""
         retention_class, ttl = self.resolve_retention(retention)
         size = self.block_size_for(namespace.model, block_size)
         token_bytes = _as_bytes(tokens)
@@ -165,6 +168,7 @@ class PrefixCache:
             prompt_tokens=len(token_bytes) // 4,
             retention=retention_class,
             with_payloads=with_payloads,
+            sink=sink,
         )
         if touch and found.keys:
             self.touch(found.keys, at=self.clock(), retention=retention_class, ttl_seconds=ttl)
@@ -179,10 +183,11 @@ class PrefixCache:
         prompt_tokens: int,
         retention: str,
         with_payloads: bool = False,
+        sink: PayloadSink | None = None,
     ) -> PrefixMatch:
         namespace_id = self.hasher.namespace_id(namespace)
         result = self.store.match(
-            namespace_id, links, now=self.clock(), with_payloads=with_payloads
+            namespace_id, links, now=self.clock(), with_payloads=with_payloads, sink=sink
         )
         found = PrefixMatch(
             block_size=block_size,
@@ -269,6 +274,15 @@ class PrefixCache:
     def pending_touches(self) -> int:
         """Deferred touches waiting for the next flush."""
         return len(self._pending)
+
+    def read_payloads(
+        self, namespace: Namespace, keys: Sequence[BlockKey], sink: PayloadSink
+    ) -> None:
+        """Hand each block's checked payload to `sink(index, view)`, None for one that is gone."""
+        namespace_id = self.hasher.namespace_id(namespace)
+        corrupt = self.store.read_payloads(namespace_id, keys, now=self.clock(), sink=sink)
+        if corrupt:
+            self.events.on_corrupt(corrupt)
 
     def get_payloads(self, namespace: Namespace, keys: Sequence[BlockKey]) -> list[bytes | None]:
         """Checked payloads of blocks of one namespace; None for a block that is gone."""

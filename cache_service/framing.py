@@ -42,6 +42,29 @@ def encode_frames(
     return chunks
 
 
+class FrameWriter:
+    """Frames appended to one buffer as they are read, so each payload is copied once (from the
+    store); the header, known only at the end, is made separately by `head`."""
+
+    def __init__(self) -> None:
+        self.frames = bytearray()
+        self.count = 0
+
+    def add(self, payload: bytes | memoryview | None) -> None:
+        """Append one frame (None: absent)."""
+        if payload is None:
+            self.frames += _U64.pack(ABSENT)
+        else:
+            self.frames += _U64.pack(len(payload))
+            self.frames += payload
+        self.count += 1
+
+    def head(self, header: dict[str, Any]) -> bytes:
+        """The bytes that precede the frames: magic, the JSON header and the frame count."""
+        encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        return MAGIC + _U32.pack(len(encoded)) + encoded + _U32.pack(self.count)
+
+
 def join_frames(chunks: Iterable[bytes | memoryview]) -> bytes:
     """One bytes object from `encode_frames` chunks."""
     return b"".join(chunks)

@@ -25,6 +25,7 @@ from cache_service.api.bodies import (
     tokens_frame,
 )
 from cache_service.api.openapi import binary_body, json_body, lookup_body, responses
+from cache_service.api.responses import FramesResponse
 from cache_service.api.schemas import (
     FetchRequest,
     LookupHeader,
@@ -35,13 +36,7 @@ from cache_service.api.schemas import (
 from cache_service.api.state import ServiceState, service_state
 from cache_service.blocks import KEY_BYTES, Namespace, PrefixMatch, key_from_hex, key_hex
 from cache_service.errors import InvalidField
-from cache_service.framing import (
-    MEDIA_TYPE,
-    decode_frames,
-    encode_frames,
-    frame_header_length,
-    join_frames,
-)
+from cache_service.framing import MEDIA_TYPE, FrameWriter, decode_frames, frame_header_length
 from cache_service.hashing import HASH_SCHEME, HASH_VERSION
 
 router = APIRouter()
@@ -112,17 +107,19 @@ def _lookup(state: ServiceState, options: LookupHeader, tokens: list[int] | byte
     limit = state.settings.max_tokens_per_request
     count = len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)
     check_count("tokens", count, limit, "max_tokens_per_request")
+    frames = FrameWriter()
     found = state.cache.match_prefix(
         _namespace(options),
         tokens,
         retention=options.retention,
         block_size=options.block_size,
         with_payloads=options.fetch,
+        sink=lambda _index, payload: frames.add(payload),
     )
     answer = lookup_answer(options.model, found)
     if not options.fetch:
         return JSONResponse(answer)
-    return Response(join_frames(encode_frames(answer, found.payloads or ())), media_type=MEDIA_TYPE)
+    return FramesResponse(answer, frames)
 
 
 @router.post(
@@ -199,13 +196,16 @@ async def fetch_blocks(request: Request) -> Response:
     limit = state.settings.max_blocks_per_request
     check_count("keys", len(body.keys), limit, "max_blocks_per_request")
     keys = [key_from_hex(text) for text in body.keys]
-    payloads = await run_in_threadpool(state.cache.get_payloads, _namespace(body), keys)
-    header = {
-        "model": body.model,
-        "requested": len(keys),
-        "found": sum(payload is not None for payload in payloads),
-    }
-    return Response(join_frames(encode_frames(header, payloads)), media_type=MEDIA_TYPE)
+    frames = FrameWriter()
+    found = 0
+
+    def add(_index: int, payload: bytes | memoryview | None) -> None:
+        nonlocal found
+        frames.add(payload)
+        found += payload is not None
+
+    await run_in_threadpool(state.cache.read_payloads, _namespace(body), keys, add)
+    return FramesResponse({"model": body.model, "requested": len(keys), "found": found}, frames)
 
 
 @router.get("/v1/info", summary="Hashing scheme, block sizes and retention classes")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -36,6 +36,7 @@ class BlockStore(Protocol):
         *,
         now: float,
         with_payloads: bool = False,
+        sink: Callable[[int, bytes | memoryview | None], None] | None = None,
     ) -> MatchResult:
         """Count the leading links that are stored, alive and verified (namespace, depth,
         parent and tokens)."""
@@ -62,6 +63,18 @@ class BlockStore(Protocol):
         self, namespace: NamespaceId, keys: Sequence[BlockKey], *, now: float
     ) -> tuple[list[bytes | None], int]:
         """Payloads of alive blocks of one namespace (None where absent) and a corrupt count."""
+        ...
+
+    def read_payloads(
+        self,
+        namespace: NamespaceId,
+        keys: Sequence[BlockKey],
+        *,
+        now: float,
+        sink: Callable[[int, bytes | memoryview | None], None],
+    ) -> int:
+        """Hand each verified payload to `sink` as a view valid during the call (no copy);
+        returns how many failed their checksum."""
         ...
 
     def evict(

@@ -225,8 +225,8 @@ class LmdbStore(TxnStore):
         self._psize = int(self.env.stat()["psize"])
 
     @contextmanager
-    def _begin_read(self) -> Iterator[_LmdbTxn]:
-        with self.env.begin() as txn:
+    def _begin_read(self, *, views: bool = False) -> Iterator[_LmdbTxn]:
+        with self.env.begin(buffers=True) if views else self.env.begin() as txn:
             yield _LmdbTxn(self, txn)
 
     @contextmanager

@@ -133,7 +133,7 @@ class MemoryStore(TxnStore):
         self._lock = threading.RLock()
 
     @contextmanager
-    def _begin_read(self) -> Iterator[_MemoryTxn]:
+    def _begin_read(self, *, views: bool = False) -> Iterator[_MemoryTxn]:
         with self._lock:
             yield _MemoryTxn(self)
 

@@ -34,6 +34,7 @@ from cache_service.eviction import EvictionPolicy, LruPolicy
 from cache_service.store.base import EXPIRY, VICTIMS, BlockTxn
 from cache_service.store.codec import COLLISION, HIT
 
+PayloadSink = Callable[[int, "bytes | memoryview | None"], None]
 SCAN_FIRST = 4  # most scans need one entry: start small, widen when entries are skipped
 SCAN_MOST = 1024
 _Indexed = bytes | None  # the victims sort key while the block is a leaf
@@ -56,19 +57,21 @@ class TxnStore:
         self.policy: EvictionPolicy = policy or LruPolicy()
         self._batch = threading.local()
 
-    def _begin_read(self) -> AbstractContextManager[BlockTxn]:
+    def _begin_read(self, *, views: bool = False) -> AbstractContextManager[BlockTxn]:
+        """A read transaction; with `views`, payload reads may return views into the store
+        that stay valid until the transaction ends (no copy)."""
         raise NotImplementedError
 
     def _begin_write(self) -> AbstractContextManager[BlockTxn]:
         raise NotImplementedError
 
     @contextmanager
-    def _read(self) -> Iterator[BlockTxn]:
+    def _read(self, *, views: bool = False) -> Iterator[BlockTxn]:
         batch: BlockTxn | None = getattr(self._batch, "txn", None)
         if batch is not None:
             yield batch
             return
-        with self._begin_read() as txn:
+        with self._begin_read(views=views) as txn:
             yield txn
 
     @contextmanager
@@ -153,11 +156,19 @@ class TxnStore:
         *,
         now: float,
         with_payloads: bool = False,
+        sink: PayloadSink | None = None,
     ) -> MatchResult:
-        """Count the leading links that are stored, alive and verified."""
+        """Count the leading links that are stored, alive and verified; with payloads, each
+        verified payload goes to `sink` (a view valid during the call) or into the result."""
         matched = collisions = corrupt = 0
-        payloads: list[bytes] = []
-        with self._read() as txn:
+        collected: list[bytes] = []
+
+        def collect(_index: int, payload: bytes | memoryview | None) -> None:
+            assert payload is not None
+            collected.append(bytes(payload))
+
+        keep = sink or collect
+        with self._read(views=with_payloads) as txn:
             known = txn.get_namespace(namespace.root) if links else None
             if known is not None and known != namespace.encoded:  # another namespace's root
                 return MatchResult(matched=0, collisions=1, payloads=() if with_payloads else None)
@@ -175,30 +186,43 @@ class TxnStore:
                 if payload is None:
                     corrupt += 1
                     break
-                payloads.append(payload)
+                keep(matched, payload)
                 matched += 1
         return MatchResult(
-            matched=matched, collisions=collisions, payloads=tuple(payloads), corrupt=corrupt
+            matched=matched,
+            collisions=collisions,
+            payloads=None if sink else tuple(collected),
+            corrupt=corrupt,
         )
 
     def get_payloads(
         self, namespace: NamespaceId, keys: Sequence[BlockKey], *, now: float
     ) -> tuple[list[bytes | None], int]:
         """Payloads of alive blocks of one namespace; None where absent, foreign or corrupt."""
-        out: list[bytes | None] = []
+        out: list[bytes | None] = [None] * len(keys)
+
+        def keep(index: int, payload: bytes | memoryview | None) -> None:
+            out[index] = None if payload is None else bytes(payload)
+
+        return out, self.read_payloads(namespace, keys, now=now, sink=keep)
+
+    def read_payloads(
+        self, namespace: NamespaceId, keys: Sequence[BlockKey], *, now: float, sink: PayloadSink
+    ) -> int:
+        """Hand each key's verified payload to `sink(index, view)` (None where absent,
+        foreign or corrupt; the view is valid only during the call); returns the corrupt count."""
         corrupt = 0
-        with self._read() as txn:
-            if keys and txn.get_namespace(namespace.root) != namespace.encoded:
-                return [None] * len(keys), 0
-            for key in keys:
-                meta = txn.get(key)
+        with self._read(views=True) as txn:
+            foreign = bool(keys) and txn.get_namespace(namespace.root) != namespace.encoded
+            for index, key in enumerate(keys):
+                meta = None if foreign else txn.get(key)
                 if meta is None or not meta.is_alive(now) or meta.namespace_root != namespace.root:
-                    out.append(None)
+                    sink(index, None)
                     continue
                 payload = _verified_payload(txn, meta)
                 corrupt += payload is None
-                out.append(payload)
-        return out, corrupt
+                sink(index, payload)
+        return corrupt
 
     def usage(self) -> StoreUsage:
         """Blocks, payload bytes and the space the backend really uses."""
@@ -484,8 +508,8 @@ def _later_expiry(meta: BlockMeta, expires_at: float, retention: str) -> tuple[f
     return meta.expires_at, meta.retention
 
 
-def _verified_payload(txn: BlockTxn, meta: BlockMeta) -> bytes | None:
+def _verified_payload(txn: BlockTxn, meta: BlockMeta) -> bytes | memoryview | None:
     payload = txn.get_payload(meta.key)
     if payload is None or len(payload) != meta.payload_size or checksum(payload) != meta.checksum:
         return None
-    return bytes(payload)
+    return payload
