@@ -13,11 +13,23 @@ With `fail_open=True`, the data-path calls (lookup, get_blocks, store, put_prefi
 misses at once, without the network, for `backoff_initial_seconds`, doubling per consecutive
 failure up to `backoff_max_seconds`; one success resets it. A 507 (store full) is a miss but
 not a failure: the service is up. 4xx answers are the caller's bug and are always raised.
+
+The blocking client talks plain http through `StdlibTransport` (http.client), which reads
+MiB-sized answers in one call; `copy=False` on lookup and get_blocks returns payloads as
+memoryviews into the answer, so fetching a prefix copies its bytes only off the socket.
 """
 
 from cache_service.client.aio import AsyncCacheClient
-from cache_service.client.answers import Match, StoreResult, Usage
+from cache_service.client.answers import Match, Payload, StoreResult, Usage
 from cache_service.client.base import Clock
 from cache_service.client.sync import CacheClient
 
-__all__ = ["AsyncCacheClient", "CacheClient", "Clock", "Match", "StoreResult", "Usage"]
+__all__ = [
+    "AsyncCacheClient",
+    "CacheClient",
+    "Clock",
+    "Match",
+    "Payload",
+    "StoreResult",
+    "Usage",
+]

@@ -10,7 +10,7 @@ from typing import Any, Self
 import httpx
 
 from cache_service.blocks import BlockKey
-from cache_service.client.answers import Match, StoreResult
+from cache_service.client.answers import Match, Payload, StoreResult
 from cache_service.client.base import _T, Clock, Tokens, _BaseCacheClient, _Call
 from cache_service.errors import ServiceError
 
@@ -66,6 +66,7 @@ class AsyncCacheClient(_BaseCacheClient):
         retention: str | None = None,
         block_size: int | None = None,
         fetch: bool = False,
+        copy: bool = True,
     ) -> Match:
         """The longest cached prefix of `tokens`; with fetch, its payloads too."""
         return await self._send(
@@ -77,6 +78,7 @@ class AsyncCacheClient(_BaseCacheClient):
                 retention=retention,
                 block_size=block_size,
                 fetch=fetch,
+                copy=copy,
             )
         )
 
@@ -138,11 +140,15 @@ class AsyncCacheClient(_BaseCacheClient):
         *,
         kv_layout: str = "",
         salt: str | None = None,
-    ) -> list[bytes | None]:
-        """The payload of each key, in order; None for a block the service no longer has."""
+        copy: bool = True,
+    ) -> list[Payload | None]:
+        """The payload of each key, in order; None for a block the service no longer has.
+        With copy=False each payload is a memoryview into the answer (no copy of the bytes)."""
         if not keys:
             return []
-        return await self._send(self._build_get_blocks(model, keys, kv_layout=kv_layout, salt=salt))
+        return await self._send(
+            self._build_get_blocks(model, keys, kv_layout=kv_layout, salt=salt, copy=copy)
+        )
 
     async def info(self) -> dict[str, Any]:
         """What a worker must agree with to share the cache: hashing, block sizes, limits."""

@@ -20,6 +20,9 @@ _T = TypeVar("_T")
 MAX_ERROR_TEXT_CHARS = 2000  # a non-JSON error body (an HTML page from a proxy) is cut here
 
 
+Payload = bytes | memoryview  # bytes, or with copy=False a view into the answer
+
+
 @dataclass(frozen=True, slots=True)
 class Usage:
     """Token accounting of one lookup, as OpenAI-style APIs report prompt caching."""
@@ -38,7 +41,7 @@ class Match:
     prompt_tokens: int
     keys: list[str]  # 32 lowercase hex characters each, as the API sends them
     usage: Usage
-    payloads: list[bytes] | None = None
+    payloads: list[Payload] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,13 +129,17 @@ def _strings(body: dict[str, Any], name: str) -> list[str]:
     return value
 
 
-def _parse_match(response: httpx.Response, *, fetch: bool) -> Match:
-    payloads: list[bytes] | None = None
+def _payload(frame: memoryview, copy: bool) -> Payload:
+    return bytes(frame) if copy else frame
+
+
+def _parse_match(response: httpx.Response, *, fetch: bool, copy: bool = True) -> Match:
+    payloads: list[Payload] | None = None
     if fetch:
         body, frames = _frames(response)
         if any(frame is None for frame in frames):
             raise _invalid_answer("a lookup answer has an absent frame")
-        payloads = [bytes(frame) for frame in frames if frame is not None]
+        payloads = [_payload(frame, copy) for frame in frames if frame is not None]
     else:
         body = _json_object(response)
     usage = _field(body, "usage", dict)
@@ -181,8 +188,10 @@ def _parse_store(response: httpx.Response) -> StoreResult:
     )
 
 
-def _parse_blocks(response: httpx.Response, *, count: int) -> list[bytes | None]:
+def _parse_blocks(
+    response: httpx.Response, *, count: int, copy: bool = True
+) -> list[Payload | None]:
     _, frames = _frames(response)
     if len(frames) != count:
         raise _invalid_answer(f"{len(frames)} frames for {count} requested keys")
-    return [None if frame is None else bytes(frame) for frame in frames]
+    return [None if frame is None else _payload(frame, copy) for frame in frames]

@@ -17,6 +17,7 @@ import httpx
 from cache_service.blocks import KEY_BYTES, BlockKey, key_from_hex, key_hex
 from cache_service.client.answers import (
     Match,
+    Payload,
     StoreResult,
     _json_object,
     _missed_match,
@@ -86,6 +87,7 @@ class _BaseCacheClient:
         retention: str | None,
         block_size: int | None,
         fetch: bool,
+        copy: bool = True,
     ) -> _Call[Match]:
         token_bytes = _token_bytes(tokens)
         header = {
@@ -97,7 +99,7 @@ class _BaseCacheClient:
         return _Call(
             "POST",
             "/v1/lookup",
-            partial(_parse_match, fetch=fetch),
+            partial(_parse_match, fetch=fetch, copy=copy),
             content=join_frames(encode_frames(header, [token_bytes])),
             headers=FRAME_HEADERS,
             miss=partial(_missed_match, len(token_bytes) // 4, block_size, fetch),
@@ -144,14 +146,20 @@ class _BaseCacheClient:
         )
 
     def _build_get_blocks(
-        self, model: str, keys: Sequence[BlockKey | str], *, kv_layout: str, salt: str | None
-    ) -> _Call[list[bytes | None]]:
+        self,
+        model: str,
+        keys: Sequence[BlockKey | str],
+        *,
+        kv_layout: str,
+        salt: str | None,
+        copy: bool = True,
+    ) -> _Call[list[Payload | None]]:
         texts = [_key_text(key) for key in keys]
         body = {"model": model, "kv_layout": kv_layout, "salt": salt or "", "keys": texts}
         return _Call(
             "POST",
             "/v1/blocks/fetch",
-            partial(_parse_blocks, count=len(texts)),
+            partial(_parse_blocks, count=len(texts), copy=copy),
             json=body,
             miss=lambda: [None] * len(texts),
         )

@@ -10,8 +10,9 @@ from typing import Any, Self
 import httpx
 
 from cache_service.blocks import BlockKey
-from cache_service.client.answers import Match, StoreResult
+from cache_service.client.answers import Match, Payload, StoreResult
 from cache_service.client.base import _T, Clock, Tokens, _BaseCacheClient, _Call
+from cache_service.client.transport import StdlibTransport
 from cache_service.errors import ServiceError
 
 
@@ -36,6 +37,8 @@ class CacheClient(_BaseCacheClient):
             backoff_max_seconds=backoff_max_seconds,
             clock=clock,
         )
+        if transport is None and httpx.URL(base_url).scheme == "http":
+            transport = StdlibTransport(timeout_seconds=timeout)  # MiB payloads: see its doc
         self._http = httpx.Client(
             base_url=base_url,
             headers=self._default_headers(api_key),
@@ -66,6 +69,7 @@ class CacheClient(_BaseCacheClient):
         retention: str | None = None,
         block_size: int | None = None,
         fetch: bool = False,
+        copy: bool = True,
     ) -> Match:
         """The longest cached prefix of `tokens`; with fetch, its payloads too."""
         return self._send(
@@ -77,6 +81,7 @@ class CacheClient(_BaseCacheClient):
                 retention=retention,
                 block_size=block_size,
                 fetch=fetch,
+                copy=copy,
             )
         )
 
@@ -137,11 +142,15 @@ class CacheClient(_BaseCacheClient):
         *,
         kv_layout: str = "",
         salt: str | None = None,
-    ) -> list[bytes | None]:
-        """The payload of each key, in order; None for a block the service no longer has."""
+        copy: bool = True,
+    ) -> list[Payload | None]:
+        """The payload of each key, in order; None for a block the service no longer has.
+        With copy=False each payload is a memoryview into the answer (no copy of the bytes)."""
         if not keys:
             return []
-        return self._send(self._build_get_blocks(model, keys, kv_layout=kv_layout, salt=salt))
+        return self._send(
+            self._build_get_blocks(model, keys, kv_layout=kv_layout, salt=salt, copy=copy)
+        )
 
     def info(self) -> dict[str, Any]:
         """What a worker must agree with to share the cache: hashing, block sizes, limits."""

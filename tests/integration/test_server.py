@@ -277,3 +277,29 @@ def test_token_heavy_body_is_refused_before_it_is_parsed(make_server: MakeServer
     response = _post_frames(server.url, header, [])
     assert response.status_code == 413
     assert response.json()["limit"] == "max_tokens_per_request"
+
+
+def test_one_client_survives_a_server_restart_and_fails_open_while_it_is_down(
+    server: ServerProcess,
+) -> None:
+    prompt = list(range(128))
+    with CacheClient(server.url, fail_open=True, backoff_initial_seconds=0.0) as client:
+        client.put_prefix("m", prompt, [b"a", b"b"])
+        server.stop()
+        down = client.lookup("m", prompt)  # refused: a miss, not an exception
+        assert down.matched_blocks == 0
+        server.start()
+        assert client.lookup("m", prompt).matched_blocks == 2  # a fresh keep-alive connection
+
+
+def test_payloads_without_copies_are_views_of_the_same_bytes(server: ServerProcess) -> None:
+    prompt = list(range(192))
+    payloads = [os.urandom(70_000) for _ in range(3)]
+    with CacheClient(server.url) as client:
+        client.put_prefix("m", prompt, payloads)
+        found = client.lookup("m", prompt, fetch=True, copy=False)
+        assert found.payloads is not None
+        assert all(isinstance(p, memoryview) for p in found.payloads)
+        assert [bytes(p) for p in found.payloads] == payloads
+        views = client.get_blocks("m", found.keys, copy=False)
+        assert [bytes(v) for v in views if v is not None] == payloads
