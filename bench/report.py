@@ -44,12 +44,12 @@ def skipped(scenario: str, case: str, subject: str, reason: str) -> Row:
     return Row(scenario, case, subject, "-", None, "-", note=f"skipped: {reason}")
 
 
-def compare(row: Row, reference: Row | None, *, higher_is_better: bool = True) -> Row:
-    """Set row.ratio to row / reference (or reference / row for times)."""
+def compare(row: Row, reference: Row | None) -> Row:
+    """Set row.ratio to row.value / reference.value (a share for rates, a multiple for times)."""
     if reference is None or reference.value in (None, 0) or row.value in (None, 0):
         return row
     assert reference.value is not None and row.value is not None
-    row.ratio = row.value / reference.value if higher_is_better else reference.value / row.value
+    row.ratio = row.value / reference.value
     row.ratio_to = f"{reference.subject} ({reference.client})"
     return row
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NewType, overload
 
 BlockKey = NewType("BlockKey", bytes)
@@ -59,13 +59,20 @@ class ChainLink:
 class Chain(Sequence[ChainLink]):
     """A prompt's chain links, made on demand: lookups usually read only the matched ones."""
 
-    __slots__ = ("_stride", "_tokens", "keys", "root")
+    __slots__ = ("_hex", "_stride", "_tokens", "keys", "root")
 
     def __init__(self, root: BlockKey, keys: list[BlockKey], token_bytes: bytes, stride: int):
         self.root = root
         self.keys = keys
         self._tokens = token_bytes
         self._stride = stride
+        self._hex: list[str] | None = None
+
+    def hex_keys(self, count: int) -> list[str]:
+        """The first `count` keys as hex, computed once per chain (a memoized chain is reused)."""
+        if self._hex is None:
+            self._hex = [key.hex() for key in self.keys]
+        return self._hex[:count]
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -85,12 +92,19 @@ class Chain(Sequence[ChainLink]):
             raise IndexError(index)
         return self._link(index)
 
-    def parts(self) -> Iterator[tuple[BlockKey, BlockKey, bytes, int]]:
-        """(key, parent, tokens, depth) of every block, without building link objects."""
-        parent, stride, tokens = self.root, self._stride, self._tokens
-        for depth, key in enumerate(self.keys):
+    def parts(self, start: int = 0) -> Iterator[tuple[BlockKey, BlockKey, bytes, int]]:
+        """(key, parent, tokens, depth) of the blocks from `start`, without link objects."""
+        stride, tokens, keys = self._stride, self._tokens, self.keys
+        parent = keys[start - 1] if start else self.root
+        for depth in range(start, len(keys)):
+            key = keys[depth]
             yield key, parent, tokens[depth * stride : (depth + 1) * stride], depth
             parent = key
+
+    @property
+    def token_bytes(self) -> bytes:
+        """The prompt's tokens (uint32 LE), full blocks and any partial tail."""
+        return self._tokens
 
     def _link(self, depth: int) -> ChainLink:
         start = depth * self._stride
@@ -102,11 +116,13 @@ class Chain(Sequence[ChainLink]):
         )
 
 
-def link_parts(links: Sequence[ChainLink]) -> Iterator[tuple[BlockKey, BlockKey, bytes, int]]:
-    """(key, parent, tokens, depth) of each link; cheap for a Chain."""
+def link_parts(
+    links: Sequence[ChainLink], start: int = 0
+) -> Iterator[tuple[BlockKey, BlockKey, bytes, int]]:
+    """(key, parent, tokens, depth) of each link from `start`; cheap for a Chain."""
     if isinstance(links, Chain):
-        return links.parts()
-    return ((link.key, link.parent, link.tokens, link.depth) for link in links)
+        return links.parts(start)
+    return ((link.key, link.parent, link.tokens, link.depth) for link in links[start:])
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +212,7 @@ class MatchResult:
     collisions: int = 0
     payloads: tuple[bytes, ...] | None = None
     corrupt: int = 0
+    incarnation: bytes | None = None  # identifies the last matched block's stored copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +224,12 @@ class PrefixMatch:
     keys: tuple[BlockKey, ...] = ()
     payloads: tuple[bytes, ...] | None = None
     retention: str = ""
-    extras: dict[str, int] = field(default_factory=dict)
+    key_texts: list[str] | None = None  # the keys as hex, when the chain had them at hand
+
+    @property
+    def hex_keys(self) -> list[str]:
+        """The matched keys as 32 lowercase hex characters each."""
+        return self.key_texts if self.key_texts is not None else [k.hex() for k in self.keys]
 
     @property
     def matched_blocks(self) -> int:

@@ -25,6 +25,7 @@ from cache_service.errors import (
     UnknownRetention,
 )
 from cache_service.hashing import BlockHasher, tokens_to_bytes
+from cache_service.recent import RecentMatch, RecentMatches
 from cache_service.retention import RetentionPolicy
 from cache_service.store.base import BlockStore
 
@@ -91,6 +92,7 @@ class PrefixCache:
         high_water: float = 0.95,
         low_water: float = 0.85,
         defer_touches: bool = False,
+        touch_resolution_seconds: float = 1.0,
         events: CacheEvents | None = None,
     ) -> None:
         if capacity_bytes is not None and capacity_blocks is not None:
@@ -108,8 +110,12 @@ class PrefixCache:
         self.high_water = high_water
         self.low_water = low_water
         self.defer_touches = defer_touches
+        # Deferred (server) touches refresh a block at most once a second: LRU order and
+        # sliding TTLs are exact to that resolution. Immediate touches (replay) are exact.
+        self.touch_resolution_seconds = touch_resolution_seconds
         self.events = events or CacheEvents()
         self._pending: list[Touch] = []
+        self._recent = RecentMatches()
         self._pending_lock = threading.Lock()
 
     # -- configuration lookups ----------------------------------------------------------------
@@ -160,7 +166,11 @@ class PrefixCache:
         retention_class, ttl = self.resolve_retention(retention)
         size = self.block_size_for(namespace.model, block_size)
         token_bytes = _as_bytes(tokens)
-        links = self.hasher.chain(namespace, token_bytes, block_size=size)
+        root = self.hasher.root(namespace)
+        recent = None if with_payloads else self._recent.get(root, size, token_bytes)
+        links = (
+            recent.chain if recent else self.hasher.chain(namespace, token_bytes, block_size=size)
+        )
         found = self._match_links(
             namespace,
             links,
@@ -169,6 +179,7 @@ class PrefixCache:
             retention=retention_class,
             with_payloads=with_payloads,
             sink=sink,
+            known=(recent.matched, recent.incarnation) if recent else None,
         )
         if touch and found.keys:
             self.touch(found.keys, at=self.clock(), retention=retention_class, ttl_seconds=ttl)
@@ -184,17 +195,26 @@ class PrefixCache:
         retention: str,
         with_payloads: bool = False,
         sink: PayloadSink | None = None,
+        known: tuple[int, bytes] | None = None,
     ) -> PrefixMatch:
         namespace_id = self.hasher.namespace_id(namespace)
         result = self.store.match(
-            namespace_id, links, now=self.clock(), with_payloads=with_payloads, sink=sink
-        )
+            namespace_id, links, now=self.clock(), with_payloads=with_payloads, sink=sink,
+            known=known,
+        )  # fmt: skip
+        if result.incarnation is not None:
+            self._recent.put(
+                namespace_id.root,
+                block_size,
+                RecentMatch(links, result.matched, result.incarnation),
+            )
         found = PrefixMatch(
             block_size=block_size,
             prompt_tokens=prompt_tokens,
             keys=tuple(links.keys[: result.matched]),
             payloads=result.payloads,
             retention=retention,
+            key_texts=links.hex_keys(result.matched),
         )
         if result.collisions:
             self.events.on_collision(result.collisions)
@@ -262,7 +282,7 @@ class PrefixCache:
         if not pending:
             return 0
         try:
-            self.store.touch(_coalesce(pending))
+            self.store.touch(_coalesce(pending), resolution_seconds=self.touch_resolution_seconds)
         except Exception:
             with self._pending_lock:  # keep them for the next flush, within a bound
                 self._pending[:0] = pending[-MAX_PENDING_TOUCHES:]

@@ -8,6 +8,7 @@ lookup outcomes and route templates.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -88,8 +89,8 @@ class CacheMetrics(CacheEvents):
         )
         for reason in ("expired", "capacity"):
             self.evicted_blocks.labels(reason=reason)
-        for outcome in ("full", "partial", "miss"):
-            self.lookups.labels(outcome=outcome)
+        self._outcomes = {o: self.lookups.labels(outcome=o) for o in ("full", "partial", "miss")}
+        self._by_class: dict[str, tuple[Any, Any]] = {}
 
     def declare_retention(self, classes: Sequence[str]) -> None:
         """Create the labelled series of every configured class, so dashboards see zeros."""
@@ -102,10 +103,20 @@ class CacheMetrics(CacheEvents):
         self, *, retention: str, hit_tokens: int, miss_tokens: int, complete: bool
     ) -> None:
         """Count a lookup's tokens and its outcome."""
-        self.hit_tokens.labels(retention=retention).inc(hit_tokens)
-        self.miss_tokens.labels(retention=retention).inc(miss_tokens)
+        hits, misses = self._by_class.get(retention) or self._children(retention)
+        hits.inc(hit_tokens)
+        misses.inc(miss_tokens)
         outcome = "miss" if hit_tokens == 0 else "full" if complete else "partial"
-        self.lookups.labels(outcome=outcome).inc()
+        self._outcomes[outcome].inc()
+
+    def _children(self, retention: str) -> tuple[Any, Any]:
+        """The labelled counters of a class, looked up once (labels() is a dict walk)."""
+        pair = (
+            self.hit_tokens.labels(retention=retention),
+            self.miss_tokens.labels(retention=retention),
+        )
+        self._by_class[retention] = pair
+        return pair
 
     def on_insert(self, *, stored: int, refreshed: int, conflicts: int) -> None:
         """Count stored, refreshed and conflicting blocks."""

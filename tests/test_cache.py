@@ -311,7 +311,7 @@ def test_sweep_expired_never_leaves_an_orphan(
 def test_deferred_touches_apply_only_at_flush(
     store: BlockStore, raw: RawAccess, clock: VirtualClock
 ) -> None:
-    cache = make_cache(store, clock, defer_touches=True)
+    cache = make_cache(store, clock, defer_touches=True, touch_resolution_seconds=0.0)
     prompt = blocks_of(1, 2)
     store_prompt(cache, prompt, retention="agent")
     before = raw.blocks()
@@ -653,3 +653,24 @@ def test_storing_from_start_block_marks_the_prefix_used(
     cache.insert(namespace, [20, 21], [b"r0"])
     assert cache.match_prefix(namespace, p, touch=False).matched_blocks == 4
     assert cache.match_prefix(namespace, q, touch=False).matched_blocks == 1
+
+
+def test_deferred_touches_rewrite_a_hot_prefix_at_most_once_per_resolution(
+    store: BlockStore, raw: RawAccess, clock: VirtualClock
+) -> None:
+    cache = make_cache(store, clock, defer_touches=True, touch_resolution_seconds=1.0)
+    prompt = blocks_of(1, 2)
+    store_prompt(cache, prompt, retention="chat")
+    cache.match_prefix(NS, prompt, retention="chat")
+    cache.flush_touches()
+    written = raw.blocks()
+    clock.advance(0.5)  # within the resolution: nothing is rewritten
+    cache.match_prefix(NS, prompt, retention="chat")
+    cache.flush_touches()
+    assert raw.blocks() == written
+    clock.advance(1.0)  # past it: the prefix is used (and its TTL slides) again
+    found = cache.match_prefix(NS, prompt, retention="chat")
+    cache.flush_touches()
+    metas = raw.blocks()
+    assert [metas[k].last_used_at for k in found.keys] == [clock()] * 2
+    assert [metas[k].expires_at for k in found.keys] == [clock() + CHAT_TTL] * 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
@@ -55,7 +56,7 @@ def lookup_answer(model: str, found: PrefixMatch) -> dict[str, Any]:
         "prompt_tokens": found.prompt_tokens,
         "matched_blocks": found.matched_blocks,
         "cached_tokens": found.cached_tokens,
-        "keys": [key_hex(key) for key in found.keys],
+        "keys": found.hex_keys,
         "retention": found.retention,
         "usage": {
             "prompt_cache_hit_tokens": found.cached_tokens,
@@ -118,7 +119,7 @@ def _lookup(state: ServiceState, options: LookupHeader, tokens: list[int] | byte
     )
     answer = lookup_answer(options.model, found)
     if not options.fetch:
-        return JSONResponse(answer)
+        return Response(orjson.dumps(answer), media_type=JSON)
     return FramesResponse(answer, frames)
 
 

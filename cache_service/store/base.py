@@ -37,9 +37,11 @@ class BlockStore(Protocol):
         now: float,
         with_payloads: bool = False,
         sink: Callable[[int, bytes | memoryview | None], None] | None = None,
+        known: tuple[int, bytes] | None = None,
     ) -> MatchResult:
         """Count the leading links that are stored, alive and verified (namespace, depth,
-        parent and tokens)."""
+        parent and tokens). `known` = (n, incarnation): the first n links were verified before
+        and block n-1 had that incarnation; if it still has, they are not read again."""
         ...
 
     def insert(
@@ -55,8 +57,9 @@ class BlockStore(Protocol):
         """Store consecutive blocks atomically; MissingParent if `parent` is not stored."""
         ...
 
-    def touch(self, touches: Sequence[Touch]) -> None:
-        """Apply verified hits: mark blocks used and slide their expiry."""
+    def touch(self, touches: Sequence[Touch], *, resolution_seconds: float = 0.0) -> None:
+        """Apply verified hits: mark blocks used and slide their expiry (skipping hits that
+        would move nothing by `resolution_seconds` or more)."""
         ...
 
     def get_payloads(
@@ -133,6 +136,11 @@ class BlockTxn(Protocol):
     ) -> tuple[int, int]:
         """How many leading blocks of a chain `check` as HIT, and 1 if a COLLISION ended
         the run (else 0): the lookup's hot loop, in one call."""
+        ...
+
+    def incarnation(self, key: BlockKey, now: float) -> bytes | None:
+        """Bytes that change whenever the block is stored anew (its creation time), or None
+        if it is absent or expired."""
         ...
 
     def put(self, meta: BlockMeta) -> None:

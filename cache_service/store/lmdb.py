@@ -24,6 +24,8 @@ from cache_service.errors import StorageError, StoreFull
 from cache_service.eviction import EvictionPolicy
 from cache_service.store.base import EXPIRY, VICTIMS
 from cache_service.store.codec import (
+    CREATED_AT,
+    CREATED_END,
     DEPTH,
     DEPTH_AT,
     EXPIRES,
@@ -98,6 +100,12 @@ class _LmdbTxn:
                 return matched, 1
             matched += 1
         return matched, 0
+
+    def incarnation(self, key: BlockKey, now: float) -> bytes | None:
+        raw = self._txn.get(key, db=self._blocks)
+        if raw is None or now >= EXPIRES.unpack_from(raw, EXPIRES_AT)[0]:
+            return None
+        return bytes(raw[CREATED_AT:CREATED_END])
 
     def put(self, meta: BlockMeta) -> None:
         self._txn.put(meta.key, encode_meta(meta), db=self._dbs["blocks"])

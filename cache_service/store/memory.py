@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import struct
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -55,6 +56,12 @@ class _MemoryTxn:
                 return matched, int(status == COLLISION)
             matched += 1
         return matched, 0
+
+    def incarnation(self, key: BlockKey, now: float) -> bytes | None:
+        meta = self._s.metas.get(key)
+        if meta is None or not meta.is_alive(now):
+            return None
+        return struct.pack("<d", meta.created_at)
 
     def put(self, meta: BlockMeta) -> None:
         old = self._s.metas.get(meta.key)

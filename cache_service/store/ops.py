@@ -157,6 +157,7 @@ class TxnStore:
         now: float,
         with_payloads: bool = False,
         sink: PayloadSink | None = None,
+        known: tuple[int, bytes] | None = None,
     ) -> MatchResult:
         """Count the leading links that are stored, alive and verified; with payloads, each
         verified payload goes to `sink` (a view valid during the call) or into the result."""
@@ -169,13 +170,18 @@ class TxnStore:
 
         keep = sink or collect
         with self._read(views=with_payloads) as txn:
-            known = txn.get_namespace(namespace.root) if links else None
-            if known is not None and known != namespace.encoded:  # another namespace's root
+            encoded = txn.get_namespace(namespace.root) if links else None
+            if encoded is not None and encoded != namespace.encoded:  # another namespace's root
                 return MatchResult(matched=0, collisions=1, payloads=() if with_payloads else None)
             root = namespace.root
             if not with_payloads:
-                matched, collisions = txn.count_hits(root, link_parts(links), now)
-                return MatchResult(matched=matched, collisions=collisions)
+                start = 0
+                if known and known[0] and txn.incarnation(links[known[0] - 1].key, now) == known[1]:
+                    start = known[0]  # still the very copy verified before: its prefix stands
+                more, collisions = txn.count_hits(root, link_parts(links, start), now)
+                matched = start + more
+                last = txn.incarnation(links[matched - 1].key, now) if matched else None
+                return MatchResult(matched=matched, collisions=collisions, incarnation=last)
             for key, parent, tokens, depth in link_parts(links):
                 status = txn.check(key, root + parent, tokens, depth, now)
                 if status != HIT:
@@ -353,8 +359,10 @@ class TxnStore:
             self._save(txn, meta, before)
             key, depth = meta.parent, meta.depth - 1
 
-    def touch(self, touches: Sequence[Touch]) -> None:
-        """Apply verified hits: mark used (tail first) and slide expiry."""
+    def touch(self, touches: Sequence[Touch], *, resolution_seconds: float = 0.0) -> None:
+        """Apply verified hits: mark used (tail first) and slide expiry. A hit whose every
+        block was used less than `resolution_seconds` before it, and whose expiry would move
+        less than that, is skipped: a hot prefix is then rewritten once a second, not per hit."""
         if not touches:
             return
         with self._write() as txn:
@@ -365,10 +373,17 @@ class TxnStore:
                     if meta is None:
                         break  # evicted since the lookup; its descendants are gone too
                     present.append(meta)
-                if not present:
+                expires_at = hit.at + hit.ttl_seconds
+                if not present or (
+                    resolution_seconds > 0
+                    and all(
+                        hit.at - meta.last_used_at < resolution_seconds
+                        and expires_at - meta.expires_at < resolution_seconds
+                        for meta in present
+                    )
+                ):
                     continue
                 first_seq = txn.next_seq(len(present))
-                expires_at = hit.at + hit.ttl_seconds
                 for index, meta in enumerate(present):
                     before = self._indexed(meta)
                     meta.last_used_at = max(meta.last_used_at, hit.at)

@@ -1,0 +1,149 @@
+"""Lookup latency and throughput: prompt sizes x cache states x concurrency, against the floor."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from bench.peers.harness import time_calls
+from bench.report import Row, compare, latency_row, skipped
+from bench.scenarios.context import Context
+from bench.services import Service, floor_service, our_service
+from cache_service.client import AsyncCacheClient, CacheClient
+from cache_service.framing import MEDIA_TYPE, encode_frames, join_frames
+from cache_service.hashing import tokens_to_bytes
+
+SIZES = {"1k": 1024, "8k": 8192, "32k": 32768, "128k": 131072}
+STATES = ("fully cached", "half cached", "uncached")
+MODEL = "bench"
+WRK_SCRIPT = """
+local f = io.open("{body}", "rb")
+wrk.method = "POST"
+wrk.body = f:read("*all")
+f:close()
+wrk.headers["Content-Type"] = "{media}"
+"""
+
+
+def _prompt(size: int, state: str) -> bytes:
+    """Distinct tokens per (size, state), so states never share blocks."""
+    base = (list(SIZES.values()).index(size) * 3 + STATES.index(state)) * 1_000_000
+    return tokens_to_bytes(range(base, base + size))
+
+
+def _body(token_bytes: bytes) -> bytes:
+    return join_frames(encode_frames({"model": MODEL}, [token_bytes]))
+
+
+def ensure_wrk(allow_install: bool) -> str | None:
+    """The wrk binary, installed from Debian's packages when allowed."""
+    found = shutil.which("wrk")
+    if found or not allow_install:
+        return found
+    subprocess.run(["apt-get", "install", "-y", "-q", "wrk"], check=False, capture_output=True)
+    return shutil.which("wrk")
+
+
+def wrk_rate(wrk: str, url: str, body: bytes, seconds: int) -> tuple[float, float | None]:
+    """(requests/s, p99 ms) of wrk at 16 connections on one thread."""
+    with tempfile.TemporaryDirectory() as folder:
+        body_path = Path(folder) / "body.bin"
+        body_path.write_bytes(body)
+        script = Path(folder) / "post.lua"
+        script.write_text(WRK_SCRIPT.format(body=body_path, media=MEDIA_TYPE))
+        out = subprocess.run(
+            [wrk, "-t1", "-c16", f"-d{seconds}s", "--latency", "-s", str(script), url],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    p99 = re.search(r"99%\s+([\d.]+)(us|ms|s)", out)
+    scale = {"us": 0.001, "ms": 1.0, "s": 1000.0}
+    return rate, (float(p99.group(1)) * scale[p99.group(2)] if p99 else None)
+
+
+async def _client_rate(url: str, token_bytes: bytes, total: int) -> float:
+    """Requests/s of AsyncCacheClient with 16 lookups in flight."""
+    async with AsyncCacheClient(url, timeout=30) as client:
+        await client.lookup(MODEL, token_bytes)
+        left = total
+
+        async def worker() -> None:
+            nonlocal left
+            while left > 0:
+                left -= 1
+                await client.lookup(MODEL, token_bytes)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(16)))
+        return total / (time.perf_counter() - started)
+
+
+def _concurrent_rows(
+    ctx: Context, service: Service, subject: str, case: str, token_bytes: bytes
+) -> list[Row]:
+    body = _body(token_bytes)
+    rows = []
+    wrk = ensure_wrk(ctx.allow_install)
+    if wrk is None:
+        rows.append(skipped("lookup", case, subject, "wrk is not installed (--install)"))
+    else:
+        rate, p99 = wrk_rate(wrk, service.url + "/v1/lookup", body, ctx.reps(2, 5))
+        rows.append(Row("lookup", case, subject, "wrk -t1 -c16", rate, "req/s", p99=p99))
+    total = ctx.reps(300, 2000)
+    rate = asyncio.run(_client_rate(service.url, token_bytes, total))
+    rows.append(Row("lookup", case, subject, "our async client, 16 tasks", rate, "req/s"))
+    return rows
+
+
+def run(ctx: Context) -> list[Row]:
+    """Latency at concurrency 1 through our client; throughput at 16 against the floor."""
+    sizes = ["1k", "32k"] if ctx.quick else list(SIZES)
+    concurrent_sizes = ["32k"] if ctx.quick else list(SIZES)
+    rows: list[Row] = []
+    ours_c16: dict[str, Row] = {}
+    with our_service() as service, CacheClient(service.url, timeout=30) as client:
+        for name in sizes:
+            size = SIZES[name]
+            for state in STATES:
+                token_bytes = _prompt(size, state)
+                stored = {"fully cached": size // 64, "half cached": size // 128}.get(state, 0)
+                if stored:
+                    client.put_prefix(MODEL, token_bytes[: stored * 256], [b""] * stored)
+                found = client.lookup(MODEL, token_bytes)
+                assert found.matched_blocks == stored, (name, state, found.matched_blocks)
+                seconds = time_calls(
+                    lambda t=token_bytes: client.lookup(MODEL, t),
+                    repetitions=ctx.reps(100, 500),
+                    warmup=10,
+                )
+                row = latency_row(
+                    "lookup", f"{name} tokens, {state}, c=1", "ours", "our client", seconds
+                )
+                if name == "32k" and state == "fully cached":
+                    row.note = "target: p50 under 2 ms"
+                rows.append(row)
+        for name in concurrent_sizes:
+            token_bytes = _prompt(SIZES[name], "fully cached")
+            case = f"{name} tokens, fully cached, c=16"
+            measured = _concurrent_rows(ctx, service, "ours", case, token_bytes)
+            rows += measured
+            ours_c16[name] = measured[0]
+        ctx.memory.append(
+            Row("memory", "lookup scenario", "ours", "-", service.peak_rss_mib(), "MiB peak RSS")
+        )
+    with floor_service() as floor:
+        for name in concurrent_sizes:
+            token_bytes = _prompt(SIZES[name], "fully cached")
+            case = f"{name} tokens, fully cached, c=16"
+            measured = _concurrent_rows(ctx, floor, "framework floor", case, token_bytes)
+            rows += measured
+            compare(ours_c16[name], measured[0])
+            ours_c16[name].note = "target: at least 0.60 of the framework floor"
+    return rows
