@@ -493,14 +493,19 @@ class PrefixCache:
 
 def _coalesce(touches: list[Touch]) -> list[Touch]:
     """One touch per hit prefix and class, the latest, in order of last use: a hot prompt hit
-    a hundred times between flushes is refreshed once, with the same result."""
-    latest: dict[tuple[tuple[BlockKey, ...], str], Touch] = {}
+    a hundred times between flushes is refreshed once (its `uses` keep the count). A prefix
+    is known by its deepest key and length: hashing every key of every touch would cost more
+    than the merge saves."""
+    latest: dict[tuple[BlockKey, int, str], Touch] = {}
     for touch in touches:
-        earlier = latest.pop((touch.keys, touch.retention), None)
+        if not touch.keys:
+            continue
+        identity = (touch.keys[-1], len(touch.keys), touch.retention)
+        earlier = latest.pop(identity, None)
         merged = touch
         if earlier is not None:
             merged = replace(touch, at=max(touch.at, earlier.at), uses=touch.uses + earlier.uses)
-        latest[(touch.keys, touch.retention)] = merged
+        latest[identity] = merged
     return list(latest.values())
 
 

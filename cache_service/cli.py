@@ -35,7 +35,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
             dest=name,
             default=argparse.SUPPRESS,
             metavar=name.upper(),
-            help=help_text,
+            help=help_text.replace("%", "%%"),
         )
 
 
@@ -83,6 +83,7 @@ def serve(settings: Settings) -> None:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        access_log=settings.access_log,
         timeout_graceful_shutdown=10,
     )
 

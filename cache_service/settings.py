@@ -61,6 +61,9 @@ class Settings(BaseSettings):
         0.2, gt=0, description="Seconds between batched TTL/LRU refreshes of lookups."
     )
     log_level: str = Field("info", description="uvicorn log level.")
+    access_log: bool = Field(
+        False, description="Log every request (costs about 3% of lookup throughput)."
+    )
 
     @field_validator("capacity", "max_body_size", mode="before")
     @classmethod

@@ -367,22 +367,21 @@ class TxnStore:
             return
         with self._write() as txn:
             for hit in touches:
+                if resolution_seconds > 0 and hit.keys:
+                    # Ancestors are used at least as recently, and expire no earlier, than
+                    # the deepest block: if it needs no refresh, none of them does.
+                    deepest = txn.get(hit.keys[-1])
+                    if deepest is not None and _fresh(deepest, hit, resolution_seconds):
+                        continue
                 present: list[BlockMeta] = []
                 for key in hit.keys:
                     meta = txn.get(key)
                     if meta is None:
                         break  # evicted since the lookup; its descendants are gone too
                     present.append(meta)
-                expires_at = hit.at + hit.ttl_seconds
-                if not present or (
-                    resolution_seconds > 0
-                    and all(
-                        hit.at - meta.last_used_at < resolution_seconds
-                        and expires_at - meta.expires_at < resolution_seconds
-                        for meta in present
-                    )
-                ):
+                if not present:
                     continue
+                expires_at = hit.at + hit.ttl_seconds
                 first_seq = txn.next_seq(len(present))
                 for index, meta in enumerate(present):
                     before = self._indexed(meta)
@@ -514,6 +513,14 @@ class TxnStore:
                 return
             after = entries[-1][0] + entries[-1][1]
             limit = min(limit * 4, SCAN_MOST)
+
+
+def _fresh(meta: BlockMeta, hit: Touch, resolution_seconds: float) -> bool:
+    """Whether `hit` would move the block's last use and expiry by less than the resolution."""
+    return (
+        hit.at - meta.last_used_at < resolution_seconds
+        and hit.at + hit.ttl_seconds - meta.expires_at < resolution_seconds
+    )
 
 
 def _later_expiry(meta: BlockMeta, expires_at: float, retention: str) -> tuple[float, str]:
