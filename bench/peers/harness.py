@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from bench.peers.payloads import MB_PER_S, SCENARIO
@@ -120,3 +123,81 @@ def check_equal(expected: list[bytes]) -> Callable[[object], None]:
             raise AssertionError("fetched payload differs from what was stored")
 
     return check
+
+
+def ensure_venv(
+    venv_dir: Path,
+    requirements: tuple[str, ...],
+    *,
+    distributions: tuple[str, ...],
+    allow_install: bool,
+    install_timeout_seconds: float = 1800,
+) -> tuple[Path | None, str]:
+    """A separate venv's python and "" or, when it cannot be had, None and the reason.
+
+    Ready when every name in `distributions` is installed there; otherwise created and
+    pip-installed with `requirements` only when `allow_install`. The venv holds a `.gitignore`
+    of `*`, so a venv inside the work tree is never committed, whatever the repo ignores.
+    """
+    python = venv_dir / "bin" / "python"
+    if _installed(python, distributions):
+        return python, ""
+    if not allow_install:
+        return None, f"no venv with {', '.join(distributions)} at {venv_dir} (allow_install)"
+    try:
+        if not python.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv_dir)], check=True)
+        (venv_dir / ".gitignore").write_text("# made by bench/peers: never committed\n*\n")
+        result = subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "--no-input", *requirements],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=install_timeout_seconds,
+        )
+    except (OSError, subprocess.SubprocessError) as error:
+        return None, f"could not create the venv {venv_dir}: {error}"
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.splitlines() if "WARNING" not in line]
+        return None, f"pip install {' '.join(requirements)} failed: {lines[-1:]}"
+    if not _installed(python, distributions):
+        return None, f"installed {' '.join(requirements)} in {venv_dir}, but not found there"
+    return python, ""
+
+
+def _installed(python: Path, distributions: tuple[str, ...]) -> bool:
+    if not python.exists():
+        return False
+    probe = "import importlib.metadata as m, sys; [m.version(n) for n in sys.argv[1:]]"
+    result = subprocess.run(
+        [str(python), "-c", probe, *distributions], capture_output=True, check=False, timeout=60
+    )
+    return result.returncode == 0
+
+
+def ensure_apt_package(package: str, library: str, *, allow_install: bool) -> str:
+    """ "" when `library` (a soname, e.g. "libibverbs.so.1") is on the linker's path, else why not.
+
+    Installs Debian's `package` with apt-get only when `allow_install` (root only).
+    """
+
+    def present() -> bool:
+        listing = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False)
+        return f"{library} " in listing.stdout
+
+    if present():
+        return ""
+    if not allow_install:
+        return f"{library} missing (apt-get install {package})"
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return f"{library} missing and apt-get as root unavailable ({package})"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", package]
+    result = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
+    if result.returncode != 0:  # an empty or stale package list: update once, try again
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=False)
+        result = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
+    if not present():
+        tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
+        return f"apt-get install {package} failed: {tail[0]}"
+    return ""

@@ -1,6 +1,7 @@
 """Run inside LMCache's own virtual environment: time its client against `lmcache_server`.
 
-Usage: python lmcache_client.py PAYLOADS_PY PORT REPETITIONS SINGLE_REPETITIONS
+Usage: python lmcache_client.py PAYLOADS_PY PORT COUNTS_JSON
+(COUNTS_JSON: {"prefix_store": N, "prefix_fetch": N, "single": N, "prefix_fetch_warmup": 0|1})
 
 Not imported by the bench (it needs torch and lmcache, which live only in that venv). It loads
 `payloads.py` by path so the blocks are the very bytes every other peer moves, then drives
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -116,21 +118,29 @@ def _check_and_free(fetched: list[Any], expected: list[bytes]) -> None:
         memory.ref_count_down()
 
 
-def run(bench: Bench, payloads: list[bytes], *, repetitions: int, first_hash: int) -> dict:
-    """Seconds per store and per fetch of `payloads`, one warm-up each."""
+def run(
+    bench: Bench,
+    payloads: list[bytes],
+    *,
+    stores: int,
+    fetches: int,
+    fetch_warmup: int,
+    first_hash: int,
+) -> dict[str, Any]:
+    """Seconds per store and per fetch of `payloads`; one untimed store first."""
     memories = [bench.to_memory(payload) for payload in payloads]
     store_seconds, fetch_seconds = [], []
     keys: list[CacheEngineKey] = []
-    for index in range(1 + repetitions):  # fresh keys each time: a store inserts, as in Redis
+    for index in range(1 + stores):  # fresh keys each time: a store inserts, as in Redis
         base = first_hash + index * len(payloads)
         keys = [_key(base + i) for i in range(len(payloads))]
         seconds, _ = bench.timed(bench.store(keys, memories))
         if index:
             store_seconds.append(seconds)
-    for index in range(1 + repetitions):
+    for index in range(fetch_warmup + fetches):
         seconds, fetched = bench.timed(bench.fetch(keys))
         _check_and_free(fetched, payloads)
-        if index:
+        if index >= fetch_warmup:
             fetch_seconds.append(seconds)
     for memory in memories:
         memory.ref_count_down()
@@ -140,22 +150,36 @@ def run(bench: Bench, payloads: list[bytes], *, repetitions: int, first_hash: in
 def main() -> None:
     """Measure and print JSON."""
     logging.disable(logging.WARNING)
-    payloads_path, port, repetitions, single_repetitions = sys.argv[1:5]
+    payloads_path, port, counts_json = sys.argv[1:4]
+    counts = json.loads(counts_json)
     payloads = _load_payloads(payloads_path)
     bench = Bench(int(port))
     import lmcache  # noqa: PLC0415
 
     result: dict[str, Any] = {
-        "lmcache_version": getattr(lmcache, "__version__", "unknown"),
+        "lmcache_version": getattr(lmcache, "__version__", None)
+        or importlib.metadata.version("lmcache"),
         "torch_version": torch.__version__,
     }
     blocks = payloads.prefix_blocks()
-    result["prefix"] = run(bench, blocks, repetitions=int(repetitions), first_hash=1)
+    result["prefix"] = run(
+        bench,
+        blocks,
+        stores=counts["prefix_store"],
+        fetches=counts["prefix_fetch"],
+        fetch_warmup=counts.get("prefix_fetch_warmup", 1),
+        first_hash=1,
+    )
     result["prefix"]["payload_bytes"] = sum(map(len, blocks))
     result["prefix"]["blocks"] = len(blocks)
     for number, (label, payload) in enumerate(payloads.single_blocks().items()):
         result[label] = run(
-            bench, [payload], repetitions=int(single_repetitions), first_hash=10**9 * (number + 1)
+            bench,
+            [payload],
+            stores=counts["single"],
+            fetches=counts["single"],
+            fetch_warmup=1,
+            first_hash=10**9 * (number + 1),
         )
         result[label]["payload_bytes"] = len(payload)
     bench.loop.run_until_complete(bench.connector.close())

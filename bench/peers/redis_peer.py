@@ -69,7 +69,7 @@ def ensure_redis(*, allow_install: bool) -> tuple[str | None, str]:
 
 
 def _hiredis_reason() -> str:
-    """"" when redis-py imports and parses with hiredis, else why not."""
+    """ "" when redis-py imports and parses with hiredis, else why not."""
     try:
         import hiredis  # noqa: F401, PLC0415
         import redis.connection  # noqa: PLC0415
@@ -147,7 +147,9 @@ def _measure_server(port: int, *, repetitions: int) -> list[Row]:
         single_repetitions = repetitions * SINGLE_BLOCK_REPETITION_FACTOR
         for label, value in single_blocks().items():
             key = block_keys(1, namespace=f"redis-{label}".encode())[0]
-            seconds = time_calls(lambda k=key, v=value: client.set(k, v), repetitions=single_repetitions)
+            seconds = time_calls(
+                lambda k=key, v=value: client.set(k, v), repetitions=single_repetitions
+            )
             rows += payload_rows(
                 single_case(label, "store"),
                 SUBJECT,
@@ -162,7 +164,11 @@ def _measure_server(port: int, *, repetitions: int) -> list[Row]:
                 check=check_equal([value]),
             )
             rows += payload_rows(
-                single_case(label, "fetch"), SUBJECT, CLIENT_SINGLE, seconds, payload_bytes=len(value)
+                single_case(label, "fetch"),
+                SUBJECT,
+                CLIENT_SINGLE,
+                seconds,
+                payload_bytes=len(value),
             )
     finally:
         client.close()

@@ -10,6 +10,7 @@ from typing import Any, Self
 import httpx
 
 from cache_service.blocks import BlockKey
+from cache_service.client.aio_transport import AsyncStreamTransport
 from cache_service.client.answers import Match, Payload, StoreResult
 from cache_service.client.base import _T, Clock, Tokens, _BaseCacheClient, _Call
 from cache_service.errors import ServiceError
@@ -36,6 +37,8 @@ class AsyncCacheClient(_BaseCacheClient):
             backoff_max_seconds=backoff_max_seconds,
             clock=clock,
         )
+        if transport is None and httpx.URL(base_url).scheme == "http":
+            transport = AsyncStreamTransport(timeout_seconds=timeout)  # see its doc
         self._http = httpx.AsyncClient(
             base_url=base_url,
             headers=self._default_headers(api_key),
