@@ -81,11 +81,11 @@ def _ours(ctx: Context, reps: int) -> tuple[list[Row], dict[str, Row]]:
         server = _server_fetch_rate(service, keys, total, reps)
         rows += store_rows + fetch_rows + lookup_rows + [server]
         key.update(store=store_rows[1], fetch=fetch_rows[1], server=server)
-        one = tokens_to_bytes(range(9_000_000, 9_000_064))
         fresh = iter(range(10**6))
-        for label, value in single_blocks().items():
+        for index, (label, value) in enumerate(single_blocks().items()):
+            one = tokens_to_bytes(range(9_000_000 + index * 64, 9_000_064 + index * 64))
             seconds = time_calls(
-                lambda v=value: client.put_prefix(MODEL, one, [v], salt=f"s{next(fresh)}"),
+                lambda v=value, t=one: client.put_prefix(MODEL, t, [v], salt=f"s{next(fresh)}"),
                 repetitions=reps * 4,
             )
             rows += payload_rows(
