@@ -4,14 +4,16 @@ the defaults."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from pydantic import ValidationError
 
 from cache_service import __version__
 from cache_service.replay.arguments import add_replay_parser, run_replay_command
-from cache_service.settings import ENV_PREFIX, Settings
+from cache_service.settings import ENV_PREFIX, Settings, settings_environment
 
 _FLAG_EXAMPLES = {
     "capacity": "20GiB",
@@ -72,20 +74,33 @@ def load_settings(values: dict[str, str]) -> Settings:
 
 
 def serve(settings: Settings) -> None:
-    """Run uvicorn with the app on one worker."""
+    """Run uvicorn: the app in this process, or `--workers` processes sharing one LMDB."""
     # Imported here so that `--help` and configuration errors answer without loading the app.
     import uvicorn  # noqa: PLC0415
 
     from cache_service.api import create_app  # noqa: PLC0415
 
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=settings.access_log,
-        timeout_graceful_shutdown=10,
-    )
+    options = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level,
+        "access_log": settings.access_log,
+        "timeout_graceful_shutdown": 10,
+    }
+    if settings.workers == 1:
+        uvicorn.run(create_app(settings), **options)  # type: ignore[arg-type]
+        return
+    # Workers are new processes: they read the settings back from the environment, and count
+    # metrics in files of one folder that /metrics adds up (Prometheus multiprocess mode).
+    with tempfile.TemporaryDirectory(prefix="cache-service-metrics-") as metrics_dir:
+        os.environ.update(settings_environment(settings))
+        os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", metrics_dir)
+        uvicorn.run(
+            "cache_service.api.app:app_from_environment",
+            factory=True,
+            workers=settings.workers,
+            **options,  # type: ignore[arg-type]
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> None:

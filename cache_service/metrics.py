@@ -7,10 +7,11 @@ lookup outcomes and route templates.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, multiprocess
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -27,6 +28,13 @@ class CacheMetrics(CacheEvents):
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        # With several worker processes (PROMETHEUS_MULTIPROC_DIR set), every process counts
+        # into files of one folder and a scrape adds them up; otherwise the registry is read.
+        self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        self.scrape_registry = registry
+        if self.multiprocess_dir:
+            self.scrape_registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.scrape_registry)  # type: ignore[no-untyped-call]
         self.hit_tokens = Counter(
             "prompt_cache_hit_tokens",
             "Prompt tokens served from the cache, by the lookup's retention class.",
@@ -140,14 +148,16 @@ class CacheMetrics(CacheEvents):
                 self.evicted_before_ttl.labels(retention=block.retention).inc()
 
     def token_totals(self, retention: str) -> tuple[int, int]:
-        """Hit and miss tokens counted so far for a class (this process)."""
-        hits = self.registry.get_sample_value(
-            "prompt_cache_hit_tokens_total", {"retention": retention}
-        )
-        misses = self.registry.get_sample_value(
-            "prompt_cache_miss_tokens_total", {"retention": retention}
-        )
+        """Hit and miss tokens counted so far for a class (all worker processes)."""
+        labels = {"retention": retention}
+        hits = self.scrape_registry.get_sample_value("prompt_cache_hit_tokens_total", labels)
+        misses = self.scrape_registry.get_sample_value("prompt_cache_miss_tokens_total", labels)
         return int(hits or 0), int(misses or 0)
+
+    def close(self) -> None:
+        """Tell the multiprocess files this process is gone (its counts stay in the sums)."""
+        if self.multiprocess_dir:
+            multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
 
 
 class StoreCollector(Collector):

@@ -37,6 +37,9 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(8080, ge=0, le=65535, description="TCP port to bind.")
+    workers: int = Field(
+        1, ge=1, le=64, description="Worker processes sharing the one LMDB data folder."
+    )
     data_dir: Path = Field(Path("./cache-data"), description="Folder of the LMDB store.")
     capacity: int = Field(
         10 * 2**30,
@@ -109,3 +112,8 @@ class Settings(BaseSettings):
     def map_size_bytes(self) -> int:
         """LMDB's map: room for the capacity, eviction's slack and free pages not yet reused."""
         return 2 * self.capacity + 256 * 2**20
+
+
+def settings_environment(settings: Settings) -> dict[str, str]:
+    """The settings as CACHE_SERVICE_* variables, for worker processes to read back."""
+    return {ENV_PREFIX + name.upper(): str(value) for name, value in settings.model_dump().items()}

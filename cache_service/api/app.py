@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, disable_created_metrics
@@ -63,13 +65,48 @@ async def _repeat(interval_seconds: float, job: Callable[[], Awaitable[Any]], na
             log.exception("background job %s failed; retrying in %.1fs", name, interval_seconds)
 
 
-def _sweeper(cache: PrefixCache) -> Callable[[], Awaitable[None]]:
+class SweeperLock:
+    """Elects one worker process to run the expiry sweeper (an advisory lock file beside the
+    data); if it exits, the lock is free and another worker takes the job at its next turn."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self._path = folder / "sweeper.lock" if folder is not None else None
+        self._file: IO[bytes] | None = None
+
+    def held(self) -> bool:
+        """Whether this process runs the sweeper (trying to become it if nobody does)."""
+        if self._path is None or self._file is not None:
+            return True
+        handle = self._path.open("ab")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            return False
+        self._file = handle
+        return True
+
+    def release(self) -> None:
+        """Give the job up (closing the file drops the lock)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _sweeper(cache: PrefixCache, lock: SweeperLock) -> Callable[[], Awaitable[None]]:
     async def sweep() -> None:
+        if not lock.held():
+            return  # another worker sweeps: deleting the same blocks twice would only contend
         # Short batches, each its own transaction, so writers never wait long for the lock.
         while await run_in_threadpool(cache.sweep_expired) >= EVICT_BATCH_BLOCKS:
             await asyncio.sleep(0)
 
     return sweep
+
+
+def app_from_environment() -> FastAPI:
+    """The app of one worker process, configured from CACHE_SERVICE_* variables."""
+    return create_app(Settings())
 
 
 def create_app(
@@ -110,7 +147,8 @@ def create_app(
             events=metrics,
         )
         collector = StoreCollector(cache.usage, settings.capacity)
-        registry.register(collector)
+        metrics.scrape_registry.register(collector)
+        sweeper_lock = SweeperLock(settings.data_dir if owned else None)
         # The capacity may have been lowered since the data was written.
         await run_in_threadpool(cache.enforce_capacity)
         kind = "lmdb" if isinstance(the_store, LmdbStore) else type(the_store).__name__
@@ -122,7 +160,9 @@ def create_app(
 
         workers = [
             asyncio.create_task(_repeat(settings.touch_flush_interval, flush, "touch flush")),
-            asyncio.create_task(_repeat(settings.sweep_interval, _sweeper(cache), "sweeper")),
+            asyncio.create_task(
+                _repeat(settings.sweep_interval, _sweeper(cache, sweeper_lock), "sweeper")
+            ),
         ]
         try:
             yield
@@ -132,7 +172,9 @@ def create_app(
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
             cache.flush_touches()
-            registry.unregister(collector)
+            sweeper_lock.release()
+            metrics.scrape_registry.unregister(collector)
+            metrics.close()
             if owned:
                 the_store.close()
 

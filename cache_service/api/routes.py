@@ -277,5 +277,5 @@ async def readyz(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     """Prometheus text exposition of the service's registry."""
     state = service_state(request)
-    output = await run_in_threadpool(generate_latest, state.metrics.registry)
+    output = await run_in_threadpool(generate_latest, state.metrics.scrape_registry)
     return Response(output, media_type=CONTENT_TYPE_LATEST)

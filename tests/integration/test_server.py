@@ -303,3 +303,26 @@ def test_payloads_without_copies_are_views_of_the_same_bytes(server: ServerProce
         assert [bytes(p) for p in found.payloads] == payloads
         views = client.get_blocks("m", found.keys, copy=False)
         assert [bytes(v) for v in views if v is not None] == payloads
+
+
+def test_two_worker_processes_share_one_store_and_add_up_their_metrics(
+    make_server: MakeServer,
+) -> None:
+    server = make_server(workers="2", sweep_interval="0.2", retention="chat=2s,agent=1h")
+    prompt = list(range(1024))
+    with CacheClient(server.url) as client:
+        assert client.put_prefix("m", prompt, [b"kv"] * 16) == 16
+    for _ in range(30):  # fresh connections, so both workers answer some
+        with CacheClient(server.url) as client:
+            assert client.lookup("m", prompt).matched_blocks == 16
+    text = httpx.get(server.url + "/metrics").text
+    assert metric(text, "prompt_cache_lookups_total", outcome="full") == 30
+    assert metric(text, "prompt_cache_hit_tokens_total", retention="chat") == 30 * 1024
+    assert metric(text, "prompt_cache_blocks") == 16
+    with CacheClient(server.url) as client:
+        assert client.stats()["retention"]["chat"]["hit_tokens"] == 30 * 1024
+        deadline = time.monotonic() + 15
+        while client.stats()["blocks"] and time.monotonic() < deadline:
+            time.sleep(0.2)  # one worker sweeps the expired blocks
+        assert client.stats()["blocks"] == 0
+    assert (server.data_dir / "sweeper.lock").exists()
