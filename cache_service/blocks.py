@@ -102,6 +102,11 @@ class Chain(Sequence[ChainLink]):
             parent = key
 
     @property
+    def stride(self) -> int:
+        """Bytes of tokens per block."""
+        return self._stride
+
+    @property
     def token_bytes(self) -> bytes:
         """The prompt's tokens (uint32 LE), full blocks and any partial tail."""
         return self._tokens

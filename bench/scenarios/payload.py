@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import Callable
 
+from bench.peers import PEER_MODULES
 from bench.peers.harness import check_equal, payload_rows, time_calls
 from bench.peers.payloads import SCENARIO, prefix_blocks, prefix_case, single_blocks, single_case
 from bench.report import Row, compare, skipped
@@ -17,7 +18,7 @@ from cache_service.client import CacheClient
 from cache_service.hashing import tokens_to_bytes
 
 MODEL = "bench"
-PEERS = ("redis_peer", "lmdb_floor", "tcp_floor", "lmcache_peer")
+
 OURS = "ours (lmdb-sync full)"
 OURS_NOSYNC = "ours (lmdb-sync nosync)"
 
@@ -111,7 +112,7 @@ def _ours(ctx: Context, reps: int) -> tuple[list[Row], dict[str, Row]]:
 
 def _peer(name: str) -> Callable[..., list[Row]] | None:
     try:
-        module = importlib.import_module(f"bench.peers.{name}")
+        module = importlib.import_module(name)
     except ImportError:
         return None
     measure: Callable[..., list[Row]] = module.measure
@@ -156,7 +157,7 @@ def run(ctx: Context) -> list[Row]:
     rows, ours = _ours(ctx, reps)
     nosync = _ours_nosync(ctx, reps)
     rows += nosync
-    for name in PEERS:
+    for name in PEER_MODULES:
         measure = _peer(name)
         if measure is None:
             rows.append(skipped(SCENARIO, prefix_case("store/fetch"), name, "not available"))

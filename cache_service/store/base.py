@@ -129,13 +129,10 @@ class BlockTxn(Protocol):
         ...
 
     def count_hits(
-        self,
-        root: BlockKey,
-        parts: Iterable[tuple[BlockKey, BlockKey, bytes, int]],
-        now: float,
+        self, root: BlockKey, links: Sequence[ChainLink], start: int, now: float
     ) -> tuple[int, int]:
-        """How many leading blocks of a chain `check` as HIT, and 1 if a COLLISION ended
-        the run (else 0): the lookup's hot loop, in one call."""
+        """How many blocks of a chain from `start` `check` as HIT, and 1 if a COLLISION
+        ended the run (else 0): the lookup's hot loop, in one call."""
         ...
 
     def incarnation(self, key: BlockKey, now: float) -> bytes | None:

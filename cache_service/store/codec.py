@@ -86,7 +86,7 @@ def record_size(token_bytes: int, retention_len: int = 8) -> int:
 # Fixed offsets into the header, for reads that check a record without decoding it.
 DEPTH = struct.Struct("<I")
 EXPIRES = struct.Struct("<d")
-DEPTH_AT, EXPIRES_AT, ROOT_AT, PARENT_END, RETENTION_LEN_AT = 1, 25, 65, 97, 105
+DEPTH_AT, EXPIRES_AT, ROOT_AT, PARENT_AT, PARENT_END, RETENTION_LEN_AT = 1, 25, 65, 81, 97, 105
 CREATED_AT, CREATED_END = 9, 17  # a stored copy's incarnation: its creation time's bytes
 TOKENS_AT = _HEADER.size  # plus the retention name's length
 

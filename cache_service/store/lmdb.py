@@ -12,14 +12,14 @@ from __future__ import annotations
 import math
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import lmdb
 
-from cache_service.blocks import BlockKey, BlockMeta, StoreUsage
+from cache_service.blocks import BlockKey, BlockMeta, Chain, ChainLink, StoreUsage
 from cache_service.errors import StorageError, StoreFull
 from cache_service.eviction import EvictionPolicy
 from cache_service.store.base import EXPIRY, VICTIMS
@@ -30,6 +30,7 @@ from cache_service.store.codec import (
     DEPTH_AT,
     EXPIRES,
     EXPIRES_AT,
+    PARENT_AT,
     PARENT_END,
     RETENTION_LEN_AT,
     ROOT_AT,
@@ -40,6 +41,7 @@ from cache_service.store.codec import (
     record_size,
 )
 from cache_service.store.ops import TxnStore
+from cache_service.store.ops import count_hits_by_check as _count_hits_generic
 
 FORMAT_VERSION = b"2"
 SYNC_MODES = {
@@ -80,26 +82,31 @@ class _LmdbTxn:
         )
 
     def count_hits(
-        self,
-        root: BlockKey,
-        parts: Iterable[tuple[BlockKey, BlockKey, bytes, int]],
-        now: float,
+        self, root: BlockKey, links: Sequence[ChainLink], start: int, now: float
     ) -> tuple[int, int]:
-        # check_record, unrolled: a 32k-token lookup runs this body 512 times.
+        # check_record, unrolled over the chain's own arrays: a 32k-token lookup runs this
+        # body 512 times, so it builds no tuples, links or concatenations.
+        if not isinstance(links, Chain):
+            return _count_hits_generic(self, root, links, start, now)
         get, blocks = self._txn.get, self._blocks
-        matched = 0
-        for key, parent, tokens, depth in parts:
+        keys, tokens, stride = links.keys, links.token_bytes, links.stride
+        parent = keys[start - 1] if start else root
+        unpack_expires, unpack_depth = EXPIRES.unpack_from, DEPTH.unpack_from
+        for depth in range(start, len(keys)):
+            key = keys[depth]
             raw = get(key, db=blocks)
-            if raw is None or now >= EXPIRES.unpack_from(raw, EXPIRES_AT)[0]:
-                return matched, 0
+            if raw is None or now >= unpack_expires(raw, EXPIRES_AT)[0]:
+                return depth - start, 0
+            offset = depth * stride
             if (
-                raw[ROOT_AT:PARENT_END] != root + parent
-                or DEPTH.unpack_from(raw, DEPTH_AT)[0] != depth
-                or raw[TOKENS_AT + raw[RETENTION_LEN_AT] :] != tokens
+                raw[ROOT_AT:PARENT_AT] != root
+                or raw[PARENT_AT:PARENT_END] != parent
+                or unpack_depth(raw, DEPTH_AT)[0] != depth
+                or raw[TOKENS_AT + raw[RETENTION_LEN_AT] :] != tokens[offset : offset + stride]
             ):
-                return matched, 1
-            matched += 1
-        return matched, 0
+                return depth - start, 1
+            parent = key
+        return len(keys) - start, 0
 
     def incarnation(self, key: BlockKey, now: float) -> bytes | None:
         raw = self._txn.get(key, db=self._blocks)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import bisect
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
-from cache_service.blocks import BlockKey, BlockMeta, StoreUsage
+from cache_service.blocks import BlockKey, BlockMeta, ChainLink, StoreUsage
 from cache_service.eviction import EvictionPolicy
 from cache_service.store.base import EXPIRY, VICTIMS
 from cache_service.store.codec import COLLISION, HIT, MISSING, record_size
-from cache_service.store.ops import TxnStore
+from cache_service.store.ops import TxnStore, count_hits_by_check
 
 # What a block costs beyond its payload and tokens here (dict slots, objects): an estimate,
 # so that a byte capacity means roughly the same on this backend as on LMDB.
@@ -44,18 +44,9 @@ class _MemoryTxn:
         return HIT if same else COLLISION
 
     def count_hits(
-        self,
-        root: BlockKey,
-        parts: Iterable[tuple[BlockKey, BlockKey, bytes, int]],
-        now: float,
+        self, root: BlockKey, links: Sequence[ChainLink], start: int, now: float
     ) -> tuple[int, int]:
-        matched = 0
-        for key, parent, tokens, depth in parts:
-            status = self.check(key, root + parent, tokens, depth, now)
-            if status != HIT:
-                return matched, int(status == COLLISION)
-            matched += 1
-        return matched, 0
+        return count_hits_by_check(self, root, links, start, now)
 
     def incarnation(self, key: BlockKey, now: float) -> bytes | None:
         meta = self._s.metas.get(key)

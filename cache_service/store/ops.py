@@ -178,7 +178,7 @@ class TxnStore:
                 start = 0
                 if known and known[0] and txn.incarnation(links[known[0] - 1].key, now) == known[1]:
                     start = known[0]  # still the very copy verified before: its prefix stands
-                more, collisions = txn.count_hits(root, link_parts(links, start), now)
+                more, collisions = txn.count_hits(root, links, start, now)
                 matched = start + more
                 last = txn.incarnation(links[matched - 1].key, now) if matched else None
                 return MatchResult(matched=matched, collisions=collisions, incarnation=last)
@@ -513,6 +513,19 @@ class TxnStore:
                 return
             after = entries[-1][0] + entries[-1][1]
             limit = min(limit * 4, SCAN_MOST)
+
+
+def count_hits_by_check(
+    txn: BlockTxn, root: BlockKey, links: Sequence[ChainLink], start: int, now: float
+) -> tuple[int, int]:
+    """count_hits through `check`, for backends with no faster way."""
+    matched = 0
+    for key, parent, tokens, depth in link_parts(links, start):
+        status = txn.check(key, root + parent, tokens, depth, now)
+        if status != HIT:
+            return matched, int(status == COLLISION)
+        matched += 1
+    return matched, 0
 
 
 def _fresh(meta: BlockMeta, hit: Touch, resolution_seconds: float) -> bool:
