@@ -201,3 +201,17 @@ def ensure_apt_package(package: str, library: str, *, allow_install: bool) -> st
         tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
         return f"apt-get install {package} failed: {tail[0]}"
     return ""
+
+
+def run_standalone(measure: Callable[..., list[Row]]) -> None:
+    """`python -m bench.peers.X [--quick] [--install]`: one peer's table (BENCH_REPETITIONS)."""
+    import sys  # noqa: PLC0415 - only a peer run as a script reads its argv
+
+    from bench.report import format_table  # noqa: PLC0415
+
+    rows = measure(
+        quick="--quick" in sys.argv,
+        repetitions=int(os.environ.get("BENCH_REPETITIONS", "5")),
+        allow_install="--install" in sys.argv,
+    )
+    print(format_table(rows))

@@ -19,9 +19,7 @@ measures only the second; full mode both, the stock server's prefix fetch with 2
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +30,7 @@ from bench.peers.harness import (
     ensure_venv,
     free_port,
     payload_rows,
+    run_standalone,
     stop_process,
     wait_for_port,
 )
@@ -208,14 +207,4 @@ def measure(*, quick: bool, repetitions: int, allow_install: bool) -> list[Row]:
 
 
 if __name__ == "__main__":  # python -m bench.peers.lmcache_peer [--quick] [--install]
-    from bench.report import format_table
-
-    print(
-        format_table(
-            measure(
-                quick="--quick" in sys.argv,
-                repetitions=int(os.environ.get("BENCH_REPETITIONS", "5")),
-                allow_install="--install" in sys.argv,
-            )
-        )
-    )
+    run_standalone(measure)

@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from bench.peers.harness import (
     ensure_apt_package,
     ensure_venv,
     payload_rows,
+    run_standalone,
     stop_process,
 )
 from bench.peers.payloads import SCENARIO, prefix_case, single_case
@@ -198,14 +198,4 @@ def measure(*, quick: bool, repetitions: int, allow_install: bool) -> list[Row]:
 
 
 if __name__ == "__main__":  # python -m bench.peers.mooncake_peer [--quick] [--install]
-    from bench.report import format_table
-
-    print(
-        format_table(
-            measure(
-                quick="--quick" in sys.argv,
-                repetitions=int(os.environ.get("BENCH_REPETITIONS", "5")),
-                allow_install="--install" in sys.argv,
-            )
-        )
-    )
+    run_standalone(measure)

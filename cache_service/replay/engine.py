@@ -98,16 +98,17 @@ def _drive(
             retention=retention,
             payload=payload,
         )
-        hit_blocks = found.matched_blocks // units.ratio
-        on_outcome(
-            Outcome(
-                request=request,
-                blocks=units.trace_blocks(request),
-                hit_blocks=hit_blocks,
-                hit_tokens=units.hit_tokens(request, hit_blocks),
-            ),
-            retention,
-        )
+        on_outcome(_outcome(request, units, found.matched_blocks // units.ratio), retention)
+
+
+def _outcome(request: TraceRequest, units: BlockUnits, hit_blocks: int) -> Outcome:
+    """A request's result in the trace's own units."""
+    return Outcome(
+        request=request,
+        blocks=units.trace_blocks(request),
+        hit_blocks=hit_blocks,
+        hit_tokens=units.hit_tokens(request, hit_blocks),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,12 +187,4 @@ def replay_http(
                     retention=retention,
                 )
             hit_blocks = found.cached_tokens // units.trace_tokens
-            on_outcome(
-                Outcome(
-                    request=request,
-                    blocks=units.trace_blocks(request),
-                    hit_blocks=hit_blocks,
-                    hit_tokens=units.hit_tokens(request, hit_blocks),
-                ),
-                retention or service_default,
-            )
+            on_outcome(_outcome(request, units, hit_blocks), retention or service_default)
