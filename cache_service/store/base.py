@@ -135,6 +135,12 @@ class BlockTxn(Protocol):
         ended the run (else 0): the lookup's hot loop, in one call."""
         ...
 
+    def touch_in_place(self, key: BlockKey, hit: Touch, seq: int, expires_at: float) -> bool | None:
+        """Mark a non-leaf block used by `hit` without re-encoding it: None if it is absent,
+        False if the general path must do it (a leaf, whose victims entry moves, or a
+        change of retention class), True when done."""
+        ...
+
     def incarnation(self, key: BlockKey, now: float) -> bytes | None:
         """Bytes that change whenever the block is stored anew (its creation time), or None
         if it is absent or expired."""

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
-from cache_service.blocks import BlockKey, BlockMeta, ChainLink, StoreUsage
+from cache_service.blocks import BlockKey, BlockMeta, ChainLink, StoreUsage, Touch
 from cache_service.eviction import EvictionPolicy
 from cache_service.store.base import EXPIRY, VICTIMS
 from cache_service.store.codec import COLLISION, HIT, MISSING, record_size
@@ -47,6 +47,9 @@ class _MemoryTxn:
         self, root: BlockKey, links: Sequence[ChainLink], start: int, now: float
     ) -> tuple[int, int]:
         return count_hits_by_check(self, root, links, start, now)
+
+    def touch_in_place(self, key: BlockKey, hit: Touch, seq: int, expires_at: float) -> bool | None:
+        return None if key not in self._s.metas else False  # the general path is cheap here
 
     def incarnation(self, key: BlockKey, now: float) -> bytes | None:
         meta = self._s.metas.get(key)

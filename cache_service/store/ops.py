@@ -373,23 +373,28 @@ class TxnStore:
                     deepest = txn.get(hit.keys[-1])
                     if deepest is not None and _fresh(deepest, hit, resolution_seconds):
                         continue
-                present: list[BlockMeta] = []
-                for key in hit.keys:
-                    meta = txn.get(key)
-                    if meta is None:
-                        break  # evicted since the lookup; its descendants are gone too
-                    present.append(meta)
-                if not present:
-                    continue
-                expires_at = hit.at + hit.ttl_seconds
-                first_seq = txn.next_seq(len(present))
-                for index, meta in enumerate(present):
-                    before = self._indexed(meta)
-                    meta.last_used_at = max(meta.last_used_at, hit.at)
-                    meta.lru_seq = first_seq + len(present) - 1 - index
-                    meta.hits += hit.uses
-                    meta.expires_at, meta.retention = _later_expiry(meta, expires_at, hit.retention)
-                    self._save(txn, meta, before)
+                self._touch_one(txn, hit)
+
+    def _touch_one(self, txn: BlockTxn, hit: Touch) -> None:
+        # Sequence numbers for every key, tail first (a gap where blocks are gone is harmless).
+        last_seq = txn.next_seq(len(hit.keys)) + len(hit.keys) - 1
+        expires_at = hit.at + hit.ttl_seconds
+        for index, key in enumerate(hit.keys):
+            seq = last_seq - index
+            done = txn.touch_in_place(key, hit, seq, expires_at)
+            if done is None:
+                return  # evicted since the lookup; its descendants are gone too
+            if done:
+                continue
+            # A leaf (its victims entry moves) or a change of class: the general path.
+            meta = txn.get(key)
+            assert meta is not None
+            before = self._indexed(meta)
+            meta.last_used_at = max(meta.last_used_at, hit.at)
+            meta.lru_seq = seq
+            meta.hits += hit.uses
+            meta.expires_at, meta.retention = _later_expiry(meta, expires_at, hit.retention)
+            self._save(txn, meta, before)
 
     def evict(
         self,
