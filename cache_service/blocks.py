@@ -159,6 +159,9 @@ class BlockMeta:
     # Where the expiry index lists the block: at most expires_at (sliding a block's expiry
     # leaves its entry early; the sweeper moves an entry it finds early to its real time).
     indexed_expiry: float = 0.0
+    # A number no other write of any block ever gets (drawn from the use sequence when the
+    # block is stored): it tells a stored copy from any later copy under the same key.
+    stored_seq: int = 0
 
     def is_alive(self, now: float) -> bool:
         """A block is alive while now < expires_at."""

@@ -17,6 +17,7 @@ from cache_service.blocks import (
     StoreUsage,
     Touch,
 )
+from cache_service.capacity import EVICT_BATCH_BLOCKS, Capacity
 from cache_service.errors import (
     BlockSizeMismatch,
     InsufficientStorage,
@@ -34,7 +35,6 @@ PayloadSink = Callable[[int, bytes | memoryview | None], None]
 TokenInput = bytes | Sequence[int]
 
 DEFAULT_BLOCK_SIZE = 64
-EVICT_BATCH_BLOCKS = 1024  # blocks per eviction transaction: keeps the write lock short
 STORE_FULL_RETRIES = 3
 MAX_PENDING_TOUCHES = 100_000  # lookups whose refresh waits; past this the oldest are dropped
 
@@ -105,15 +105,19 @@ class PrefixCache:
         self.clock = clock
         self.default_block_size = default_block_size
         self.model_block_sizes = dict(model_block_sizes or {})
-        self.capacity_bytes = capacity_bytes
-        self.capacity_blocks = capacity_blocks
-        self.high_water = high_water
-        self.low_water = low_water
+        self.events = events or CacheEvents()
+        self.capacity = Capacity(
+            store,
+            capacity_bytes=capacity_bytes,
+            capacity_blocks=capacity_blocks,
+            high_water=high_water,
+            low_water=low_water,
+            events=self.events,
+        )
         self.defer_touches = defer_touches
         # Deferred (server) touches refresh a block at most once a second: LRU order and
         # sliding TTLs are exact to that resolution. Immediate touches (replay) are exact.
         self.touch_resolution_seconds = touch_resolution_seconds
-        self.events = events or CacheEvents()
         self._pending: list[Touch] = []
         self._recent = RecentMatches()
         self._pending_lock = threading.Lock()
@@ -359,7 +363,7 @@ class PrefixCache:
         blocks = [NewBlock(links[start_block + i], p) for i, p in enumerate(payloads)]
         if not blocks:
             return InsertOutcome((), 0, 0, 0, 0, 0, 0)
-        fitting = self._fit(blocks, start_block)
+        fitting = self.capacity.fit(blocks, start_block)
         keys = tuple(block.link.key for block in blocks)
         if blocks and not fitting:
             if self.capacity_blocks is not None:  # the prefix before start_block fills the cache
@@ -384,7 +388,9 @@ class PrefixCache:
                 )
                 break
             except StoreFull:
-                if not self._make_room(sum(self._estimate(b) for b in fitting), now):
+                if not self.capacity.make_room(
+                    sum(self.capacity.estimate(b) for b in fitting), now
+                ):
                     break
         if result is None:
             raise InsufficientStorage("the store is full and nothing in it can be evicted")
@@ -408,83 +414,43 @@ class PrefixCache:
             prefix_touched=result.prefix_touched,
         )
 
-    def _estimate(self, block: NewBlock) -> int:
-        return self.store.estimate_bytes(len(block.payload), len(block.link.tokens))
-
-    def _fit(self, blocks: Sequence[NewBlock], start_block: int) -> Sequence[NewBlock]:
-        """The longest head of `blocks` that the whole cache could hold."""
-        if self.capacity_blocks is not None:
-            return blocks[: max(self.capacity_blocks - start_block, 0)]
-        if self.capacity_bytes is None:
-            return blocks
-        total = self.store.reserved_bytes()
-        for count, block in enumerate(blocks):
-            total += self._estimate(block)
-            if total > self.capacity_bytes:
-                return blocks[:count]
-        return blocks
-
-    def _make_room(self, needed_bytes: int, now: float) -> bool:
-        """Evict for a write the backend refused as full; False if nothing could go."""
-        usage = self.store.usage()
-        target = max(usage.used_bytes - needed_bytes, 0)
-        if self.capacity_bytes is not None:
-            target = min(target, int(self.capacity_bytes * self.low_water))
-        return bool(self._evict_until(now=now, target_used_bytes=target))
-
     # -- capacity and expiry ------------------------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The capacity in bytes of the backend's own measure, if set."""
+        return self.capacity.capacity_bytes
+
+    @capacity_bytes.setter
+    def capacity_bytes(self, value: int | None) -> None:
+        self.capacity.capacity_bytes = value
+
+    @property
+    def capacity_blocks(self) -> int | None:
+        """The capacity in blocks (evicting to exactly it), if set."""
+        return self.capacity.capacity_blocks
+
+    @capacity_blocks.setter
+    def capacity_blocks(self, value: int | None) -> None:
+        self.capacity.capacity_blocks = value
+
+    @property
+    def high_water(self) -> float:
+        """Share of the byte capacity above which eviction starts."""
+        return self.capacity.high_water
+
+    @property
+    def low_water(self) -> float:
+        """Share of the byte capacity eviction goes down to."""
+        return self.capacity.low_water
 
     def enforce_capacity(self, protected: set[BlockKey] | None = None) -> list[Evicted]:
         """Evict down to the capacity: to the low-water mark once above the high-water mark."""
-        now = self.clock()
-        if self.capacity_blocks is not None:
-            if self.store.usage().blocks <= self.capacity_blocks:
-                return []
-            return self._evict_until(now=now, target_blocks=self.capacity_blocks)
-        if self.capacity_bytes is None:
-            return []
-        if self.store.usage().used_bytes <= self.capacity_bytes * self.high_water:
-            return []
-        # Older blocks go first; the blocks just written only if they alone overflow the cache.
-        evicted = self._evict_until(
-            now=now,
-            target_used_bytes=int(self.capacity_bytes * self.low_water),
-            protected=frozenset(protected or ()),
-        )
-        if self.store.usage().used_bytes > self.capacity_bytes:
-            evicted += self._evict_until(now=now, target_used_bytes=self.capacity_bytes)
-        return evicted
-
-    def _evict_until(
-        self,
-        *,
-        now: float,
-        target_used_bytes: int | None = None,
-        target_blocks: int | None = None,
-        protected: frozenset[BlockKey] = frozenset(),
-    ) -> list[Evicted]:
-        evicted: list[Evicted] = []
-        while True:
-            batch = self.store.evict(
-                now=now,
-                max_blocks=EVICT_BATCH_BLOCKS,
-                target_used_bytes=target_used_bytes,
-                target_blocks=target_blocks,
-                protected=protected,
-            )
-            evicted += batch
-            if batch:
-                self.events.on_evicted(batch, now=now)
-            if len(batch) < EVICT_BATCH_BLOCKS:
-                return evicted
+        return self.capacity.enforce(now=self.clock(), protected=protected)
 
     def sweep_expired(self, *, max_blocks: int = EVICT_BATCH_BLOCKS) -> int:
         """Delete up to `max_blocks` expired blocks, leaf first, in one short transaction."""
-        now = self.clock()
-        batch = self.store.evict(now=now, max_blocks=max_blocks, expired_only=True)
-        if batch:
-            self.events.on_evicted(batch, now=now)
-        return len(batch)
+        return self.capacity.sweep_expired(now=self.clock(), max_blocks=max_blocks)
 
     def usage(self) -> StoreUsage:
         """What the store holds now."""

@@ -1,9 +1,10 @@
 """Recently verified matches, so a repeated prompt is neither hashed nor verified again.
 
 A lookup proves its prefix block by block. For a prompt seen recently, one read suffices: if
-the last block it matched is still the very copy (same incarnation) and alive, no block of the
-prefix can have been removed (only leaves are deleted), replaced (a stored block's content
-never changes while it has children) or expired (a parent never expires before its child).
+the last block it matched is still the very copy that was verified (its incarnation, a number
+drawn once per write that no other write of any block gets) and alive, no block of the prefix
+can have been removed (only leaves are deleted), replaced (a stored block's content never
+changes while it has children) or expired (a parent never expires before its child).
 The memo is keyed by the exact prompt bytes (compared in full, never trusted to a hash) and
 bounded in bytes; it is per process and only an accelerator: a stale entry costs one read.
 """

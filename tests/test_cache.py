@@ -17,7 +17,7 @@ from cache_service.errors import (
     MissingParent,
     UnknownRetention,
 )
-from cache_service.hashing import BlockHasher
+from cache_service.hashing import BlockHasher, tokens_to_bytes, xxh3_128
 from cache_service.retention import RetentionPolicy
 from cache_service.store.base import BlockStore
 
@@ -674,3 +674,30 @@ def test_deferred_touches_rewrite_a_hot_prefix_at_most_once_per_resolution(
     metas = raw.blocks()
     assert [metas[k].last_used_at for k in found.keys] == [clock()] * 2
     assert [metas[k].expires_at for k in found.keys] == [clock() + CHAT_TTL] * 2
+
+
+def test_memo_of_a_verified_prompt_never_survives_a_colliding_rewrite_at_the_same_instant(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    # A crafted collision: prompt B's block hashes to prompt A's key. A is memoised, evicted,
+    # and B stored under the same key within the same clock tick: A must miss.
+    a, b, other = [1] * 4, [2] * 4, [3] * 4
+
+    def colliding(data: bytes) -> bytes:
+        suffix = tokens_to_bytes(b)
+        if data.endswith(suffix):
+            data = data[: -len(suffix)] + tokens_to_bytes(a)
+        return xxh3_128(data)
+
+    cache = PrefixCache(
+        store,
+        hasher=BlockHasher(hash_fn=colliding),
+        clock=clock,
+        default_block_size=4,
+        capacity_blocks=1,
+    )
+    cache.insert(NS, a, [b"kv of a"])
+    assert cache.match_prefix(NS, a).matched_blocks == 1  # verified, and memoised
+    cache.insert(NS, other, [b"kv of other"])  # capacity 1: a's block is evicted
+    assert cache.insert(NS, b, [b"kv of b"]).stored == 1  # b takes a's key
+    assert cache.match_prefix(NS, a).matched_blocks == 0

@@ -21,7 +21,8 @@ from cache_service.api.openapi import install_openapi
 from cache_service.api.problems import install_problem_handlers
 from cache_service.api.routes import router
 from cache_service.api.state import ServiceState
-from cache_service.cache import EVICT_BATCH_BLOCKS, Clock, PrefixCache
+from cache_service.cache import Clock, PrefixCache
+from cache_service.capacity import EVICT_BATCH_BLOCKS
 from cache_service.hashing import BlockHasher
 from cache_service.metrics import CacheMetrics, StoreCollector
 from cache_service.settings import Settings

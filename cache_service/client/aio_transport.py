@@ -85,7 +85,9 @@ class AsyncStreamTransport(httpx.AsyncBaseTransport):
         headers = [tuple(line.split(":", 1)) for line in lines[1:] if line]
         pairs = [(name.strip(), value.strip()) for name, value in headers]
         fields = {name.lower(): value for name, value in pairs}
-        if "content-length" in fields:
+        if status in (204, 304) or 100 <= status < 200:
+            content = b""  # no body, whatever the headers say
+        elif "content-length" in fields:
             content = await reader.readexactly(int(fields["content-length"]))
         elif fields.get("transfer-encoding", "").lower() == "chunked":
             content = await _read_chunked(reader)
@@ -108,7 +110,8 @@ async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
     while True:
         size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
         if size == 0:
-            await reader.readuntil(b"\r\n")
+            while await reader.readuntil(b"\r\n") != b"\r\n":
+                pass  # trailer fields, up to the empty line
             return b"".join(parts)
         parts.append(await reader.readexactly(size))
         await reader.readexactly(2)

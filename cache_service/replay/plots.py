@@ -97,4 +97,4 @@ def _plot_curve(axis: Any, report: dict[str, Any]) -> None:
         "top", functions=(lambda t: t * per_token / GIB, lambda g: g * GIB / per_token)
     )
     top.set_xlabel(f"capacity (GiB at {per_token} bytes of KV per token)")
-    axis.set_title("Miss-ratio curve: hit ratio at every capacity", pad=28)
+    axis.set_title("Hit ratio at every capacity (the miss-ratio curve, as hits)", pad=28)

@@ -6,10 +6,10 @@ import struct
 
 from cache_service.blocks import BlockKey, BlockMeta
 
-RECORD_VERSION = 2
+RECORD_VERSION = 3
 # version, depth, children, created, last_used, expires, lru_seq, hits, payload_size,
-# checksum, namespace root, parent key, indexed expiry, retention length
-_HEADER = struct.Struct("<BIIdddQQQQ16s16sdB")
+# checksum, namespace root, parent key, indexed expiry, stored seq, retention length
+_HEADER = struct.Struct("<BIIdddQQQQ16s16sdQB")
 
 
 def encode_meta(meta: BlockMeta) -> bytes:
@@ -30,6 +30,7 @@ def encode_meta(meta: BlockMeta) -> bytes:
             meta.namespace_root,
             meta.parent,
             meta.indexed_expiry,
+            meta.stored_seq,
             len(retention),
         )
         + retention
@@ -53,6 +54,7 @@ def decode_meta(key: BlockKey, record: bytes | memoryview) -> BlockMeta:
         namespace_root,
         parent,
         indexed_expiry,
+        stored_seq,
         retention_len,
     ) = _HEADER.unpack_from(record)
     if version != RECORD_VERSION:
@@ -75,6 +77,7 @@ def decode_meta(key: BlockKey, record: bytes | memoryview) -> BlockMeta:
         lru_seq=lru_seq,
         hits=hits,
         indexed_expiry=indexed_expiry,
+        stored_seq=stored_seq,
     )
 
 
@@ -86,8 +89,8 @@ def record_size(token_bytes: int, retention_len: int = 8) -> int:
 # Fixed offsets into the header, for reads that check a record without decoding it.
 DEPTH = struct.Struct("<I")
 EXPIRES = struct.Struct("<d")
-DEPTH_AT, EXPIRES_AT, ROOT_AT, PARENT_AT, PARENT_END, RETENTION_LEN_AT = 1, 25, 65, 81, 97, 105
-CREATED_AT, CREATED_END = 9, 17  # a stored copy's incarnation: its creation time's bytes
+DEPTH_AT, EXPIRES_AT, ROOT_AT, PARENT_AT, PARENT_END, RETENTION_LEN_AT = 1, 25, 65, 81, 97, 113
+STORED_SEQ_AT, STORED_SEQ_END = 105, 113  # a stored copy's incarnation: unique per write
 # Fields a touch rewrites in place: (version B, depth I) children I | created d | last_used d
 # | expires d | lru_seq Q | hits Q
 CHILDREN, LAST_USED, SEQ, HITS = (struct.Struct(f) for f in ("<I", "<d", "<Q", "<Q"))

@@ -26,8 +26,6 @@ from cache_service.store.base import EXPIRY, VICTIMS
 from cache_service.store.codec import (
     CHILDREN,
     CHILDREN_AT,
-    CREATED_AT,
-    CREATED_END,
     DEPTH,
     DEPTH_AT,
     EXPIRES,
@@ -42,6 +40,8 @@ from cache_service.store.codec import (
     ROOT_AT,
     SEQ,
     SEQ_AT,
+    STORED_SEQ_AT,
+    STORED_SEQ_END,
     TOKENS_AT,
     check_record,
     decode_meta,
@@ -51,7 +51,7 @@ from cache_service.store.codec import (
 from cache_service.store.ops import TxnStore
 from cache_service.store.ops import count_hits_by_check as _count_hits_generic
 
-FORMAT_VERSION = b"2"
+FORMAT_VERSION = b"3"
 SYNC_MODES = {
     "full": {"sync": True, "metasync": True},
     "nometasync": {"sync": True, "metasync": False},
@@ -144,7 +144,7 @@ class _LmdbTxn:
         raw = self._txn.get(key, db=self._blocks)
         if raw is None or now >= EXPIRES.unpack_from(raw, EXPIRES_AT)[0]:
             return None
-        return bytes(raw[CREATED_AT:CREATED_END])
+        return bytes(raw[STORED_SEQ_AT:STORED_SEQ_END])
 
     def put(self, meta: BlockMeta) -> None:
         self._txn.put(meta.key, encode_meta(meta), db=self._dbs["blocks"])

@@ -55,7 +55,7 @@ class _MemoryTxn:
         meta = self._s.metas.get(key)
         if meta is None or not meta.is_alive(now):
             return None
-        return struct.pack("<d", meta.created_at)
+        return struct.pack("<Q", meta.stored_seq)
 
     def put(self, meta: BlockMeta) -> None:
         old = self._s.metas.get(meta.key)

@@ -1,153 +1,42 @@
-"""The store's algorithms, written once over backend transactions.
+"""The store's lookups and writes, written once over backend transactions.
 
-Invariants every operation keeps:
-- prefix-closed: a stored block's parent is stored (blocks are evicted leaf first, and a
-  block's expiry is never earlier than any stored descendant's);
-- verified: a block is only reported when its stored parent key and tokens equal the request's;
-- `children` counts a block's stored children; only blocks with none are in the victims index.
+Invariants every operation keeps (with those of `store.indexed`):
+- prefix-closed: a stored block's parent is stored, and a block's expiry is never earlier
+  than any stored descendant's;
+- verified: a block is only reported when its stored namespace, depth, parent key and tokens
+  equal the request's.
 """
 
 from __future__ import annotations
 
-import struct
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
-
-import xxhash
+from collections.abc import Sequence
 
 from cache_service.blocks import (
     BlockKey,
     BlockMeta,
     ChainLink,
-    Evicted,
     InsertResult,
     MatchResult,
     NamespaceId,
     NewBlock,
-    StoreUsage,
     Touch,
     link_parts,
 )
 from cache_service.errors import MissingParent
-from cache_service.eviction import EvictionPolicy, LruPolicy
-from cache_service.store.base import EXPIRY, VICTIMS, BlockTxn
+from cache_service.store.base import BlockTxn
 from cache_service.store.codec import COLLISION, HIT
+from cache_service.store.indexed import (
+    IndexedStore,
+    PayloadSink,
+    checksum,
+    expiry_sort_key,
+)
 
-PayloadSink = Callable[[int, "bytes | memoryview | None"], None]
-SCAN_FIRST = 4  # most scans need one entry: start small, widen when entries are skipped
-SCAN_MOST = 1024
-_Indexed = bytes | None  # the victims sort key while the block is a leaf
-
-
-def checksum(payload: bytes | memoryview) -> int:
-    """The payload checksum kept with every block (xxh3-64)."""
-    return int(xxhash.xxh3_64_intdigest(payload))
+__all__ = ["PayloadSink", "TxnStore", "checksum", "count_hits_by_check", "expiry_sort_key"]
 
 
-def expiry_sort_key(expires_at: float) -> bytes:
-    """Non-negative floats sort as their big-endian IEEE bytes."""
-    return struct.pack(">d", max(expires_at, 0.0))
-
-
-class TxnStore:
+class TxnStore(IndexedStore):
     """BlockStore operations over a backend that supplies read and write transactions."""
-
-    def __init__(self, *, policy: EvictionPolicy | None = None) -> None:
-        self.policy: EvictionPolicy = policy or LruPolicy()
-        self._batch = threading.local()
-
-    def _begin_read(self, *, views: bool = False) -> AbstractContextManager[BlockTxn]:
-        """A read transaction; with `views`, payload reads may return views into the store
-        that stay valid until the transaction ends (no copy)."""
-        raise NotImplementedError
-
-    def _begin_write(self) -> AbstractContextManager[BlockTxn]:
-        raise NotImplementedError
-
-    @contextmanager
-    def _read(self, *, views: bool = False) -> Iterator[BlockTxn]:
-        batch: BlockTxn | None = getattr(self._batch, "txn", None)
-        if batch is not None:
-            yield batch
-            return
-        with self._begin_read(views=views) as txn:
-            yield txn
-
-    @contextmanager
-    def _write(self) -> Iterator[BlockTxn]:
-        batch: BlockTxn | None = getattr(self._batch, "txn", None)
-        if batch is not None:
-            yield batch
-            return
-        with self._begin_write() as txn:
-            yield txn
-
-    @contextmanager
-    def batch(self) -> Iterator[None]:
-        """Run this thread's store calls inside one write transaction (one commit).
-
-        All or nothing: an error anywhere aborts every call in the batch. Meant for the
-        replay, whose store is private; a server keeps its transactions short instead.
-        """
-        if getattr(self._batch, "txn", None) is not None:
-            yield
-            return
-        with self._begin_write() as txn:
-            self._batch.txn = txn
-            try:
-                yield
-            finally:
-                self._batch.txn = None
-
-    # -- index upkeep -------------------------------------------------------------------------
-
-    def _victim_key(self, meta: BlockMeta) -> bytes:
-        return struct.pack(">Q", self.policy.priority(meta))
-
-    def _indexed(self, meta: BlockMeta) -> _Indexed:
-        """Where a block stands in the victims index now; taken before changing it."""
-        return self._victim_key(meta) if meta.children == 0 else None
-
-    def _save(self, txn: BlockTxn, meta: BlockMeta, before: _Indexed, *, new: bool = False) -> None:
-        """Write `meta`, moving its victims entry from `before`; a new block joins the expiry
-        index. Later expiry changes leave that entry early on purpose: sliding a block's TTL
-        on every hit then costs no index write, and the sweeper re-files early entries."""
-        victim = self._victim_key(meta) if meta.children == 0 else None
-        if before != victim:
-            if before is not None:
-                txn.index_remove(VICTIMS, before, meta.key)
-            if victim is not None:
-                txn.index_add(VICTIMS, victim, meta.key)
-        if new:
-            meta.indexed_expiry = meta.expires_at
-            txn.index_add(EXPIRY, expiry_sort_key(meta.expires_at), meta.key)
-        txn.put(meta)
-
-    def _refile_expiry(self, txn: BlockTxn, meta: BlockMeta) -> None:
-        """Move an early expiry entry to the block's real expiry."""
-        txn.index_remove(EXPIRY, expiry_sort_key(meta.indexed_expiry), meta.key)
-        meta.indexed_expiry = meta.expires_at
-        txn.index_add(EXPIRY, expiry_sort_key(meta.expires_at), meta.key)
-        txn.put(meta)
-
-    def _drop(self, txn: BlockTxn, meta: BlockMeta) -> bool:
-        """Delete a leaf block; True when that made its parent a leaf."""
-        txn.index_remove(VICTIMS, self._victim_key(meta), meta.key)
-        txn.index_remove(EXPIRY, expiry_sort_key(meta.indexed_expiry), meta.key)
-        txn.delete(meta.key)
-        txn.add_payload_bytes(-meta.payload_size)
-        if meta.depth == 0:
-            return False
-        parent = txn.get(meta.parent)
-        if parent is None:
-            return False
-        before = self._indexed(parent)
-        parent.children = max(parent.children - 1, 0)
-        self._save(txn, parent, before)
-        return parent.children == 0
-
-    # -- reads --------------------------------------------------------------------------------
 
     def match(
         self,
@@ -230,11 +119,6 @@ class TxnStore:
                 sink(index, payload)
         return corrupt
 
-    def usage(self) -> StoreUsage:
-        """Blocks, payload bytes and the space the backend really uses."""
-        with self._read() as txn:
-            return txn.usage()
-
     # -- writes -------------------------------------------------------------------------------
 
     def insert(
@@ -310,6 +194,7 @@ class TxnStore:
                         children=old.children if old is not None else 0,
                         lru_seq=seq,
                         indexed_expiry=old.indexed_expiry if old is not None else 0.0,
+                        stored_seq=seq,
                     )
                     txn.put_payload(link.key, block.payload)
                     txn.add_payload_bytes(new.payload_size - (old.payload_size if old else 0))
@@ -395,129 +280,6 @@ class TxnStore:
             meta.hits += hit.uses
             meta.expires_at, meta.retention = _later_expiry(meta, expires_at, hit.retention)
             self._save(txn, meta, before)
-
-    def evict(
-        self,
-        *,
-        now: float,
-        max_blocks: int,
-        target_used_bytes: int | None = None,
-        target_blocks: int | None = None,
-        expired_only: bool = False,
-        protected: frozenset[BlockKey] = frozenset(),
-    ) -> list[Evicted]:
-        """Remove leaf blocks, expired first, then in policy order, until a target is met."""
-        evicted: list[Evicted] = []
-        with self._write() as txn:
-            # Each eviction removes exactly one block: a block target is a count, known now.
-            if target_blocks is not None:
-                max_blocks = min(max_blocks, max(txn.usage().blocks - target_blocks, 0))
-
-            def satisfied() -> bool:
-                if len(evicted) >= max_blocks:
-                    return True
-                if target_used_bytes is None:
-                    return False
-                return txn.usage().used_bytes <= target_used_bytes
-
-            self._evict_from(
-                txn,
-                EXPIRY,
-                upto=expiry_sort_key(now),
-                reason="expired",
-                evicted=evicted,
-                satisfied=satisfied,
-                protected=protected,
-                now=now,
-            )
-            if not expired_only:
-                self._evict_from(
-                    txn,
-                    VICTIMS,
-                    upto=None,
-                    reason="capacity",
-                    evicted=evicted,
-                    satisfied=satisfied,
-                    protected=protected,
-                )
-        return evicted
-
-    def _evict_from(
-        self,
-        txn: BlockTxn,
-        index: str,
-        *,
-        upto: bytes | None,
-        reason: str,
-        evicted: list[Evicted],
-        satisfied: Callable[[], bool],
-        protected: frozenset[BlockKey],
-        now: float | None = None,
-    ) -> None:
-        """Drop leaves from the front of `index`; with `now`, expired ancestors follow at once."""
-        while not satisfied():
-            progressed = False
-            for meta in self._candidates(txn, index, upto, protected, now):
-                victim: BlockMeta | None = meta
-                while victim is not None:
-                    new_leaf = self._drop(txn, victim)
-                    evicted.append(
-                        Evicted(
-                            victim.key, reason, victim.retention, victim.expires_at,
-                            victim.payload_size,
-                        )
-                    )  # fmt: skip
-                    progressed = True
-                    if satisfied():
-                        return
-                    victim = self._expired_parent(txn, victim, now, protected) if new_leaf else None
-                if new_leaf and now is None:
-                    break  # the parent may now come first in policy order: scan again
-            if not progressed:
-                return
-
-    @staticmethod
-    def _expired_parent(
-        txn: BlockTxn, child: BlockMeta, now: float | None, protected: frozenset[BlockKey]
-    ) -> BlockMeta | None:
-        """The dropped child's parent when it is now an expired leaf: swept next, so a long
-        chain is swept in one pass instead of one index scan per block."""
-        if now is None:
-            return None
-        parent = txn.get(child.parent)
-        if parent is None or parent.children or parent.is_alive(now) or parent.key in protected:
-            return None
-        return parent
-
-    def _candidates(
-        self,
-        txn: BlockTxn,
-        index: str,
-        upto: bytes | None,
-        protected: frozenset[BlockKey],
-        now: float | None,
-    ) -> Iterator[BlockMeta]:
-        """Leaf blocks from the front of an index; rescans after each batch it yields from."""
-        after: bytes | None = None
-        limit = SCAN_FIRST
-        while True:
-            entries = list(txn.index_scan(index, after=after, upto=upto, limit=limit))
-            found = False
-            for _, key in entries:
-                meta = txn.get(key)
-                if meta is None or key in protected:
-                    continue
-                if index == EXPIRY and now is not None and meta.is_alive(now):
-                    self._refile_expiry(txn, meta)  # listed early: its TTL slid since
-                    continue
-                if meta.children:
-                    continue
-                found = True
-                yield meta
-            if found or len(entries) < limit:
-                return
-            after = entries[-1][0] + entries[-1][1]
-            limit = min(limit * 4, SCAN_MOST)
 
 
 def count_hits_by_check(
