@@ -398,6 +398,16 @@ class PrefixCache:
         kept = set(result.stored) - evicted
         # The request's own blocks go only when they alone overflow the cache: truncated too.
         own_evicted = len(result.stored) - len(kept)
+        if result.last_incarnation is not None and not own_evicted and start_block == 0:
+            # Written from block 0, every block was checked against this prompt's tokens (an
+            # insert from a later block checks only its parent): the next lookup of the same
+            # prompt then needs one read, as after a lookup.
+            written = len(result.stored) + result.refreshed
+            self._recent.put(
+                namespace_id.root,
+                links.stride // 4,
+                RecentMatch(links, written, result.last_incarnation),
+            )
         if result.collisions:
             self.events.on_collision(result.collisions)
         self.events.on_insert(

@@ -207,14 +207,18 @@ class TxnStore(IndexedStore):
                     stored.append(link.key)
                 if index == 0:
                     first_expiry = new.expires_at
-            if stored or refreshed:
+            written = len(stored) + refreshed
+            last = None
+            if written:
                 self._touch_ancestors(txn, blocks[0].link, now, first_expiry, retention)
+                last = txn.incarnation(blocks[written - 1].link.key, now)
         return InsertResult(
             stored=tuple(stored),
             refreshed=refreshed,
             conflicts=conflicts,
             collisions=collisions,
-            prefix_touched=bool(stored or refreshed),
+            prefix_touched=bool(written),
+            last_incarnation=last,
         )
 
     def _add_child(self, txn: BlockTxn, parent_key: BlockKey) -> None:
