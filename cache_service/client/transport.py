@@ -48,16 +48,35 @@ class StdlibTransport(httpx.BaseTransport):
         url = request.url
         if url.scheme != "http":
             raise httpx.UnsupportedProtocol(f"StdlibTransport speaks http only, not {url.scheme}")
-        origin = (url.host, url.port or 80)
-        body = request.read()
         headers = [
             (name.decode("latin-1"), value.decode("latin-1")) for name, value in request.headers.raw
         ]
-        target = url.raw_path.decode("ascii")
+        return self.exchange(
+            (url.host, url.port or 80),
+            request.method,
+            url.raw_path.decode("ascii"),
+            headers,
+            request.read(),
+            request=request,
+        )
+
+    def exchange(
+        self,
+        origin: tuple[str, int],
+        method: str,
+        target: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        *,
+        request: httpx.Request | None = None,
+    ) -> httpx.Response:
+        """One request as plain parts (the client's fast path skips building httpx objects);
+        `headers` must include Host."""
+        failed = request or httpx.Request(method, f"http://{origin[0]}:{origin[1]}{target}")
         for attempt in range(2):
             conn, reused = self._acquire(origin)
             try:
-                conn.putrequest(request.method, target, skip_host=True, skip_accept_encoding=True)
+                conn.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
                 for name, value in headers:
                     conn.putheader(name, value)
                 conn.endheaders(body or None)
@@ -67,23 +86,20 @@ class StdlibTransport(httpx.BaseTransport):
                 conn.close()
                 if reused and attempt == 0:
                     continue  # the server closed an idle connection: try a fresh one
-                raise httpx.ReadError(str(exc) or type(exc).__name__, request=request) from exc
+                raise httpx.ReadError(str(exc) or type(exc).__name__, request=failed) from exc
             except TimeoutError as exc:
                 conn.close()
-                raise httpx.ReadTimeout(str(exc) or "timed out", request=request) from exc
+                raise httpx.ReadTimeout(str(exc) or "timed out", request=failed) from exc
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
                 error = httpx.ConnectError if isinstance(exc, ConnectionError) else httpx.ReadError
-                raise error(str(exc) or type(exc).__name__, request=request) from exc
+                raise error(str(exc) or type(exc).__name__, request=failed) from exc
             if answer.will_close:
                 conn.close()
             else:
                 self._release(origin, conn)
             return httpx.Response(
-                status_code=answer.status,
-                headers=answer.getheaders(),
-                content=content,
-                request=request,
+                status_code=answer.status, headers=answer.getheaders(), content=content
             )
         raise AssertionError("unreachable")
 
