@@ -37,8 +37,10 @@ class AsyncCacheClient(_BaseCacheClient):
             backoff_max_seconds=backoff_max_seconds,
             clock=clock,
         )
+        self._fast: AsyncStreamTransport | None = None
         if transport is None and httpx.URL(base_url).scheme == "http":
-            transport = AsyncStreamTransport(timeout_seconds=timeout)  # see its doc
+            transport = self._fast = AsyncStreamTransport(timeout_seconds=timeout)  # see its doc
+        self._base_headers = list(self._default_headers(api_key).items())
         self._http = httpx.AsyncClient(
             base_url=base_url,
             headers=self._default_headers(api_key),
@@ -52,9 +54,17 @@ class AsyncCacheClient(_BaseCacheClient):
             return skipped()
         epoch = self._epoch
         try:
-            response = await self._http.request(
-                call.method, call.path, json=call.json, content=call.content, headers=call.headers
-            )
+            if self._fast is not None:  # our own transport: no httpx request pipeline needed
+                plain = self._plain_request(self._http.base_url, call)
+                response = await self._fast.exchange(*plain)
+            else:
+                response = await self._http.request(
+                    call.method,
+                    call.path,
+                    json=call.json,
+                    content=call.content,
+                    headers=call.headers,
+                )
         except httpx.HTTPError as exc:
             return self._on_transport_error(call, epoch, exc)
         return self._on_response(call, epoch, response)

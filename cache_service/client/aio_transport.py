@@ -33,38 +33,59 @@ class AsyncStreamTransport(httpx.AsyncBaseTransport):
         url = request.url
         if url.scheme != "http":
             raise httpx.UnsupportedProtocol(f"AsyncStreamTransport speaks http only: {url}")
-        origin = (url.host, url.port or 80)
         body = await request.aread()
-        head = [f"{request.method} {url.raw_path.decode('ascii')} HTTP/1.1"]
-        head += [f"{k.decode('latin-1')}: {v.decode('latin-1')}" for k, v in request.headers.raw]
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
         if body and "content-length" not in request.headers:
-            head.append(f"Content-Length: {len(body)}")
+            headers.append(("Content-Length", str(len(body))))
+        return await self.exchange(
+            (url.host, url.port or 80),
+            request.method,
+            url.raw_path.decode("ascii"),
+            headers,
+            body,
+            request=request,
+        )
+
+    async def exchange(
+        self,
+        origin: _Origin,
+        method: str,
+        target: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        *,
+        request: httpx.Request | None = None,
+    ) -> httpx.Response:
+        """One request as plain parts (the client's fast path builds no httpx request);
+        `headers` must include Host and the body's length."""
+        failed = request or httpx.Request(method, f"http://{origin[0]}:{origin[1]}{target}")
+        head = [f"{method} {target} HTTP/1.1", *(f"{k}: {v}" for k, v in headers)]
         message = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
         for attempt in range(2):
             reused = bool(self._idle[origin])
             try:
                 conn = self._idle[origin].pop() if reused else await self._connect(origin)
             except (OSError, TimeoutError) as exc:
-                raise httpx.ConnectError(str(exc) or type(exc).__name__, request=request) from exc
+                raise httpx.ConnectError(str(exc) or type(exc).__name__, request=failed) from exc
             try:
                 response = await asyncio.wait_for(self._exchange(conn, message), self._timeout)
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
                 conn[1].close()
                 if reused and attempt == 0:
                     continue  # the server closed an idle connection: try a fresh one
-                raise httpx.ReadError(str(exc) or type(exc).__name__, request=request) from exc
+                raise httpx.ReadError(str(exc) or type(exc).__name__, request=failed) from exc
             except TimeoutError as exc:
                 conn[1].close()
-                raise httpx.ReadTimeout("timed out", request=request) from exc
+                raise httpx.ReadTimeout("timed out", request=failed) from exc
             except (OSError, ValueError, asyncio.LimitOverrunError) as exc:
                 conn[1].close()
-                raise httpx.ReadError(str(exc) or type(exc).__name__, request=request) from exc
-            status, headers, content, keep = response
+                raise httpx.ReadError(str(exc) or type(exc).__name__, request=failed) from exc
+            status, answer_headers, content, keep = response
             if keep and len(self._idle[origin]) < self._max_idle:
                 self._idle[origin].append(conn)
             else:
                 conn[1].close()
-            return httpx.Response(status, headers=headers, content=content, request=request)
+            return httpx.Response(status, headers=answer_headers, content=content)
         raise AssertionError("unreachable")
 
     async def _connect(self, origin: _Origin) -> _Conn:

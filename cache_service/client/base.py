@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any, Generic, TypeVar
 
 import httpx
+import orjson
 
 from cache_service.blocks import KEY_BYTES, BlockKey, key_from_hex, key_hex
 from cache_service.client.answers import (
@@ -72,6 +73,21 @@ class _BaseCacheClient:
         self._failures = 0
         self._retry_at = 0.0
         self._epoch = 0  # bumped on every state change; a call's outcome counts only once
+        self._base_headers: list[tuple[str, str]] = []  # the twins set their default headers
+
+    def _plain_request(
+        self, base_url: httpx.URL, call: _Call[Any]
+    ) -> tuple[tuple[str, int], str, str, list[tuple[str, str]], bytes]:
+        """(origin, method, target, headers, body) of a call, for a transport's fast path."""
+        body = call.content if call.json is None else orjson.dumps(call.json)
+        body = body or b""
+        headers = [("Host", base_url.netloc.decode("ascii")), *self._base_headers]
+        if call.json is not None:
+            headers.append(("Content-Type", "application/json"))
+        headers += list((call.headers or {}).items())
+        headers.append(("Content-Length", str(len(body))))
+        target = base_url.raw_path.decode("ascii").rstrip("/") + call.path
+        return (base_url.host, base_url.port or 80), call.method, target, headers, body
 
     @staticmethod
     def _default_headers(api_key: str | None) -> dict[str, str]:

@@ -8,7 +8,6 @@ from types import TracebackType
 from typing import Any, Self
 
 import httpx
-import orjson
 
 from cache_service.blocks import BlockKey
 from cache_service.client.answers import Match, Payload, StoreResult
@@ -71,16 +70,7 @@ class CacheClient(_BaseCacheClient):
 
     def _exchange(self, call: _Call[_T]) -> httpx.Response:
         assert self._fast is not None
-        url = self._http.base_url
-        body = call.content if call.json is None else orjson.dumps(call.json)
-        headers = [("Host", url.netloc.decode("ascii")), *self._base_headers]
-        if call.json is not None:
-            headers.append(("Content-Type", "application/json"))
-        headers += list((call.headers or {}).items())
-        headers.append(("Content-Length", str(len(body or b""))))
-        target = url.raw_path.decode("ascii").rstrip("/") + call.path
-        origin = (url.host, url.port or 80)
-        return self._fast.exchange(origin, call.method, target, headers, body or b"")
+        return self._fast.exchange(*self._plain_request(self._http.base_url, call))
 
     def lookup(
         self,
