@@ -31,27 +31,26 @@ async def _serve(answers: list[bytes]) -> tuple[asyncio.Server, int]:
     return server, server.sockets[0].getsockname()[1]
 
 
-def test_chunked_answers_with_trailers_keep_the_connection_usable() -> None:
-    async def run() -> list[bytes]:
-        server, port = await _serve([CHUNKED, CHUNKED])
+def _exchange_twice(answers: list[bytes], body: bytes) -> list[httpx.Response]:
+    """Two requests over one keep-alive connection to a server that sends `answers`."""
+
+    async def run() -> list[httpx.Response]:
+        server, port = await _serve(answers)
         transport = AsyncStreamTransport(timeout_seconds=5)
         async with httpx.AsyncClient(transport=transport, base_url=f"http://127.0.0.1:{port}") as c:
-            bodies = [(await c.post("/x", content=b"abc")).content for _ in range(2)]
+            responses = [await c.post("/x", content=body) for _ in range(2)]
         server.close()
         await server.wait_closed()
-        return bodies
+        return responses
 
-    assert asyncio.run(run()) == [b"hello world", b"hello world"]
+    return asyncio.run(run())
+
+
+def test_chunked_answers_with_trailers_keep_the_connection_usable() -> None:
+    responses = _exchange_twice([CHUNKED, CHUNKED], b"abc")
+    assert [r.content for r in responses] == [b"hello world", b"hello world"]
 
 
 def test_an_answer_without_a_body_does_not_wait_for_one() -> None:
-    async def run() -> list[int]:
-        server, port = await _serve([NO_CONTENT, CHUNKED])
-        transport = AsyncStreamTransport(timeout_seconds=5)
-        async with httpx.AsyncClient(transport=transport, base_url=f"http://127.0.0.1:{port}") as c:
-            codes = [(await c.post("/x", content=b"")).status_code for _ in range(2)]
-        server.close()
-        await server.wait_closed()
-        return codes
-
-    assert asyncio.run(run()) == [204, 200]
+    responses = _exchange_twice([NO_CONTENT, CHUNKED], b"")
+    assert [r.status_code for r in responses] == [204, 200]
