@@ -69,9 +69,13 @@ class Chain(Sequence[ChainLink]):
         self._hex: list[str] | None = None
 
     def hex_keys(self, count: int) -> list[str]:
-        """The first `count` keys as hex, computed once per chain (a memoized chain is reused)."""
+        """The first `count` keys as hex, each computed once per chain (a memoized chain is
+        reused), and only as far as a match reached."""
         if self._hex is None:
-            self._hex = [key.hex() for key in self.keys]
+            self._hex = []
+        known = len(self._hex)
+        if count > known:
+            self._hex += [key.hex() for key in self.keys[known:count]]
         return self._hex[:count]
 
     def __len__(self) -> int:

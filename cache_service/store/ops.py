@@ -29,10 +29,9 @@ from cache_service.store.indexed import (
     IndexedStore,
     PayloadSink,
     checksum,
-    expiry_sort_key,
 )
 
-__all__ = ["PayloadSink", "TxnStore", "checksum", "count_hits_by_check", "expiry_sort_key"]
+__all__ = ["PayloadSink", "TxnStore", "checksum", "count_hits_by_check"]
 
 
 class TxnStore(IndexedStore):
