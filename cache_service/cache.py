@@ -93,6 +93,7 @@ class PrefixCache:
         low_water: float = 0.85,
         defer_touches: bool = False,
         touch_resolution_seconds: float = 1.0,
+        ttl_slide_fraction: float = 0.0,
         events: CacheEvents | None = None,
     ) -> None:
         if capacity_bytes is not None and capacity_blocks is not None:
@@ -118,6 +119,10 @@ class PrefixCache:
         # Deferred (server) touches refresh a block at most once a second: LRU order and
         # sliding TTLs are exact to that resolution. Immediate touches (replay) are exact.
         self.touch_resolution_seconds = touch_resolution_seconds
+        # Deferred touches slide a prefix's TTL only once it would move by more than this
+        # share of the class TTL: a long prefix is then rewritten once per slide period,
+        # not on every first hit. Its expiry may thereby fall short by up to that share.
+        self.ttl_slide_fraction = ttl_slide_fraction
         self._pending: list[Touch] = []
         self._recent = RecentMatches()
         self._pending_lock = threading.Lock()
@@ -286,7 +291,11 @@ class PrefixCache:
         if not pending:
             return 0
         try:
-            self.store.touch(_coalesce(pending), resolution_seconds=self.touch_resolution_seconds)
+            self.store.touch(
+                _coalesce(pending),
+                resolution_seconds=self.touch_resolution_seconds,
+                slide_fraction=self.ttl_slide_fraction,
+            )
         except Exception:
             with self._pending_lock:  # keep them for the next flush, within a bound
                 self._pending[:0] = pending[-MAX_PENDING_TOUCHES:]

@@ -27,8 +27,9 @@ class EvictionPolicy(Protocol):
 class LruPolicy:
     """Least recently used first, by the store's use sequence number.
 
-    Every lookup and store touches a request's blocks tail first, so a parent always has a
-    newer sequence than its children and leaf-only LRU evicts exactly as per-block LRU would.
+    A use is recorded on the deepest block it reached, and a removed child's sequence
+    passes to its parent: when a block becomes a leaf its sequence is that of the last use
+    of its prefix, so leaf-only LRU evicts exactly as per-block LRU would.
     """
 
     name = "lru"

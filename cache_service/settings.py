@@ -63,6 +63,13 @@ class Settings(BaseSettings):
     touch_flush_interval: float = Field(
         0.2, gt=0, description="Seconds between batched TTL/LRU refreshes of lookups."
     )
+    ttl_slide_fraction: float = Field(
+        0.01,
+        ge=0,
+        lt=1,
+        description="A hit slides a prefix's TTL once it would gain more than this share "
+        "of the class TTL (0: on every hit, to the second).",
+    )
     log_level: str = Field("info", description="uvicorn log level.")
     access_log: bool = Field(
         False, description="Log every request (costs about 3% of lookup throughput)."

@@ -326,8 +326,9 @@ def test_deferred_touches_apply_only_at_flush(
     assert cache.pending_touches == 0
     metas = raw.blocks()
     assert [metas[k].expires_at for k in found.keys] == [hit_at + CHAT_TTL] * 2
-    assert [metas[k].hits for k in found.keys] == [2, 2]
-    assert [metas[k].last_used_at for k in found.keys] == [hit_at] * 2
+    # A use is recorded on the deepest block it reached (its ancestors take it over later).
+    assert [metas[k].hits for k in found.keys] == [0, 2]
+    assert metas[found.keys[-1]].last_used_at == hit_at
     assert cache.flush_touches() == 0
 
 
@@ -672,8 +673,28 @@ def test_deferred_touches_rewrite_a_hot_prefix_at_most_once_per_resolution(
     found = cache.match_prefix(NS, prompt, retention="chat")
     cache.flush_touches()
     metas = raw.blocks()
-    assert [metas[k].last_used_at for k in found.keys] == [clock()] * 2
+    assert metas[found.keys[-1]].last_used_at == clock()
     assert [metas[k].expires_at for k in found.keys] == [clock() + CHAT_TTL] * 2
+
+
+def test_deferred_touches_slide_a_ttl_only_past_the_slide_fraction(
+    store: BlockStore, raw: RawAccess, clock: VirtualClock
+) -> None:
+    cache = make_cache(store, clock, defer_touches=True, ttl_slide_fraction=0.01)
+    prompt = blocks_of(1, 2, 3)
+    store_prompt(cache, prompt, retention="chat")
+    stored_until = [meta.expires_at for meta in raw.blocks().values()]
+    clock.advance(CHAT_TTL * 0.005)  # half the slide period: used, not slid
+    found = cache.match_prefix(NS, prompt, retention="chat")
+    cache.flush_touches()
+    metas = raw.blocks()
+    assert [meta.expires_at for meta in metas.values()] == stored_until
+    assert metas[found.keys[-1]].last_used_at == clock()
+    clock.advance(CHAT_TTL * 0.01)  # past it: the whole prefix slides
+    cache.match_prefix(NS, prompt, retention="chat")
+    cache.flush_touches()
+    assert [raw.blocks()[k].expires_at for k in found.keys] == [clock() + CHAT_TTL] * 3
+    assert_no_block_outlives_its_parent(raw)
 
 
 def test_memo_of_a_verified_prompt_never_survives_a_colliding_rewrite_at_the_same_instant(

@@ -567,9 +567,42 @@ def test_touch_slides_expiry_to_the_later_of_two_and_counts_hits(
     metas = raw.blocks()
     assert [metas[k].expires_at for k in keys] == [T0 + 110, T0 + 110]
     assert [metas[k].retention for k in keys] == ["agent", "agent"]
-    assert [metas[k].hits for k in keys] == [2, 2]
-    assert [metas[k].last_used_at for k in keys] == [T0 + 90, T0 + 90]
+    # A use is recorded on the deepest block; the expiry slides on the whole prefix.
+    assert metas[keys[-1]].hits == 2
+    assert metas[keys[-1]].last_used_at == T0 + 90
     assert_prefix_closed(raw)
+
+
+def test_a_removed_blocks_record_of_use_passes_to_its_parent(
+    store: BlockStore, raw: RawAccess
+) -> None:
+    links = chain([1, 2, 3])
+    keys = tuple(link.key for link in links)
+    put(store, links, ttl_seconds=100)
+    store.touch([Touch(keys=keys, at=T0 + 10, retention="chat", ttl_seconds=100)])
+    store.touch([Touch(keys=keys, at=T0 + 20, retention="chat", ttl_seconds=100)])
+    deepest = raw.blocks()[keys[-1]]
+    assert store.evict(now=T0 + 30, max_blocks=1)[0].key == keys[-1]
+    parent = raw.blocks()[keys[1]]
+    assert parent.lru_seq == deepest.lru_seq
+    assert parent.last_used_at == T0 + 20
+    assert parent.hits == 2
+
+
+def test_leaf_lru_ranks_a_prefix_by_the_last_use_of_any_block_under_it(
+    store: BlockStore,
+) -> None:
+    # P is stored, then Q, then P's child C with a short TTL: storing C used P after Q,
+    # though only C recorded it. Once C expires and is swept, P must still outrank Q.
+    p = chain([1, 2])
+    q = chain([9])
+    put(store, p[:1], ttl_seconds=1000)
+    put(store, q, ttl_seconds=1000)
+    put(store, p, start=1, ttl_seconds=100, retention="agent")
+    swept = store.evict(now=T0 + 150, max_blocks=10, expired_only=True)
+    assert [e.key for e in swept] == [p[1].key]
+    order = [e.key for e in store.evict(now=T0 + 150, max_blocks=2)]
+    assert order == [q[0].key, p[0].key]
 
 
 def test_touch_stops_at_a_block_that_is_gone(store: BlockStore, raw: RawAccess) -> None:
@@ -577,7 +610,9 @@ def test_touch_stops_at_a_block_that_is_gone(store: BlockStore, raw: RawAccess) 
     put(store, links[:1], ttl_seconds=100)
     keys = tuple(link.key for link in links)
     store.touch([Touch(keys=keys, at=T0 + 50, retention="chat", ttl_seconds=100)])
+    # The deepest block still stored records the use: here the first.
     assert raw.blocks()[links[0].key].expires_at == T0 + 150
+    assert raw.blocks()[links[0].key].hits == 1
     assert store.usage().blocks == 1
     store.touch([])
 

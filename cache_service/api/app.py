@@ -145,6 +145,7 @@ def create_app(
             high_water=settings.high_water,
             low_water=settings.low_water,
             defer_touches=True,
+            ttl_slide_fraction=settings.ttl_slide_fraction,
             events=metrics,
         )
         collector = StoreCollector(cache.usage, settings.capacity)

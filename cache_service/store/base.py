@@ -57,9 +57,16 @@ class BlockStore(Protocol):
         """Store consecutive blocks atomically; MissingParent if `parent` is not stored."""
         ...
 
-    def touch(self, touches: Sequence[Touch], *, resolution_seconds: float = 0.0) -> None:
-        """Apply verified hits: mark blocks used and slide their expiry (skipping hits that
-        would move nothing by `resolution_seconds` or more)."""
+    def touch(
+        self,
+        touches: Sequence[Touch],
+        *,
+        resolution_seconds: float = 0.0,
+        slide_fraction: float = 0.0,
+    ) -> None:
+        """Apply verified hits: mark each hit's deepest block used and slide its prefix's
+        expiry (uses within `resolution_seconds`, and slides of less than that or than
+        `slide_fraction` of the TTL, are skipped)."""
         ...
 
     def get_payloads(
@@ -135,10 +142,10 @@ class BlockTxn(Protocol):
         ended the run (else 0): the lookup's hot loop, in one call."""
         ...
 
-    def touch_in_place(self, key: BlockKey, hit: Touch, seq: int, expires_at: float) -> bool | None:
-        """Mark a non-leaf block used by `hit` without re-encoding it: None if it is absent,
-        False if the general path must do it (a leaf, whose victims entry moves, or a
-        change of retention class), True when done."""
+    def lift_expiry(self, key: BlockKey, expires_at: float, retention: str) -> BlockKey | None:
+        """Raise an inner block's expiry to `expires_at` under class `retention` (its victims
+        entry does not move: it has children); returns its parent's key to go on with, or
+        None when it is absent, already lives as long, or is a root block."""
         ...
 
     def incarnation(self, key: BlockKey, now: float) -> bytes | None:

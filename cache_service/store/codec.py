@@ -91,10 +91,6 @@ DEPTH = struct.Struct("<I")
 EXPIRES = struct.Struct("<d")
 DEPTH_AT, EXPIRES_AT, ROOT_AT, PARENT_AT, PARENT_END, RETENTION_LEN_AT = 1, 25, 65, 81, 97, 113
 STORED_SEQ_AT, STORED_SEQ_END = 105, 113  # a stored copy's incarnation: unique per write
-# Fields a touch rewrites in place: (version B, depth I) children I | created d | last_used d
-# | expires d | lru_seq Q | hits Q
-CHILDREN, LAST_USED, SEQ, HITS = (struct.Struct(f) for f in ("<I", "<d", "<Q", "<Q"))
-CHILDREN_AT, LAST_USED_AT, SEQ_AT, HITS_AT = 5, 17, 33, 41
 TOKENS_AT = _HEADER.size  # plus the retention name's length
 
 MISSING, HIT, COLLISION = 0, 1, 2

@@ -2,6 +2,8 @@
 
 Invariants kept here:
 - `children` counts a block's stored children; only blocks with none are in the victims index;
+- a use is recorded on the deepest block it reached; a removed block's record of use passes
+  to its parent, so a leaf's record covers every use of it and of its removed descendants;
 - a block's expiry-index entry is at or before its real expiry (sliding a TTL leaves the entry
   early; the sweeper re-files entries it finds early);
 - only leaves are removed, so the store stays prefix-closed.
@@ -130,6 +132,11 @@ class IndexedStore:
             return False
         before = self._indexed(parent)
         parent.children = max(parent.children - 1, 0)
+        # Uses are recorded on a hit's deepest block only: the parent takes over its child's
+        # record, so when it becomes a leaf it ranks as if every use had marked it too.
+        parent.lru_seq = max(parent.lru_seq, meta.lru_seq)
+        parent.last_used_at = max(parent.last_used_at, meta.last_used_at)
+        parent.hits += meta.hits
         self._save(txn, parent, before)
         return parent.children == 0
 

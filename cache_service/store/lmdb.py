@@ -19,27 +19,19 @@ from typing import Any
 
 import lmdb
 
-from cache_service.blocks import BlockKey, BlockMeta, Chain, ChainLink, StoreUsage, Touch
+from cache_service.blocks import BlockKey, BlockMeta, Chain, ChainLink, StoreUsage
 from cache_service.errors import StorageError, StoreFull
 from cache_service.eviction import EvictionPolicy
 from cache_service.store.base import EXPIRY, VICTIMS
 from cache_service.store.codec import (
-    CHILDREN,
-    CHILDREN_AT,
     DEPTH,
     DEPTH_AT,
     EXPIRES,
     EXPIRES_AT,
-    HITS,
-    HITS_AT,
-    LAST_USED,
-    LAST_USED_AT,
     PARENT_AT,
     PARENT_END,
     RETENTION_LEN_AT,
     ROOT_AT,
-    SEQ,
-    SEQ_AT,
     STORED_SEQ_AT,
     STORED_SEQ_END,
     TOKENS_AT,
@@ -116,29 +108,21 @@ class _LmdbTxn:
             parent = key
         return len(keys) - start, 0
 
-    def touch_in_place(self, key: BlockKey, hit: Touch, seq: int, expires_at: float) -> bool | None:
+    def lift_expiry(self, key: BlockKey, expires_at: float, retention: str) -> BlockKey | None:
         raw = self._txn.get(key, db=self._blocks)
-        if raw is None:
+        if raw is None or EXPIRES.unpack_from(raw, EXPIRES_AT)[0] >= expires_at:
             return None
-        children, last_used, expires, hits = (
-            CHILDREN.unpack_from(raw, CHILDREN_AT)[0],
-            LAST_USED.unpack_from(raw, LAST_USED_AT)[0],
-            EXPIRES.unpack_from(raw, EXPIRES_AT)[0],
-            HITS.unpack_from(raw, HITS_AT)[0],
-        )
-        retention_len = raw[RETENTION_LEN_AT]
-        stored_class = raw[TOKENS_AT : TOKENS_AT + retention_len]
-        later = expires_at > expires
-        if children == 0 or (later and stored_class != hit.retention.encode()):
-            return False
-        record = bytearray(raw)
-        LAST_USED.pack_into(record, LAST_USED_AT, max(last_used, hit.at))
-        SEQ.pack_into(record, SEQ_AT, seq)
-        HITS.pack_into(record, HITS_AT, hits + hit.uses)
-        if later:
+        depth = DEPTH.unpack_from(raw, DEPTH_AT)[0]
+        parent = BlockKey(raw[PARENT_AT:PARENT_END]) if depth else None
+        if raw[TOKENS_AT : TOKENS_AT + raw[RETENTION_LEN_AT]] == retention.encode():
+            record = bytearray(raw)  # the same class: patch the expiry in place
             EXPIRES.pack_into(record, EXPIRES_AT, expires_at)
-        self._txn.put(key, record, db=self._blocks)
-        return True
+            self._txn.put(key, record, db=self._blocks)
+        else:  # another class name, another record length: re-encode
+            meta = decode_meta(key, raw)
+            meta.expires_at, meta.retention = expires_at, retention
+            self.put(meta)
+        return parent
 
     def incarnation(self, key: BlockKey, now: float) -> bytes | None:
         raw = self._txn.get(key, db=self._blocks)

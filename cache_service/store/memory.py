@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
-from cache_service.blocks import BlockKey, BlockMeta, ChainLink, StoreUsage, Touch
+from cache_service.blocks import BlockKey, BlockMeta, ChainLink, StoreUsage
 from cache_service.eviction import EvictionPolicy
 from cache_service.store.base import EXPIRY, VICTIMS
 from cache_service.store.codec import COLLISION, HIT, MISSING, record_size
@@ -48,8 +48,12 @@ class _MemoryTxn:
     ) -> tuple[int, int]:
         return count_hits_by_check(self, root, links, start, now)
 
-    def touch_in_place(self, key: BlockKey, hit: Touch, seq: int, expires_at: float) -> bool | None:
-        return None if key not in self._s.metas else False  # the general path is cheap here
+    def lift_expiry(self, key: BlockKey, expires_at: float, retention: str) -> BlockKey | None:
+        meta = self._s.metas.get(key)
+        if meta is None or meta.expires_at >= expires_at:
+            return None
+        meta.expires_at, meta.retention = expires_at, retention
+        return meta.parent if meta.depth else None
 
     def incarnation(self, key: BlockKey, now: float) -> bytes | None:
         meta = self._s.metas.get(key)

@@ -157,7 +157,7 @@ class TxnStore(IndexedStore):
                         parent_block=parent.depth,
                     )
             first_seq = txn.next_seq(len(blocks))
-            first_expiry = expires_at
+            first_expiry, first_class = expires_at, retention
             for index, block in enumerate(blocks):
                 # Tail first: the head of a request gets the newest use sequence.
                 seq = first_seq + len(blocks) - 1 - index
@@ -205,11 +205,13 @@ class TxnStore(IndexedStore):
                         self._add_child(txn, link.parent)
                     stored.append(link.key)
                 if index == 0:
-                    first_expiry = new.expires_at
+                    first_expiry, first_class = new.expires_at, new.retention
             written = len(stored) + refreshed
             last = None
             if written:
-                self._touch_ancestors(txn, blocks[0].link, now, first_expiry, retention)
+                head = blocks[0].link
+                if head.depth > 0:
+                    self._lift_expiry(txn, head.parent, first_expiry, first_class)
                 last = txn.incarnation(blocks[written - 1].link.key, now)
         return InsertResult(
             stored=tuple(stored),
@@ -227,62 +229,62 @@ class TxnStore(IndexedStore):
             parent.children += 1
             self._save(txn, parent, before)
 
-    def _touch_ancestors(
-        self, txn: BlockTxn, link: ChainLink, now: float, expires_at: float, retention: str
-    ) -> None:
-        """Storing a block uses its whole prefix: mark the ancestors used, head newest, and
-        lift their expiry to at least the block's, so none expires before a descendant."""
-        if link.depth == 0:
-            return
-        first_seq = txn.next_seq(link.depth)
-        key, depth = link.parent, link.depth - 1
-        while depth >= 0:
-            meta = txn.get(key)
-            if meta is None:
-                return
-            before = self._indexed(meta)
-            meta.last_used_at = max(meta.last_used_at, now)
-            meta.lru_seq = first_seq + link.depth - 1 - depth
-            meta.expires_at, meta.retention = _later_expiry(meta, expires_at, retention)
-            self._save(txn, meta, before)
-            key, depth = meta.parent, meta.depth - 1
+    @staticmethod
+    def _lift_expiry(txn: BlockTxn, key: BlockKey, expires_at: float, retention: str) -> None:
+        """Raise the expiry of `key` and its ancestors to at least `expires_at`, so none
+        expires before a descendant; stops at the first that already lives as long."""
+        at: BlockKey | None = key
+        while at is not None:
+            at = txn.lift_expiry(at, expires_at, retention)
 
-    def touch(self, touches: Sequence[Touch], *, resolution_seconds: float = 0.0) -> None:
-        """Apply verified hits: mark used (tail first) and slide expiry. A hit whose every
-        block was used less than `resolution_seconds` before it, and whose expiry would move
-        less than that, is skipped: a hot prefix is then rewritten once a second, not per hit."""
+    def touch(
+        self,
+        touches: Sequence[Touch],
+        *,
+        resolution_seconds: float = 0.0,
+        slide_fraction: float = 0.0,
+    ) -> None:
+        """Apply verified hits. A use is recorded on the hit's deepest block only: an
+        ancestor takes over the newest use of a child when the child is removed, so by the
+        time it can be evicted (as a leaf) it ranks exactly as if every hit had marked it.
+        Expiry slides on the whole prefix, as it must stay alive as long as its deepest block.
+
+        A hit is skipped when its deepest block was used less than `resolution_seconds`
+        before; its expiry slides only when that moves it by more than the resolution and
+        than `slide_fraction` of the class TTL. A hot prefix is then rewritten once a second,
+        and a long one slid at most once per slide period, not per hit."""
         if not touches:
             return
         with self._write() as txn:
             for hit in touches:
-                if resolution_seconds > 0 and hit.keys:
-                    # Ancestors are used at least as recently, and expire no earlier, than
-                    # the deepest block: if it needs no refresh, none of them does.
-                    deepest = txn.get(hit.keys[-1])
-                    if deepest is not None and _fresh(deepest, hit, resolution_seconds):
-                        continue
-                self._touch_one(txn, hit)
+                if hit.keys:
+                    self._touch_one(txn, hit, resolution_seconds, slide_fraction)
 
-    def _touch_one(self, txn: BlockTxn, hit: Touch) -> None:
-        # Sequence numbers for every key, tail first (a gap where blocks are gone is harmless).
-        last_seq = txn.next_seq(len(hit.keys)) + len(hit.keys) - 1
-        expires_at = hit.at + hit.ttl_seconds
-        for index, key in enumerate(hit.keys):
-            seq = last_seq - index
-            done = txn.touch_in_place(key, hit, seq, expires_at)
-            if done is None:
-                return  # evicted since the lookup; its descendants are gone too
-            if done:
-                continue
-            # A leaf (its victims entry moves) or a change of class: the general path.
+    def _touch_one(
+        self, txn: BlockTxn, hit: Touch, resolution_seconds: float, slide_fraction: float
+    ) -> None:
+        for key in reversed(hit.keys):  # the deepest block still stored: nearly always the last
             meta = txn.get(key)
-            assert meta is not None
-            before = self._indexed(meta)
-            meta.last_used_at = max(meta.last_used_at, hit.at)
-            meta.lru_seq = seq
-            meta.hits += hit.uses
+            if meta is not None:
+                break
+        else:
+            return  # all evicted since the lookup
+        expires_at = hit.at + hit.ttl_seconds
+        slack = max(resolution_seconds, hit.ttl_seconds * slide_fraction)
+        slide = expires_at - meta.expires_at > slack or (
+            slack == 0 and expires_at > meta.expires_at
+        )
+        if not slide and hit.at - meta.last_used_at < resolution_seconds:
+            return
+        before = self._indexed(meta)
+        meta.last_used_at = max(meta.last_used_at, hit.at)
+        meta.lru_seq = txn.next_seq(1)
+        meta.hits += hit.uses
+        if slide:
             meta.expires_at, meta.retention = _later_expiry(meta, expires_at, hit.retention)
-            self._save(txn, meta, before)
+        self._save(txn, meta, before)
+        if slide and meta.depth > 0:
+            self._lift_expiry(txn, meta.parent, meta.expires_at, meta.retention)
 
 
 def count_hits_by_check(
@@ -296,14 +298,6 @@ def count_hits_by_check(
             return matched, int(status == COLLISION)
         matched += 1
     return matched, 0
-
-
-def _fresh(meta: BlockMeta, hit: Touch, resolution_seconds: float) -> bool:
-    """Whether `hit` would move the block's last use and expiry by less than the resolution."""
-    return (
-        hit.at - meta.last_used_at < resolution_seconds
-        and hit.at + hit.ttl_seconds - meta.expires_at < resolution_seconds
-    )
 
 
 def _later_expiry(meta: BlockMeta, expires_at: float, retention: str) -> tuple[float, str]:
