@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from typing import NewType, overload
 
 BlockKey = NewType("BlockKey", bytes)
-"""A 16-byte chained xxh3-128 block key (see `hashing`)."""
+"""A 16-byte chained xxh3-128 block key (see `hashing`); in the store, prefixed with its
+tenant's partition (see `NamespaceId.partition`)."""
 
 KEY_BYTES = 16
+PARTITION_BYTES = 8  # a tenant's prefix on its stored keys (none for the default tenant)
 MAX_TOKEN_ID = 2**32 - 1
 
 
@@ -44,6 +46,14 @@ class NamespaceId:
 
     root: BlockKey
     encoded: bytes
+    # The tenant's partition of the store: every key the store holds for this namespace is
+    # prefixed with it, so no key of one tenant, however crafted, can reach another's block.
+    partition: bytes = b""
+
+    @property
+    def scope(self) -> BlockKey:
+        """The namespace's key in the store: its partition, then its root."""
+        return BlockKey(self.partition + self.root)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,9 +156,9 @@ class NewBlock:
 class BlockMeta:
     """Everything the store keeps about a block except its payload bytes."""
 
-    key: BlockKey
+    key: BlockKey  # in the store: the partition + the block's hash
     namespace_root: BlockKey
-    parent: BlockKey
+    parent: BlockKey  # the parent's hash (the namespace root for block 0)
     depth: int
     tokens: bytes
     payload_size: int
@@ -166,6 +176,11 @@ class BlockMeta:
     # A number no other write of any block ever gets (drawn from the use sequence when the
     # block is stored): it tells a stored copy from any later copy under the same key.
     stored_seq: int = 0
+
+    @property
+    def parent_key(self) -> BlockKey:
+        """The parent's key in the store (this block's partition + its parent's hash)."""
+        return BlockKey(self.key[:-KEY_BYTES] + self.parent)
 
     def is_alive(self, now: float) -> bool:
         """A block is alive while now < expires_at."""
@@ -192,6 +207,7 @@ class Touch:
     retention: str
     ttl_seconds: float
     uses: int = 1  # hits this touch stands for (equal touches are merged before a flush)
+    partition: bytes = b""  # of the namespace hit; the store prefixes `keys` with it
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +225,7 @@ class Evicted:
 class InsertResult:
     """What an insert did: blocks newly stored, refreshed, or refused."""
 
-    stored: tuple[BlockKey, ...] = ()
+    stored: tuple[BlockKey, ...] = ()  # keys in the store (with the partition)
     refreshed: int = 0
     conflicts: int = 0  # same block, different payload bytes: the first writer won
     collisions: int = 0  # same key, different parent or tokens: refused

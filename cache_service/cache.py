@@ -44,7 +44,13 @@ class CacheEvents:
     replay override what they count."""
 
     def on_lookup(
-        self, *, retention: str, hit_tokens: int, miss_tokens: int, complete: bool
+        self,
+        *,
+        retention: str,
+        hit_tokens: int,
+        miss_tokens: int,
+        complete: bool,
+        tenant: str = "",
     ) -> None:
         """A lookup finished; `complete` when every full block of the prompt hit."""
 
@@ -175,8 +181,8 @@ class PrefixCache:
         retention_class, ttl = self.resolve_retention(retention)
         size = self.block_size_for(namespace.model, block_size)
         token_bytes = _as_bytes(tokens)
-        root = self.hasher.root(namespace)
-        recent = None if with_payloads else self._recent.get(root, size, token_bytes)
+        scope = self.hasher.namespace_id(namespace).scope
+        recent = None if with_payloads else self._recent.get(scope, size, token_bytes)
         links = (
             recent.chain if recent else self.hasher.chain(namespace, token_bytes, block_size=size)
         )
@@ -191,8 +197,18 @@ class PrefixCache:
             known=(recent.matched, recent.incarnation) if recent else None,
         )
         if touch and found.keys:
-            self.touch(found.keys, at=self.clock(), retention=retention_class, ttl_seconds=ttl)
+            self._touch_match(namespace, found, ttl)
         return found
+
+    def _touch_match(self, namespace: Namespace, found: PrefixMatch, ttl_seconds: float) -> None:
+        """Record the verified hit a lookup found, under its retention class."""
+        self.touch(
+            found.keys,
+            at=self.clock(),
+            retention=found.retention,
+            ttl_seconds=ttl_seconds,
+            partition=self.hasher.namespace_id(namespace).partition,
+        )
 
     def _match_links(
         self,
@@ -213,7 +229,7 @@ class PrefixCache:
         )  # fmt: skip
         if result.incarnation is not None:
             self._recent.put(
-                namespace_id.root,
+                namespace_id.scope,
                 block_size,
                 RecentMatch(links, result.matched, result.incarnation),
             )
@@ -234,6 +250,7 @@ class PrefixCache:
             hit_tokens=found.cached_tokens,
             miss_tokens=found.miss_tokens,
             complete=result.matched == len(links),
+            tenant=namespace.tenant,
         )
         return found
 
@@ -268,14 +285,27 @@ class PrefixCache:
                 ttl_seconds=ttl,
             )
             if found.keys and not outcome.prefix_touched:
-                self.touch(found.keys, at=self.clock(), retention=retention_class, ttl_seconds=ttl)
+                self._touch_match(namespace, found, ttl)
         return found, outcome
 
     def touch(
-        self, keys: Sequence[BlockKey], *, at: float, retention: str, ttl_seconds: float
+        self,
+        keys: Sequence[BlockKey],
+        *,
+        at: float,
+        retention: str,
+        ttl_seconds: float,
+        partition: bytes = b"",
     ) -> None:
-        """Record a verified hit on a prefix; applied now or at the next flush."""
-        hit = Touch(keys=tuple(keys), at=at, retention=retention, ttl_seconds=ttl_seconds)
+        """Record a verified hit on a prefix (of the tenant `partition`); applied now or at
+        the next flush."""
+        hit = Touch(
+            keys=tuple(keys),
+            at=at,
+            retention=retention,
+            ttl_seconds=ttl_seconds,
+            partition=partition,
+        )
         if not self.defer_touches:
             self.store.touch([hit])
             return
@@ -413,7 +443,7 @@ class PrefixCache:
             # prompt then needs one read, as after a lookup.
             written = len(result.stored) + result.refreshed
             self._recent.put(
-                namespace_id.root,
+                namespace_id.scope,
                 links.stride // 4,
                 RecentMatch(links, written, result.last_incarnation),
             )
@@ -481,11 +511,11 @@ def _coalesce(touches: list[Touch]) -> list[Touch]:
     a hundred times between flushes is refreshed once (its `uses` keep the count). A prefix
     is known by its deepest key and length: hashing every key of every touch would cost more
     than the merge saves."""
-    latest: dict[tuple[BlockKey, int, str], Touch] = {}
+    latest: dict[tuple[bytes, BlockKey, int, str], Touch] = {}
     for touch in touches:
         if not touch.keys:
             continue
-        identity = (touch.keys[-1], len(touch.keys), touch.retention)
+        identity = (touch.partition, touch.keys[-1], len(touch.keys), touch.retention)
         earlier = latest.pop(identity, None)
         merged = touch
         if earlier is not None:

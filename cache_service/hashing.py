@@ -28,6 +28,7 @@ HASH_SCHEME = "xxh3-128-chained"
 HASH_VERSION = 1
 DEFAULT_SEED = "prompt-cache-v1"
 NAMESPACE_TAG = b"PCNS"
+PARTITION_TAG = b"PCTENANT"
 
 HashFn = Callable[[bytes], bytes]
 
@@ -78,6 +79,15 @@ def encode_namespace(seed: str, namespace: Namespace) -> bytes:
     )
 
 
+def tenant_partition(tenant: str) -> bytes:
+    """The prefix of a tenant's keys in the store: none for the default tenant (""), else
+    8 bytes of xxh3-64 over a tag and the name. Tenants are named by the operator, never by a
+    request, and the key file is refused if two of its tenants' partitions clash."""
+    if not tenant:
+        return b""
+    return bytes(xxhash.xxh3_64_digest(PARTITION_TAG + tenant.encode("utf-8")))
+
+
 xxh3_128: HashFn = xxhash.xxh3_128_digest  # seed 0, 16 canonical (big-endian) bytes
 
 
@@ -101,7 +111,11 @@ class BlockHasher:
 
     def _compute_id(self, namespace: Namespace) -> NamespaceId:
         encoded = encode_namespace(self.seed, namespace)
-        return NamespaceId(root=BlockKey(self._hash(encoded)), encoded=encoded)
+        return NamespaceId(
+            root=BlockKey(self._hash(encoded)),
+            encoded=encoded,
+            partition=tenant_partition(namespace.tenant),
+        )
 
     def namespace_id(self, namespace: Namespace) -> NamespaceId:
         """The namespace's root key with the bytes it was hashed from."""

@@ -33,7 +33,7 @@ class RecentMatch:
 
 
 class RecentMatches:
-    """A bounded LRU memo: (namespace root, block size, prompt bytes) -> RecentMatch."""
+    """A bounded LRU memo: (namespace scope, block size, prompt bytes) -> RecentMatch."""
 
     def __init__(
         self, *, max_bytes: int = DEFAULT_MAX_BYTES, max_entries: int = DEFAULT_MAX_ENTRIES
@@ -45,12 +45,12 @@ class RecentMatches:
         self._lock = threading.Lock()
 
     @staticmethod
-    def _key(root: BlockKey, block_size: int, token_bytes: bytes) -> tuple[BlockKey, int, int]:
-        return root, block_size, xxhash.xxh3_64_intdigest(token_bytes)
+    def _key(scope: BlockKey, block_size: int, token_bytes: bytes) -> tuple[BlockKey, int, int]:
+        return scope, block_size, xxhash.xxh3_64_intdigest(token_bytes)
 
-    def get(self, root: BlockKey, block_size: int, token_bytes: bytes) -> RecentMatch | None:
+    def get(self, scope: BlockKey, block_size: int, token_bytes: bytes) -> RecentMatch | None:
         """The memo of exactly this prompt, if any."""
-        key = self._key(root, block_size, token_bytes)
+        key = self._key(scope, block_size, token_bytes)
         with self._lock:
             found = self._entries.get(key)
             if found is None or found.chain.token_bytes != token_bytes:
@@ -58,12 +58,12 @@ class RecentMatches:
             self._entries.move_to_end(key)
             return found
 
-    def put(self, root: BlockKey, block_size: int, match: RecentMatch) -> None:
+    def put(self, scope: BlockKey, block_size: int, match: RecentMatch) -> None:
         """Remember a verified match (of at least one block)."""
         size = len(match.chain.token_bytes) + 16 * len(match.chain.keys)
         if size > self._max_bytes:
             return
-        key = self._key(root, block_size, match.chain.token_bytes)
+        key = self._key(scope, block_size, match.chain.token_bytes)
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:

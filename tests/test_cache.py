@@ -41,7 +41,13 @@ class RecordingEvents:
         self.evicted: list[Evicted] = []
 
     def on_lookup(
-        self, *, retention: str, hit_tokens: int, miss_tokens: int, complete: bool
+        self,
+        *,
+        retention: str,
+        hit_tokens: int,
+        miss_tokens: int,
+        complete: bool,
+        tenant: str = "",
     ) -> None:
         self.lookups.append((retention, hit_tokens, miss_tokens, complete))
 
@@ -579,17 +585,19 @@ def test_constant_hash_does_not_pass_a_new_block_off_as_a_refresh(
 
 
 def test_constant_hash_keeps_namespaces_apart(store: BlockStore, clock: VirtualClock) -> None:
+    # Two salts of one tenant share its partition: under a colliding key the first writer
+    # wins, and neither ever sees the other's block. (Across tenants, see test_tenants.py.)
     events = RecordingEvents()
     cache = constant_hash_cache(store, clock, events)
-    tenant_a = Namespace(model="llama-3-8b", tenant="a")
-    tenant_b = Namespace(model="llama-3-8b", tenant="b")
-    cache.insert(tenant_a, [5, 5], [b"a-secret"])
-    found = cache.match_prefix(tenant_b, [5, 5], with_payloads=True)
+    salt_a = Namespace(model="llama-3-8b", tenant="t", salt="a")
+    salt_b = Namespace(model="llama-3-8b", tenant="t", salt="b")
+    cache.insert(salt_a, [5, 5], [b"a-secret"])
+    found = cache.match_prefix(salt_b, [5, 5], with_payloads=True)
     assert (found.matched_blocks, found.payloads) == (0, ())
-    outcome = cache.insert(tenant_b, [5, 5], [b"b-secret"])
+    outcome = cache.insert(salt_b, [5, 5], [b"b-secret"])
     assert (outcome.stored, outcome.collisions) == (0, 1)
-    assert cache.match_prefix(tenant_a, [5, 5], with_payloads=True).payloads == (b"a-secret",)
-    assert cache.get_payloads(tenant_b, [cache.chain(tenant_b, [5, 5])[0].key]) == [None]
+    assert cache.match_prefix(salt_a, [5, 5], with_payloads=True).payloads == (b"a-secret",)
+    assert cache.get_payloads(salt_b, [cache.chain(salt_b, [5, 5])[0].key]) == [None]
     assert sum(events.collisions) == 2
 
 

@@ -62,7 +62,13 @@ class Recorder:
         self.evicted: list[Evicted] = []
 
     def on_lookup(
-        self, *, retention: str, hit_tokens: int, miss_tokens: int, complete: bool
+        self,
+        *,
+        retention: str,
+        hit_tokens: int,
+        miss_tokens: int,
+        complete: bool,
+        tenant: str = "",
     ) -> None:
         assert hit_tokens + miss_tokens >= 0
 

@@ -21,6 +21,7 @@ from cache_service.blocks import (
 
 VICTIMS = "victims"  # leaf blocks, by eviction priority
 EXPIRY = "expiry"  # every block, by expires_at
+SORT_KEY_BYTES = 8  # an index entry is its 8-byte sort key then the block's stored key
 
 
 class BlockStore(Protocol):
@@ -136,10 +137,10 @@ class BlockTxn(Protocol):
         ...
 
     def count_hits(
-        self, root: BlockKey, links: Sequence[ChainLink], start: int, now: float
+        self, namespace: NamespaceId, links: Sequence[ChainLink], start: int, now: float
     ) -> tuple[int, int]:
-        """How many blocks of a chain from `start` `check` as HIT, and 1 if a COLLISION
-        ended the run (else 0): the lookup's hot loop, in one call."""
+        """How many blocks of a chain of `namespace` from `start` `check` as HIT, and 1 if
+        a COLLISION ended the run (else 0): the lookup's hot loop, in one call."""
         ...
 
     def lift_expiry(self, key: BlockKey, expires_at: float, retention: str) -> BlockKey | None:
@@ -149,8 +150,8 @@ class BlockTxn(Protocol):
         ...
 
     def incarnation(self, key: BlockKey, now: float) -> bytes | None:
-        """Bytes that change whenever the block is stored anew (its creation time), or None
-        if it is absent or expired."""
+        """Bytes that change whenever the block is stored anew (its stored sequence), or
+        None if it is absent or expired."""
         ...
 
     def put(self, meta: BlockMeta) -> None:

@@ -127,7 +127,7 @@ class IndexedStore:
         txn.add_payload_bytes(-meta.payload_size)
         if meta.depth == 0:
             return False
-        parent = txn.get(meta.parent)
+        parent = txn.get(meta.parent_key)
         if parent is None:
             return False
         before = self._indexed(parent)
@@ -233,7 +233,7 @@ class IndexedStore:
         chain is swept in one pass instead of one index scan per block."""
         if now is None:
             return None
-        parent = txn.get(child.parent)
+        parent = txn.get(child.parent_key)
         if parent is None or parent.children or parent.is_alive(now) or parent.key in protected:
             return None
         return parent

@@ -19,10 +19,18 @@ from typing import Any
 
 import lmdb
 
-from cache_service.blocks import BlockKey, BlockMeta, Chain, ChainLink, StoreUsage
+from cache_service.blocks import (
+    KEY_BYTES,
+    BlockKey,
+    BlockMeta,
+    Chain,
+    ChainLink,
+    NamespaceId,
+    StoreUsage,
+)
 from cache_service.errors import StorageError, StoreFull
 from cache_service.eviction import EvictionPolicy
-from cache_service.store.base import EXPIRY, VICTIMS
+from cache_service.store.base import EXPIRY, SORT_KEY_BYTES, VICTIMS
 from cache_service.store.codec import (
     DEPTH,
     DEPTH_AT,
@@ -82,19 +90,20 @@ class _LmdbTxn:
         )
 
     def count_hits(
-        self, root: BlockKey, links: Sequence[ChainLink], start: int, now: float
+        self, namespace: NamespaceId, links: Sequence[ChainLink], start: int, now: float
     ) -> tuple[int, int]:
         # check_record, unrolled over the chain's own arrays: a 32k-token lookup runs this
         # body 512 times, so it builds no tuples, links or concatenations.
         if not isinstance(links, Chain):
-            return _count_hits_generic(self, root, links, start, now)
+            return _count_hits_generic(self, namespace, links, start, now)
         get, blocks = self._txn.get, self._blocks
         keys, tokens, stride = links.keys, links.token_bytes, links.stride
+        partition, root = namespace.partition, namespace.root
         parent = keys[start - 1] if start else root
         unpack_expires, unpack_depth = EXPIRES.unpack_from, DEPTH.unpack_from
         for depth in range(start, len(keys)):
             key = keys[depth]
-            raw = get(key, db=blocks)
+            raw = get(partition + key if partition else key, db=blocks)
             if raw is None or now >= unpack_expires(raw, EXPIRES_AT)[0]:
                 return depth - start, 0
             offset = depth * stride
@@ -113,7 +122,7 @@ class _LmdbTxn:
         if raw is None or EXPIRES.unpack_from(raw, EXPIRES_AT)[0] >= expires_at:
             return None
         depth = DEPTH.unpack_from(raw, DEPTH_AT)[0]
-        parent = BlockKey(raw[PARENT_AT:PARENT_END]) if depth else None
+        parent = BlockKey(key[:-KEY_BYTES] + raw[PARENT_AT:PARENT_END]) if depth else None
         if raw[TOKENS_AT : TOKENS_AT + raw[RETENTION_LEN_AT]] == retention.encode():
             record = bytearray(raw)  # the same class: patch the expiry in place
             EXPIRES.pack_into(record, EXPIRES_AT, expires_at)
@@ -167,7 +176,7 @@ class _LmdbTxn:
                 positioned = cursor.next()
             while positioned and len(out) < limit:
                 entry = bytes(cursor.key())
-                sort_key, key = entry[:-16], BlockKey(entry[-16:])
+                sort_key, key = entry[:SORT_KEY_BYTES], BlockKey(entry[SORT_KEY_BYTES:])
                 if upto is not None and sort_key > upto:
                     break
                 out.append((sort_key, key))

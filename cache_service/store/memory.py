@@ -9,9 +9,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
-from cache_service.blocks import BlockKey, BlockMeta, ChainLink, StoreUsage
+from cache_service.blocks import BlockKey, BlockMeta, ChainLink, NamespaceId, StoreUsage
 from cache_service.eviction import EvictionPolicy
-from cache_service.store.base import EXPIRY, VICTIMS
+from cache_service.store.base import EXPIRY, SORT_KEY_BYTES, VICTIMS
 from cache_service.store.codec import COLLISION, HIT, MISSING, record_size
 from cache_service.store.ops import TxnStore, count_hits_by_check
 
@@ -44,16 +44,16 @@ class _MemoryTxn:
         return HIT if same else COLLISION
 
     def count_hits(
-        self, root: BlockKey, links: Sequence[ChainLink], start: int, now: float
+        self, namespace: NamespaceId, links: Sequence[ChainLink], start: int, now: float
     ) -> tuple[int, int]:
-        return count_hits_by_check(self, root, links, start, now)
+        return count_hits_by_check(self, namespace, links, start, now)
 
     def lift_expiry(self, key: BlockKey, expires_at: float, retention: str) -> BlockKey | None:
         meta = self._s.metas.get(key)
         if meta is None or meta.expires_at >= expires_at:
             return None
         meta.expires_at, meta.retention = expires_at, retention
-        return meta.parent if meta.depth else None
+        return meta.parent_key if meta.depth else None
 
     def incarnation(self, key: BlockKey, now: float) -> bytes | None:
         meta = self._s.metas.get(key)
@@ -103,7 +103,7 @@ class _MemoryTxn:
         at = bisect.bisect_right(entries, after) if after is not None else 0
         out: list[tuple[bytes, BlockKey]] = []
         for entry in entries[at : at + limit]:
-            sort_key, key = entry[:-16], BlockKey(entry[-16:])
+            sort_key, key = entry[:SORT_KEY_BYTES], BlockKey(entry[SORT_KEY_BYTES:])
             if upto is not None and sort_key > upto:
                 break
             out.append((sort_key, key))

@@ -58,24 +58,31 @@ class TxnStore(IndexedStore):
 
         keep = sink or collect
         with self._read(views=with_payloads) as txn:
-            encoded = txn.get_namespace(namespace.root) if links else None
+            part = namespace.partition
+            encoded = txn.get_namespace(namespace.scope) if links else None
             if encoded is not None and encoded != namespace.encoded:  # another namespace's root
                 return MatchResult(matched=0, collisions=1, payloads=() if with_payloads else None)
             root = namespace.root
             if not with_payloads:
                 start = 0
-                if known and known[0] and txn.incarnation(links[known[0] - 1].key, now) == known[1]:
-                    start = known[0]  # still the very copy verified before: its prefix stands
-                more, collisions = txn.count_hits(root, links, start, now)
+                if known and known[0]:
+                    held = txn.incarnation(BlockKey(part + links[known[0] - 1].key), now)
+                    if held == known[1]:
+                        start = known[0]  # still the very copy verified before: it stands
+                more, collisions = txn.count_hits(namespace, links, start, now)
                 matched = start + more
-                last = txn.incarnation(links[matched - 1].key, now) if matched else None
+                last = (
+                    txn.incarnation(BlockKey(part + links[matched - 1].key), now)
+                    if matched
+                    else None
+                )
                 return MatchResult(matched=matched, collisions=collisions, incarnation=last)
             for key, parent, tokens, depth in link_parts(links):
-                status = txn.check(key, root + parent, tokens, depth, now)
+                status = txn.check(BlockKey(part + key), root + parent, tokens, depth, now)
                 if status != HIT:
                     collisions += status == COLLISION
                     break
-                meta = txn.get(key)
+                meta = txn.get(BlockKey(part + key))
                 payload = _verified_payload(txn, meta) if meta is not None else None
                 if payload is None:
                     corrupt += 1
@@ -106,10 +113,11 @@ class TxnStore(IndexedStore):
         """Hand each key's verified payload to `sink(index, view)` (None where absent,
         foreign or corrupt; the view is valid only during the call); returns the corrupt count."""
         corrupt = 0
+        part = namespace.partition
         with self._read(views=True) as txn:
-            foreign = bool(keys) and txn.get_namespace(namespace.root) != namespace.encoded
+            foreign = bool(keys) and txn.get_namespace(namespace.scope) != namespace.encoded
             for index, key in enumerate(keys):
-                meta = None if foreign else txn.get(key)
+                meta = None if foreign else txn.get(BlockKey(part + key))
                 if meta is None or not meta.is_alive(now) or meta.namespace_root != namespace.root:
                     sink(index, None)
                     continue
@@ -136,15 +144,16 @@ class TxnStore(IndexedStore):
         expires_at = now + ttl_seconds
         stored: list[BlockKey] = []
         refreshed = conflicts = collisions = 0
+        part = namespace.partition
         with self._write() as txn:
-            known = txn.get_namespace(namespace.root)
+            known = txn.get_namespace(namespace.scope)
             if known is None:
-                txn.put_namespace(namespace.root, namespace.encoded)
+                txn.put_namespace(namespace.scope, namespace.encoded)
             elif known != namespace.encoded:
                 # Another namespace hashed to the same root: it keeps it, this one stores nothing.
                 return InsertResult(collisions=len(blocks))
             if parent is not None:
-                held = txn.get(parent.key)
+                held = txn.get(BlockKey(part + parent.key))
                 if (
                     held is None
                     or not held.is_alive(now)
@@ -162,7 +171,8 @@ class TxnStore(IndexedStore):
                 # Tail first: the head of a request gets the newest use sequence.
                 seq = first_seq + len(blocks) - 1 - index
                 link = block.link
-                old = txn.get(link.key)
+                key = BlockKey(part + link.key)
+                old = txn.get(key)
                 foreign = old is not None and old.namespace_root != namespace.root
                 if old is not None and (foreign or not old.holds(link)):
                     collisions += 1
@@ -179,7 +189,7 @@ class TxnStore(IndexedStore):
                     new = old
                 else:
                     new = BlockMeta(
-                        key=link.key,
+                        key=key,
                         namespace_root=namespace.root,
                         parent=link.parent,
                         depth=link.depth,
@@ -195,15 +205,15 @@ class TxnStore(IndexedStore):
                         indexed_expiry=old.indexed_expiry if old is not None else 0.0,
                         stored_seq=seq,
                     )
-                    txn.put_payload(link.key, block.payload)
+                    txn.put_payload(key, block.payload)
                     txn.add_payload_bytes(new.payload_size - (old.payload_size if old else 0))
                     if old is None:
                         self._save(txn, new, None, new=True)
                     else:  # an expired block replaced: its early expiry entry stays valid
                         self._save(txn, new, self._indexed(old))
                     if old is None and link.depth > 0:
-                        self._add_child(txn, link.parent)
-                    stored.append(link.key)
+                        self._add_child(txn, new.parent_key)
+                    stored.append(key)
                 if index == 0:
                     first_expiry, first_class = new.expires_at, new.retention
             written = len(stored) + refreshed
@@ -211,8 +221,8 @@ class TxnStore(IndexedStore):
             if written:
                 head = blocks[0].link
                 if head.depth > 0:
-                    self._lift_expiry(txn, head.parent, first_expiry, first_class)
-                last = txn.incarnation(blocks[written - 1].link.key, now)
+                    self._lift_expiry(txn, BlockKey(part + head.parent), first_expiry, first_class)
+                last = txn.incarnation(BlockKey(part + blocks[written - 1].link.key), now)
         return InsertResult(
             stored=tuple(stored),
             refreshed=refreshed,
@@ -264,7 +274,7 @@ class TxnStore(IndexedStore):
         self, txn: BlockTxn, hit: Touch, resolution_seconds: float, slide_fraction: float
     ) -> None:
         for key in reversed(hit.keys):  # the deepest block still stored: nearly always the last
-            meta = txn.get(key)
+            meta = txn.get(BlockKey(hit.partition + key))
             if meta is not None:
                 break
         else:
@@ -284,16 +294,17 @@ class TxnStore(IndexedStore):
             meta.expires_at, meta.retention = _later_expiry(meta, expires_at, hit.retention)
         self._save(txn, meta, before)
         if slide and meta.depth > 0:
-            self._lift_expiry(txn, meta.parent, meta.expires_at, meta.retention)
+            self._lift_expiry(txn, meta.parent_key, meta.expires_at, meta.retention)
 
 
 def count_hits_by_check(
-    txn: BlockTxn, root: BlockKey, links: Sequence[ChainLink], start: int, now: float
+    txn: BlockTxn, namespace: NamespaceId, links: Sequence[ChainLink], start: int, now: float
 ) -> tuple[int, int]:
     """count_hits through `check`, for backends with no faster way."""
     matched = 0
+    partition, root = namespace.partition, namespace.root
     for key, parent, tokens, depth in link_parts(links, start):
-        status = txn.check(key, root + parent, tokens, depth, now)
+        status = txn.check(BlockKey(partition + key), root + parent, tokens, depth, now)
         if status != HIT:
             return matched, int(status == COLLISION)
         matched += 1
