@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from cache_service import __version__
+from cache_service.admin import add_admin_parser, run_admin_command
 from cache_service.replay.arguments import add_replay_parser, run_replay_command
 from cache_service.settings import ENV_PREFIX, Settings, settings_environment
 
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_settings_flags(serve)
     add_replay_parser(commands)
+    add_admin_parser(commands)
     return parser
 
 
@@ -79,8 +81,17 @@ def serve(settings: Settings) -> None:
     import uvicorn  # noqa: PLC0415
 
     from cache_service.api import create_app  # noqa: PLC0415
+    from cache_service.api.protocol import (  # noqa: PLC0415
+        ENV_NAME as HEADER_LIMIT_ENV,
+    )
+    from cache_service.api.protocol import (  # noqa: PLC0415
+        LimitedHttpToolsProtocol,
+    )
 
+    # Worker processes (and this one) read the header limit of the HTTP protocol from here.
+    os.environ[HEADER_LIMIT_ENV] = str(settings.max_header_bytes)
     options = {
+        "http": LimitedHttpToolsProtocol,
         "host": settings.host,
         "port": settings.port,
         "log_level": settings.log_level,
@@ -108,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parsed = build_parser().parse_args(argv)
     if parsed.command == "replay":
         sys.exit(run_replay_command(parsed))
+    if parsed.command == "admin":
+        sys.exit(run_admin_command(parsed))
     args = vars(parsed)
     args.pop("command")
     serve(load_settings(args))

@@ -8,6 +8,12 @@ The hierarchy::
     │   ├── InvalidField             422  a field has a bad value (names the field)
     │   │   ├── BlockSizeMismatch    422  the request's block_size differs from the model's
     │   │   └── UnknownRetention     422  a retention class that is not configured
+    │   ├── Unauthorized             401  no API key, or an unknown one
+    │   ├── Forbidden                403  the key's role does not allow the route
+    │   ├── RequestTimeout           408  the body did not arrive in time (slow client)
+    │   ├── HeadersTooLarge          431  request line and headers over the limit
+    │   ├── Throttled                429  a key's request or byte rate quota (Retry-After)
+    │   │   └── Overloaded           503  writes backed up; reads still served (Retry-After)
     │   ├── PayloadTooLarge          413  body or block count over a configured limit
     │   ├── UnsupportedMediaType     415  wrong Content-Type
     │   └── MissingParent            409  a stored block's parent is neither stored nor sent
@@ -107,6 +113,58 @@ class PayloadTooLarge(RequestError):
     status = 413
     problem = "payload-too-large"
     title = "Payload too large"
+
+
+class RequestTimeout(RequestError):
+    """The body did not arrive within the configured time (a slow or stalled client)."""
+
+    status = 408
+    problem = "request-timeout"
+    title = "Request timeout"
+
+
+class HeadersTooLarge(RequestError):
+    """The request line and headers are over the configured limit."""
+
+    status = 431
+    problem = "headers-too-large"
+    title = "Request header fields too large"
+
+
+class Throttled(RequestError):
+    """A refusal the caller may retry later: `retry_after_seconds` says when."""
+
+    status = 429
+    problem = "rate-limited"
+    title = "Too many requests"
+
+    def __init__(self, detail: str, *, retry_after_seconds: float, **extensions: Any) -> None:
+        super().__init__(detail, retry_after_seconds=retry_after_seconds, **extensions)
+        self.retry_after_seconds = retry_after_seconds
+
+
+class Overloaded(Throttled):
+    """Writes are backed up; reads are still served."""
+
+    status = 503
+    problem = "writes-backed-up"
+    title = "Writes backed up"
+
+
+class Unauthorized(RequestError):
+    """No API key, or one that is not configured."""
+
+    status = 401
+    problem = "unauthorized"
+    title = "Unauthorized"
+
+
+class Forbidden(RequestError):
+    """The key's role does not allow this route."""
+
+    status = 403
+    problem = "forbidden"
+    title = "Forbidden"
 
 
 class UnsupportedMediaType(RequestError):

@@ -1,8 +1,9 @@
 """Prometheus metrics on a registry passed in, fed by cache events and a scrape-time collector.
 
 Names share the `prompt_cache_` prefix and use base units; no label takes unbounded values
-(no keys, no tenant ids): labels are the configured retention classes, eviction reasons,
-lookup outcomes and route templates.
+(no keys): labels are the configured retention classes, eviction reasons, lookup outcomes,
+route templates, and the tenants of the key file (a bounded set, the one place a tenant is a
+label; a tenant outside it is never counted by name).
 """
 
 from __future__ import annotations
@@ -95,6 +96,19 @@ class CacheMetrics(CacheEvents):
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.tenant_hit_tokens = Counter(
+            "prompt_cache_tenant_hit_tokens",
+            "Prompt tokens served from the cache, by tenant (tenants of the key file only).",
+            ["tenant"],
+            registry=registry,
+        )
+        self.tenant_miss_tokens = Counter(
+            "prompt_cache_tenant_miss_tokens",
+            "Prompt tokens not found in the cache, by tenant (tenants of the key file only).",
+            ["tenant"],
+            registry=registry,
+        )
+        self._by_tenant: dict[str, tuple[Any, Any]] = {}
         for reason in ("expired", "capacity"):
             self.evicted_blocks.labels(reason=reason)
         self._outcomes = {o: self.lookups.labels(outcome=o) for o in ("full", "partial", "miss")}
@@ -107,13 +121,31 @@ class CacheMetrics(CacheEvents):
             self.miss_tokens.labels(retention=name)
             self.evicted_before_ttl.labels(retention=name)
 
+    def declare_tenants(self, tenants: Sequence[str]) -> None:
+        """The tenants counted by name (those of the key file), their series at zero."""
+        for tenant in tenants:
+            self._by_tenant[tenant] = (
+                self.tenant_hit_tokens.labels(tenant=tenant),
+                self.tenant_miss_tokens.labels(tenant=tenant),
+            )
+
     def on_lookup(
-        self, *, retention: str, hit_tokens: int, miss_tokens: int, complete: bool
+        self,
+        *,
+        retention: str,
+        hit_tokens: int,
+        miss_tokens: int,
+        complete: bool,
+        tenant: str = "",
     ) -> None:
         """Count a lookup's tokens and its outcome."""
         hits, misses = self._by_class.get(retention) or self._children(retention)
         hits.inc(hit_tokens)
         misses.inc(miss_tokens)
+        by_tenant = self._by_tenant.get(tenant)
+        if by_tenant is not None:
+            by_tenant[0].inc(hit_tokens)
+            by_tenant[1].inc(miss_tokens)
         outcome = "miss" if hit_tokens == 0 else "full" if complete else "partial"
         self._outcomes[outcome].inc()
 

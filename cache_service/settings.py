@@ -6,6 +6,7 @@ keyword arguments.
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,22 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cache_service.hashing import DEFAULT_SEED
+from cache_service.keys import KeyFileError, KeyRing, load_key_ring
 from cache_service.retention import RetentionPolicy, parse_retention_table, parse_size
 from cache_service.store.lmdb import SYNC_MODES
 
 ENV_PREFIX = "CACHE_SERVICE_"
+AUTH_MODES = ("none", "keys")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_model_block_sizes(text: str) -> dict[str, int]:
@@ -59,6 +72,18 @@ class Settings(BaseSettings):
         8192, gt=0, description="Most payloads in one store, or keys in one fetch."
     )
     max_tokens_per_request: int = Field(1 << 20, gt=0, description="Most tokens in a request.")
+    body_timeout: float = Field(
+        30.0, gt=0, description="Seconds a request body may take to arrive (then 408)."
+    )
+    max_header_bytes: int = Field(
+        16384, ge=1024, description="Largest request line plus headers (then 431)."
+    )
+    max_pending_writes: int = Field(
+        16,
+        ge=1,
+        le=32,
+        description="Store requests one worker takes at once; more get 503 with Retry-After.",
+    )
     sweep_interval: float = Field(30.0, gt=0, description="Seconds between expiry sweeps.")
     touch_flush_interval: float = Field(
         0.2, gt=0, description="Seconds between batched TTL/LRU refreshes of lookups."
@@ -70,12 +95,36 @@ class Settings(BaseSettings):
         description="A hit slides a prefix's TTL once it would gain more than this share "
         "of the class TTL (0: on every hit, to the second).",
     )
+    auth: str = Field(
+        "none",
+        description="none: every request is trusted (a one-team sidecar on loopback); keys: "
+        "every request needs an API key, which names its tenant and role.",
+    )
+    api_keys_file: Path | None = Field(
+        None, description="TOML file of API keys (ids, tenants, roles and SHA-256 digests)."
+    )
+    api_keys: str = Field(
+        "", description="More API keys, as id:tenant:role:sha256 separated by commas."
+    )
+    allow_unauthenticated: bool = Field(
+        False, description="Allow --auth none on an address other than loopback."
+    )
+    metrics_port: int | None = Field(
+        None, ge=1, le=65535, description="Serve /metrics on this port too, without a key."
+    )
+    metrics_host: str = Field("127.0.0.1", description="Address of the metrics port.")
+    usage_log: Path | None = Field(
+        None, description="Append one JSON line per lookup here (for billing); off if unset."
+    )
+    usage_log_max_bytes: int = Field(
+        100 * 2**20, gt=0, description="Rotate the usage log at this size (keeps 5 old files)."
+    )
     log_level: str = Field("info", description="uvicorn log level.")
     access_log: bool = Field(
         False, description="Log every request (costs about 3% of lookup throughput)."
     )
 
-    @field_validator("capacity", "max_body_size", mode="before")
+    @field_validator("capacity", "max_body_size", "usage_log_max_bytes", mode="before")
     @classmethod
     def _parse_size(cls, value: Any) -> Any:
         return parse_size(value) if isinstance(value, str) else value
@@ -92,6 +141,13 @@ class Settings(BaseSettings):
         parse_retention_table(value)
         return value
 
+    @field_validator("auth")
+    @classmethod
+    def _check_auth(cls, value: str) -> str:
+        if value not in AUTH_MODES:
+            raise ValueError(f"use one of {', '.join(AUTH_MODES)}")
+        return value
+
     @field_validator("lmdb_sync")
     @classmethod
     def _check_sync(cls, value: str) -> str:
@@ -104,7 +160,25 @@ class Settings(BaseSettings):
         if self.low_water > self.high_water:
             raise ValueError("low_water must not be above high_water")
         self.retention_policy()  # the default class must be in the table
+        keys = self.key_ring()
+        if self.auth == "keys" and not len(keys):
+            raise ValueError("--auth keys needs keys: --api-keys-file or --api-keys")
+        if self.auth == "none" and len(keys):
+            raise ValueError("keys are configured but --auth is none: add --auth keys")
+        if self.auth == "none" and not is_loopback(self.host) and not self.allow_unauthenticated:
+            raise ValueError(
+                f"refusing to serve {self.host} without authentication: anyone who can reach "
+                "it could read and write every block; use --auth keys, or "
+                "--allow-unauthenticated if a network boundary protects it"
+            )
         return self
+
+    def key_ring(self) -> KeyRing:
+        """The configured API keys (empty with --auth none)."""
+        try:
+            return load_key_ring(self.api_keys_file, self.api_keys)
+        except KeyFileError as exc:
+            raise ValueError(str(exc)) from None
 
     def retention_policy(self) -> RetentionPolicy:
         """The configured retention classes."""
@@ -123,4 +197,8 @@ class Settings(BaseSettings):
 
 def settings_environment(settings: Settings) -> dict[str, str]:
     """The settings as CACHE_SERVICE_* variables, for worker processes to read back."""
-    return {ENV_PREFIX + name.upper(): str(value) for name, value in settings.model_dump().items()}
+    return {
+        ENV_PREFIX + name.upper(): str(value)
+        for name, value in settings.model_dump().items()
+        if value is not None
+    }

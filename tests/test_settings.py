@@ -85,3 +85,31 @@ def test_cli_help_names_each_environment_variable() -> None:
     )
     for name in Settings.model_fields:
         assert f"CACHE_SERVICE_{name.upper()}" in result.stdout.replace("\n", "").replace(" ", "")
+
+
+KEY_LIST = "k:team-a:reader:" + "a" * 64
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"auth": "keys"}, "--auth keys needs keys"),
+        ({"api_keys": KEY_LIST}, "--auth is none: add --auth keys"),
+        ({"host": "0.0.0.0"}, "refusing to serve 0.0.0.0 without authentication"),
+        ({"host": "10.1.2.3"}, "without authentication"),
+        ({"auth": "maybe"}, "use one of none, keys"),
+        ({"auth": "keys", "api_keys": "k:t:reader"}, "use id:tenant:role:sha256"),
+    ],
+)
+def test_authentication_settings_are_refused_when_unsafe_or_wrong(
+    overrides: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValidationError, match=message):
+        Settings(**overrides)  # type: ignore[arg-type]
+
+
+def test_an_open_address_needs_keys_or_an_explicit_allowance() -> None:
+    assert Settings(host="0.0.0.0", auth="keys", api_keys=KEY_LIST).host == "0.0.0.0"
+    assert Settings(host="0.0.0.0", allow_unauthenticated=True).auth == "none"
+    assert Settings(host="::1").auth == "none"  # loopback needs neither
+    assert Settings(host="localhost").auth == "none"

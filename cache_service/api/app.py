@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
-from typing import IO, Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, disable_created_metrics
@@ -17,17 +14,27 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cache_service import __version__
+from cache_service.api.auth import Authenticator
+from cache_service.api.background import (
+    METRICS_RETRY_SECONDS,
+    ElectionLock,
+    MetricsPort,
+    repeat,
+    sweeper,
+)
+from cache_service.api.limits import QuotaGate
 from cache_service.api.openapi import install_openapi
 from cache_service.api.problems import install_problem_handlers
 from cache_service.api.routes import router
-from cache_service.api.state import ServiceState
+from cache_service.api.state import ServiceState, WriteGate
 from cache_service.cache import Clock, PrefixCache
-from cache_service.capacity import EVICT_BATCH_BLOCKS
 from cache_service.hashing import BlockHasher
 from cache_service.metrics import CacheMetrics, StoreCollector
+from cache_service.quotas import QuotaBook
 from cache_service.settings import Settings
 from cache_service.store.base import BlockStore
 from cache_service.store.lmdb import LmdbStore
+from cache_service.usage import UsageLog
 
 log = logging.getLogger("cache_service")
 
@@ -56,55 +63,6 @@ class RequestTimer:
             self.metrics.request_duration.labels(route=route).observe(time.perf_counter() - started)
 
 
-async def _repeat(interval_seconds: float, job: Callable[[], Awaitable[Any]], name: str) -> None:
-    """Run `job` every `interval_seconds` until cancelled; a failure is logged, not fatal."""
-    while True:
-        await asyncio.sleep(interval_seconds)
-        try:
-            await job()
-        except Exception:
-            log.exception("background job %s failed; retrying in %.1fs", name, interval_seconds)
-
-
-class SweeperLock:
-    """Elects one worker process to run the expiry sweeper (an advisory lock file beside the
-    data); if it exits, the lock is free and another worker takes the job at its next turn."""
-
-    def __init__(self, folder: Path | None) -> None:
-        self._path = folder / "sweeper.lock" if folder is not None else None
-        self._file: IO[bytes] | None = None
-
-    def held(self) -> bool:
-        """Whether this process runs the sweeper (trying to become it if nobody does)."""
-        if self._path is None or self._file is not None:
-            return True
-        handle = self._path.open("ab")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.close()
-            return False
-        self._file = handle
-        return True
-
-    def release(self) -> None:
-        """Give the job up (closing the file drops the lock)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-def _sweeper(cache: PrefixCache, lock: SweeperLock) -> Callable[[], Awaitable[None]]:
-    async def sweep() -> None:
-        if not lock.held():
-            return  # another worker sweeps: deleting the same blocks twice would only contend
-        # Short batches, each its own transaction, so writers never wait long for the lock.
-        while await run_in_threadpool(cache.sweep_expired) >= EVICT_BATCH_BLOCKS:
-            await asyncio.sleep(0)
-
-    return sweep
-
-
 def app_from_environment() -> FastAPI:
     """The app of one worker process, configured from CACHE_SERVICE_* variables."""
     return create_app(Settings())
@@ -125,6 +83,8 @@ def create_app(
     metrics = CacheMetrics(registry)
     retention = settings.retention_policy()
     metrics.declare_retention(retention.classes)
+    keys = settings.key_ring() if settings.auth == "keys" else None
+    metrics.declare_tenants(sorted(keys.tenants) if keys is not None else [])
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -150,22 +110,49 @@ def create_app(
         )
         collector = StoreCollector(cache.usage, settings.capacity)
         metrics.scrape_registry.register(collector)
-        sweeper_lock = SweeperLock(settings.data_dir if owned else None)
+        folder = settings.data_dir if owned else None
+        sweeper_lock = ElectionLock(folder, "sweeper.lock")
+        metrics_port = MetricsPort(
+            settings.metrics_host,
+            settings.metrics_port,
+            metrics.scrape_registry,
+            ElectionLock(folder, "metrics.lock"),
+        )
+        metrics_port.ensure()
         # The capacity may have been lowered since the data was written.
         await run_in_threadpool(cache.enforce_capacity)
         kind = "lmdb" if isinstance(the_store, LmdbStore) else type(the_store).__name__
-        app.state.service = ServiceState(cache, metrics, settings, kind)
+        usage_log = (
+            UsageLog(settings.usage_log, max_bytes=settings.usage_log_max_bytes, clock=clock)
+            if settings.usage_log is not None
+            else None
+        )
+        writes = WriteGate(settings.max_pending_writes)
+        quotas = (
+            QuotaBook(list(keys), folder / "quotas.bin" if folder is not None else None)
+            if keys is not None
+            else None
+        )
+        app.state.service = ServiceState(cache, metrics, settings, kind, writes, usage_log, quotas)
 
         async def flush() -> None:
             if cache.pending_touches:
                 await run_in_threadpool(cache.flush_touches)
+            if usage_log is not None:
+                await run_in_threadpool(usage_log.flush)
 
         workers = [
-            asyncio.create_task(_repeat(settings.touch_flush_interval, flush, "touch flush")),
+            asyncio.create_task(repeat(settings.touch_flush_interval, flush, "touch flush")),
             asyncio.create_task(
-                _repeat(settings.sweep_interval, _sweeper(cache, sweeper_lock), "sweeper")
+                repeat(settings.sweep_interval, sweeper(cache, sweeper_lock), "sweeper")
             ),
         ]
+        if settings.metrics_port is not None:  # a worker that did not get the port retries
+            workers.append(
+                asyncio.create_task(
+                    repeat(METRICS_RETRY_SECONDS, metrics_port.ensure_async, "metrics port")
+                )
+            )
         try:
             yield
         finally:
@@ -174,7 +161,12 @@ def create_app(
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
             cache.flush_touches()
+            if usage_log is not None:
+                usage_log.flush()
             sweeper_lock.release()
+            metrics_port.close()
+            if quotas is not None:
+                quotas.close()
             metrics.scrape_registry.unregister(collector)
             metrics.close()
             if owned:
@@ -189,6 +181,8 @@ def create_app(
     app.state.service = None
     app.include_router(router)
     install_problem_handlers(app)
-    install_openapi(app)
+    install_openapi(app, bearer_auth=keys is not None)
+    app.add_middleware(QuotaGate)  # inside: it needs the key the Authenticator found
+    app.add_middleware(Authenticator, keys=keys)
     app.add_middleware(RequestTimer, metrics=metrics)
     return app

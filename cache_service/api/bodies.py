@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -12,6 +13,7 @@ from cache_service.errors import (
     InvalidField,
     MalformedBody,
     PayloadTooLarge,
+    RequestTimeout,
     UnsupportedMediaType,
 )
 
@@ -41,22 +43,31 @@ def require_media_type(request: Request, *accepted: str) -> None:
     )
 
 
-async def read_body(request: Request, *, limit_bytes: int) -> bytes:
+async def read_body(request: Request, *, limit_bytes: int, timeout_seconds: float) -> bytes:
     """The whole body, refused with 413 as soon as it passes `limit_bytes` (with or without
-    a Content-Length)."""
+    a Content-Length), and with 408 if it has not all arrived within `timeout_seconds` (the
+    connection is then closed, so a client trickling bytes cannot hold a worker)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
         raise _too_large(limit_bytes)
     chunks: list[bytes] = []
     received = 0
     try:
-        async for chunk in request.stream():
-            received += len(chunk)
-            if received > limit_bytes:
-                raise _too_large(limit_bytes)
-            chunks.append(chunk)
+        async with asyncio.timeout(timeout_seconds):
+            async for chunk in request.stream():
+                received += len(chunk)
+                if received > limit_bytes:
+                    raise _too_large(limit_bytes)
+                chunks.append(chunk)
     except ClientDisconnect:
         raise MalformedBody("the client disconnected before sending the whole body") from None
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the body did not arrive within {timeout_seconds:g} s ({received} bytes came; "
+            "body_timeout)",
+            limit="body_timeout",
+            limit_seconds=timeout_seconds,
+        ) from None
     return b"".join(chunks)
 
 
@@ -107,10 +118,13 @@ def parse_json(model: type[Model], raw: bytes) -> Model:
         raise validation_problem(exc.errors(include_url=False)) from None
 
 
-async def read_json(request: Request, model: type[Model], *, limit_bytes: int) -> Model:
+async def read_json(
+    request: Request, model: type[Model], *, limit_bytes: int, timeout_seconds: float
+) -> Model:
     """Check the media type, read the body within its limit and validate it as `model`."""
     require_media_type(request, JSON)
-    return parse_json(model, await read_body(request, limit_bytes=limit_bytes))
+    raw = await read_body(request, limit_bytes=limit_bytes, timeout_seconds=timeout_seconds)
+    return parse_json(model, raw)
 
 
 def parse_object(model: type[Model], data: dict[str, Any]) -> Model:

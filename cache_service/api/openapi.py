@@ -26,10 +26,13 @@ FRAMES_DOC = (
 )
 _REASONS = {
     400: "Malformed body",
+    408: "The body did not arrive within body_timeout",
     409: "Parent block not stored",
     413: "Body, tokens or blocks over a limit",
     415: "Wrong Content-Type",
     422: "Invalid field (named in `errors`)",
+    429: "A key's rate quota is spent (Retry-After)",
+    503: "Writes backed up (Retry-After); reads are still served",
     507: "Full, and nothing can be evicted",
 }
 
@@ -90,8 +93,9 @@ def responses(success: dict[str, Any], *errors: int) -> dict[int | str, dict[str
     return out
 
 
-def install_openapi(app: FastAPI) -> None:
-    """Add the request and response models to the schema's components."""
+def install_openapi(app: FastAPI, *, bearer_auth: bool = False) -> None:
+    """Add the request and response models to the schema's components (and, with keys, the
+    bearer scheme every route but the health checks needs)."""
 
     def build() -> dict[str, Any]:
         if app.openapi_schema:
@@ -102,7 +106,16 @@ def install_openapi(app: FastAPI) -> None:
         pairs = [(m, "validation") for m in REQUEST_MODELS]
         pairs += [(m, "serialization") for m in RESPONSE_MODELS]
         _, defs = models_json_schema(pairs, ref_template=REF)  # type: ignore[arg-type]
-        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        components = schema.setdefault("components", {})
+        components.setdefault("schemas", {}).update(defs.get("$defs", {}))
+        if bearer_auth:
+            components["securitySchemes"] = {
+                "apiKey": {"type": "http", "scheme": "bearer", "description": "An API key."}
+            }
+            schema["security"] = [{"apiKey": []}]
+            for path in ("/healthz", "/readyz"):
+                for operation in schema["paths"].get(path, {}).values():
+                    operation["security"] = []
         app.openapi_schema = schema
         return schema
 

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cache_service import __version__
+from cache_service.api.auth import principal
 from cache_service.api.bodies import (
     INLINE_BODY_BYTES,
     JSON,
@@ -39,13 +40,14 @@ from cache_service.blocks import KEY_BYTES, Namespace, PrefixMatch, key_from_hex
 from cache_service.errors import InvalidField
 from cache_service.framing import MEDIA_TYPE, FrameWriter, decode_frames, frame_header_length
 from cache_service.hashing import HASH_SCHEME, HASH_VERSION
+from cache_service.keys import ApiKey
 
 router = APIRouter()
 
 
-def _namespace(body: FetchRequest | LookupHeader | StoreHeader) -> Namespace:
-    # The tenant is empty until authentication exists; it will come from the API key.
-    return Namespace(model=body.model, kv_layout=body.kv_layout, tenant="", salt=body.salt)
+def _namespace(body: FetchRequest | LookupHeader | StoreHeader, tenant: str) -> Namespace:
+    # The tenant comes from the API key, never from the body.
+    return Namespace(model=body.model, kv_layout=body.kv_layout, tenant=tenant, salt=body.salt)
 
 
 def lookup_answer(model: str, found: PrefixMatch) -> dict[str, Any]:
@@ -72,6 +74,7 @@ def lookup_answer(model: str, found: PrefixMatch) -> dict[str, Any]:
     responses=responses(
         {JSON: LookupResponse, MEDIA_TYPE: LookupResponse},
         400,
+        408,
         413,
         415,
         422,
@@ -80,18 +83,23 @@ def lookup_answer(model: str, found: PrefixMatch) -> dict[str, Any]:
 async def lookup(request: Request) -> Response:
     """Find the longest stored, verified prefix; optionally return its payloads too."""
     state = service_state(request)
+    caller = principal(request)
     require_media_type(request, JSON, MEDIA_TYPE)
     binary = media_type(request) == MEDIA_TYPE
-    raw = await read_body(request, limit_bytes=state.settings.max_body_size)
+    raw = await read_body(
+        request,
+        limit_bytes=state.settings.max_body_size,
+        timeout_seconds=state.settings.body_timeout,
+    )
     check_token_room(
         frame_header_length(raw) if binary else len(raw), state.settings.max_tokens_per_request
     )
     if not binary and len(raw) >= INLINE_BODY_BYTES:  # parsing a long JSON array takes a while
-        return await run_in_threadpool(lambda: _lookup(state, *_parse_lookup(raw, binary)))
+        return await run_in_threadpool(lambda: _lookup(state, caller, *_parse_lookup(raw, binary)))
     options, tokens = _parse_lookup(raw, binary)
     if options.fetch:  # copies payloads: never on the event loop
-        return await run_in_threadpool(_lookup, state, options, tokens)
-    return _lookup(state, options, tokens)
+        return await run_in_threadpool(_lookup, state, caller, options, tokens)
+    return _lookup(state, caller, options, tokens)
 
 
 def _parse_lookup(raw: bytes, binary: bool) -> tuple[LookupHeader, list[int] | bytes]:
@@ -104,19 +112,29 @@ def _parse_lookup(raw: bytes, binary: bool) -> tuple[LookupHeader, list[int] | b
     return parse_object(LookupHeader, header), tokens_frame(frames[0], "frames[0]")
 
 
-def _lookup(state: ServiceState, options: LookupHeader, tokens: list[int] | bytes) -> Response:
+def _lookup(
+    state: ServiceState, caller: ApiKey, options: LookupHeader, tokens: list[int] | bytes
+) -> Response:
     limit = state.settings.max_tokens_per_request
     count = len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)
     check_count("tokens", count, limit, "max_tokens_per_request")
     frames = FrameWriter()
     found = state.cache.match_prefix(
-        _namespace(options),
+        _namespace(options, caller.tenant),
         tokens,
         retention=options.retention,
         block_size=options.block_size,
         with_payloads=options.fetch,
         sink=lambda _index, payload: frames.add(payload),
     )
+    if state.usage_log is not None:
+        state.usage_log.record(
+            tenant=caller.tenant,
+            key_id=caller.id,
+            model=options.model,
+            hit_tokens=found.cached_tokens,
+            miss_tokens=found.miss_tokens,
+        )
     answer = lookup_answer(options.model, found)
     if not options.fetch:
         return Response(orjson.dumps(answer), media_type=JSON)
@@ -127,18 +145,23 @@ def _lookup(state: ServiceState, options: LookupHeader, tokens: list[int] | byte
     "/v1/blocks",
     summary="Store a prefix's blocks",
     openapi_extra=binary_body("StoreHeader"),
-    responses=responses({JSON: "StoreResponse"}, 400, 409, 413, 415, 422, 507),
+    responses=responses({JSON: "StoreResponse"}, 400, 408, 409, 413, 415, 422, 503, 507),
 )
 async def store_blocks(request: Request) -> Response:
     """Store payloads for blocks start_block.. of a prompt; the parent must be stored."""
     state = service_state(request)
     require_media_type(request, MEDIA_TYPE)
-    raw = await read_body(request, limit_bytes=state.settings.max_body_size)
-    check_token_room(frame_header_length(raw), state.settings.max_tokens_per_request)
-    return await run_in_threadpool(_store, state, raw)
+    with state.writes.admit():  # refused before the body is read when writes are backed up
+        raw = await read_body(
+            request,
+            limit_bytes=state.settings.max_body_size,
+            timeout_seconds=state.settings.body_timeout,
+        )
+        check_token_room(frame_header_length(raw), state.settings.max_tokens_per_request)
+        return await run_in_threadpool(_store, state, principal(request).tenant, raw)
 
 
-def _store(state: ServiceState, raw: bytes) -> Response:
+def _store(state: ServiceState, tenant: str, raw: bytes) -> Response:
     header, frames = decode_frames(raw)
     body = parse_object(StoreHeader, header)
     settings = state.settings
@@ -160,7 +183,7 @@ def _store(state: ServiceState, raw: bytes) -> Response:
             raise InvalidField(f"frames[{index}]", "an absent frame cannot be stored")
         present.append(payload)
     outcome = state.cache.insert(
-        _namespace(body),
+        _namespace(body, tenant),
         tokens,
         present,
         start_block=body.start_block,
@@ -188,12 +211,17 @@ def _store(state: ServiceState, raw: bytes) -> Response:
     summary="Fetch payloads by key",
     openapi_extra=json_body("FetchRequest"),
     response_class=Response,
-    responses=responses({MEDIA_TYPE: "FetchHeader"}, 400, 413, 415, 422),
+    responses=responses({MEDIA_TYPE: "FetchHeader"}, 400, 408, 413, 415, 422),
 )
 async def fetch_blocks(request: Request) -> Response:
     """Payloads of blocks of the caller's namespace, checked against their checksums."""
     state = service_state(request)
-    body = await read_json(request, FetchRequest, limit_bytes=state.settings.max_body_size)
+    body = await read_json(
+        request,
+        FetchRequest,
+        limit_bytes=state.settings.max_body_size,
+        timeout_seconds=state.settings.body_timeout,
+    )
     limit = state.settings.max_blocks_per_request
     check_count("keys", len(body.keys), limit, "max_blocks_per_request")
     keys = [key_from_hex(text) for text in body.keys]
@@ -205,7 +233,8 @@ async def fetch_blocks(request: Request) -> Response:
         frames.add(payload)
         found += payload is not None
 
-    await run_in_threadpool(state.cache.read_payloads, _namespace(body), keys, add)
+    namespace = _namespace(body, principal(request).tenant)
+    await run_in_threadpool(state.cache.read_payloads, namespace, keys, add)
     return FramesResponse({"model": body.model, "requested": len(keys), "found": found}, frames)
 
 

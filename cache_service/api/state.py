@@ -2,14 +2,44 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from starlette.requests import Request
 
 from cache_service.cache import PrefixCache
-from cache_service.errors import StorageError
+from cache_service.errors import Overloaded, StorageError
 from cache_service.metrics import CacheMetrics
+from cache_service.quotas import QuotaBook
 from cache_service.settings import Settings
+from cache_service.usage import UsageLog
+
+
+class WriteGate:
+    """Bounds the store requests one worker process takes at once: past the bound a store is
+    refused at once (503, Retry-After) instead of queueing for LMDB's single writer, and the
+    threads it would have held stay free for reads."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.pending = 0
+
+    @contextmanager
+    def admit(self) -> Iterator[None]:
+        """Hold a place for one store request; Overloaded if none is free."""
+        if self.pending >= self.limit:
+            raise Overloaded(
+                f"{self.pending} store requests are already waiting for the store "
+                f"(max_pending_writes); retry shortly. Lookups and fetches are still served.",
+                retry_after_seconds=1.0,
+                limit="max_pending_writes",
+            )
+        self.pending += 1
+        try:
+            yield
+        finally:
+            self.pending -= 1
 
 
 @dataclass
@@ -20,6 +50,9 @@ class ServiceState:
     metrics: CacheMetrics
     settings: Settings
     store_kind: str
+    writes: WriteGate
+    usage_log: UsageLog | None = None
+    quotas: QuotaBook | None = None
 
 
 class NotReady(StorageError):
