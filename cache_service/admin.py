@@ -1,4 +1,5 @@
-"""`cache-service admin ...`: operator commands that run beside (not through) the service."""
+"""`cache-service admin ...`: operator commands. `new-key` works on a key file; the others
+(see admin_http) ask a running service."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from cache_service.admin_http import HTTP_ACTIONS, add_http_actions, run_http_action
 from cache_service.keys import (
     NAME_PATTERN,
     KeyFileError,
@@ -20,7 +22,9 @@ from cache_service.keys import (
 
 def add_admin_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The `admin` subcommand and its own subcommands."""
-    admin = commands.add_parser("admin", help="operator commands: API keys")
+    admin = commands.add_parser(
+        "admin", help="operator commands: API keys, explain, pin, unpin, pins, purge"
+    )
     actions = admin.add_subparsers(dest="admin_command", required=True, metavar="ACTION")
     key = actions.add_parser(
         "new-key",
@@ -36,12 +40,15 @@ def add_admin_parser(commands: argparse._SubParsersAction[argparse.ArgumentParse
     key.add_argument(
         "--append", type=Path, metavar="FILE", help="append the entry to this key file (0600)"
     )
+    add_http_actions(actions)
 
 
 def run_admin_command(args: argparse.Namespace) -> int:
     """Run one admin action; the exit status."""
     if args.admin_command == "new-key":
         return _new_key(args)
+    if args.admin_command in HTTP_ACTIONS:
+        return run_http_action(args)
     raise AssertionError(args.admin_command)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NewType, overload
@@ -178,6 +179,11 @@ class BlockMeta:
     stored_seq: int = 0
 
     @property
+    def pinned(self) -> bool:
+        """Pinned blocks never expire (their expiry is infinite) and are never evicted."""
+        return self.expires_at == math.inf
+
+    @property
     def parent_key(self) -> BlockKey:
         """The parent's key in the store (this block's partition + its parent's hash)."""
         return BlockKey(self.key[:-KEY_BYTES] + self.parent)
@@ -274,6 +280,46 @@ class PrefixMatch:
     def miss_tokens(self) -> int:
         """Prompt tokens not covered by the match."""
         return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Removal:
+    """Why and when a block left the store, as the bounded removal log remembers it."""
+
+    reason: str  # "expired", "capacity" or "purged"
+    at: float
+    retention: str
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class BlockState:
+    """What the store can tell about one block of a chain that did not match."""
+
+    status: str  # "absent", "expired", "collision", or "stored" (since the lookup)
+    expires_at: float | None = None  # of an expired block still stored
+    retention: str | None = None
+    removal: Removal | None = None  # of an absent block, if the log still has it
+
+
+@dataclass(frozen=True, slots=True)
+class PinRecord:
+    """A pinned prefix: its namespace scope, deepest key, length, and who pinned it when."""
+
+    scope: BlockKey
+    key: BlockKey
+    blocks: int
+    pinned_at: float
+    by: str
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeResult:
+    """What a purge removed."""
+
+    blocks: int = 0
+    payload_bytes: int = 0
+    pins: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,13 +10,15 @@ The hierarchy::
     │   │   └── UnknownRetention     422  a retention class that is not configured
     │   ├── Unauthorized             401  no API key, or an unknown one
     │   ├── Forbidden                403  the key's role does not allow the route
+    │   ├── QuotaExceeded            403  past the tenant's pin quota
     │   ├── RequestTimeout           408  the body did not arrive in time (slow client)
     │   ├── HeadersTooLarge          431  request line and headers over the limit
     │   ├── Throttled                429  a key's request or byte rate quota (Retry-After)
     │   │   └── Overloaded           503  writes backed up; reads still served (Retry-After)
     │   ├── PayloadTooLarge          413  body or block count over a configured limit
     │   ├── UnsupportedMediaType     415  wrong Content-Type
-    │   └── MissingParent            409  a stored block's parent is neither stored nor sent
+    │   ├── MissingParent            409  a stored block's parent is neither stored nor sent
+    │   └── NotStored                409  a prefix to pin is not (all) stored
     ├── StorageError                 5xx: the store could not do what was asked
     │   ├── InsufficientStorage      507  full, and nothing can be evicted
     │   └── StoreFull                (internal) the backend ran out of room mid-write; retried
@@ -151,6 +153,14 @@ class Overloaded(Throttled):
     title = "Writes backed up"
 
 
+class QuotaExceeded(RequestError):
+    """The request would take the tenant past a configured quota (pins, capacity)."""
+
+    status = 403
+    problem = "quota-exceeded"
+    title = "Quota exceeded"
+
+
 class Unauthorized(RequestError):
     """No API key, or one that is not configured."""
 
@@ -181,6 +191,14 @@ class MissingParent(RequestError):
     status = 409
     problem = "missing-parent"
     title = "Parent block not stored"
+
+
+class NotStored(RequestError):
+    """An operation on a prefix (a pin) names blocks that are not stored."""
+
+    status = 409
+    problem = "not-stored"
+    title = "Prefix not stored"
 
 
 class StorageError(PromptCacheError):

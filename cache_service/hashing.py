@@ -88,6 +88,20 @@ def tenant_partition(tenant: str) -> bytes:
     return bytes(xxhash.xxh3_64_digest(PARTITION_TAG + tenant.encode("utf-8")))
 
 
+def decode_namespace(encoded: bytes) -> tuple[str, Namespace]:
+    """(seed, namespace) from the bytes `encode_namespace` made; ValueError otherwise."""
+    if not encoded.startswith(NAMESPACE_TAG) or len(encoded) < len(NAMESPACE_TAG) + 1:
+        raise ValueError("not an encoded namespace")
+    at = len(NAMESPACE_TAG) + 1
+    fields = []
+    for _ in range(5):
+        (length,) = struct.unpack_from("<I", encoded, at)
+        fields.append(encoded[at + 4 : at + 4 + length].decode("utf-8"))
+        at += 4 + length
+    seed, model, kv_layout, tenant, salt = fields
+    return seed, Namespace(model=model, kv_layout=kv_layout, tenant=tenant, salt=salt)
+
+
 xxh3_128: HashFn = xxhash.xxh3_128_digest  # seed 0, 16 canonical (big-endian) bytes
 
 

@@ -84,6 +84,14 @@ class Settings(BaseSettings):
         le=32,
         description="Store requests one worker takes at once; more get 503 with Retry-After.",
     )
+    pin_quota_blocks: int = Field(
+        65536, ge=0, description="Blocks a tenant's writer keys may hold pinned (admins: any)."
+    )
+    removal_log_entries: int = Field(
+        1 << 18,
+        ge=0,
+        description="Recent removals remembered for /v1/explain (shared by all workers).",
+    )
     sweep_interval: float = Field(30.0, gt=0, description="Seconds between expiry sweeps.")
     touch_flush_interval: float = Field(
         0.2, gt=0, description="Seconds between batched TTL/LRU refreshes of lookups."

@@ -1,4 +1,5 @@
-"""Tenants never meet: keys, lookups, fetches and first-writer-wins stay within a tenant."""
+"""Tenants never meet: keys, lookups, fetches, explanations and first-writer-wins stay
+within a tenant."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from cache_service.blocks import Namespace
 from cache_service.cache import PrefixCache
 from cache_service.hashing import BlockHasher
+from cache_service.operators import Operators
 from cache_service.store.base import BlockStore
 from cache_service.store.lmdb import LmdbStore
 from cache_service.store.memory import MemoryStore
@@ -95,6 +97,14 @@ def test_no_tenant_hits_fetches_or_learns_of_anothers_blocks(
                     for depth in range(1, kept + 1):
                         stored[which].add(tuple(tokens[: depth * BLOCK]))
                     continue
+                # An explanation names only this tenant's own namespaces.
+                why = Operators(cache).explain(namespace, tokens)
+                if why.reason == "other_namespace":
+                    assert any(
+                        (n.tenant, n.model, n.salt)
+                        == (namespace.tenant, why.facts["model"], why.facts["salt"])
+                        for n in NAMESPACES
+                    )
                 found = cache.match_prefix(namespace, tokens, with_payloads=True)
                 # Every matched prefix was stored by this very namespace...
                 for depth in range(1, found.matched_blocks + 1):

@@ -24,6 +24,7 @@ from cache_service.api.background import (
 )
 from cache_service.api.limits import QuotaGate
 from cache_service.api.openapi import install_openapi
+from cache_service.api.operator_routes import router as operator_router
 from cache_service.api.problems import install_problem_handlers
 from cache_service.api.routes import router
 from cache_service.api.state import ServiceState, WriteGate
@@ -94,6 +95,7 @@ def create_app(
             map_size_bytes=settings.map_size_bytes(),
             sync_mode=settings.lmdb_sync,
         )
+        the_store.removal_log_entries = settings.removal_log_entries
         cache = PrefixCache(
             the_store,
             hasher=BlockHasher(seed=settings.seed),
@@ -180,6 +182,7 @@ def create_app(
     )
     app.state.service = None
     app.include_router(router)
+    app.include_router(operator_router)
     install_problem_handlers(app)
     install_openapi(app, bearer_auth=keys is not None)
     app.add_middleware(QuotaGate)  # inside: it needs the key the Authenticator found

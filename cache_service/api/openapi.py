@@ -11,15 +11,28 @@ from pydantic.json_schema import models_json_schema
 
 from cache_service.api.schemas import (
     REQUEST_MODELS,
+    ExplainResponse,
     FetchHeader,
     LookupResponse,
+    PinResponse,
     Problem,
+    PurgeResponse,
     StoreResponse,
+    UnpinResponse,
 )
 from cache_service.framing import MEDIA_TYPE
 
 REF = "#/components/schemas/{model}"
-RESPONSE_MODELS: tuple[type[BaseModel], ...] = (LookupResponse, StoreResponse, FetchHeader, Problem)
+RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
+    LookupResponse,
+    StoreResponse,
+    FetchHeader,
+    ExplainResponse,
+    PinResponse,
+    PurgeResponse,
+    UnpinResponse,
+    Problem,
+)
 FRAMES_DOC = (
     "Frame body: magic 'PCF1' | u32_le header length | JSON header | u32_le frame count | "
     "frames (u64_le length | bytes; length 2^64-1 = absent). See README.md."
@@ -27,7 +40,8 @@ FRAMES_DOC = (
 _REASONS = {
     400: "Malformed body",
     408: "The body did not arrive within body_timeout",
-    409: "Parent block not stored",
+    403: "The key may not act for that tenant, or a quota would be passed",
+    409: "Parent block (or prefix to pin) not stored",
     413: "Body, tokens or blocks over a limit",
     415: "Wrong Content-Type",
     422: "Invalid field (named in `errors`)",
@@ -48,15 +62,15 @@ def json_body(model: str) -> dict[str, Any]:
     }
 
 
-def lookup_body() -> dict[str, Any]:
-    """openapi_extra for the lookup: JSON, or a frame body with the tokens in one frame."""
-    frames = binary_body("LookupHeader")["requestBody"]["content"]
+def lookup_body(request: str = "LookupRequest", header: str = "LookupHeader") -> dict[str, Any]:
+    """openapi_extra for a lookup-shaped body: JSON, or frames with the tokens in one frame."""
+    frames = binary_body(header)["requestBody"]["content"]
     return {
         "requestBody": {
             "required": True,
-            "description": f"JSON, or frames: {FRAMES_DOC} The header is a LookupHeader and "
+            "description": f"JSON, or frames: {FRAMES_DOC} The header is a {header} and "
             "the one frame holds the tokens as uint32 little-endian.",
-            "content": {"application/json": {"schema": _ref("LookupRequest")}, **frames},
+            "content": {"application/json": {"schema": _ref(request)}, **frames},
         }
     }
 

@@ -16,6 +16,7 @@ from cache_service.api.auth import principal
 from cache_service.api.bodies import (
     INLINE_BODY_BYTES,
     JSON,
+    Model,
     check_count,
     check_token_room,
     media_type,
@@ -33,6 +34,7 @@ from cache_service.api.schemas import (
     LookupHeader,
     LookupRequest,
     LookupResponse,
+    NamespaceFields,
     StoreHeader,
 )
 from cache_service.api.state import ServiceState, service_state
@@ -45,7 +47,8 @@ from cache_service.keys import ApiKey
 router = APIRouter()
 
 
-def _namespace(body: FetchRequest | LookupHeader | StoreHeader, tenant: str) -> Namespace:
+def namespace_of(body: NamespaceFields, tenant: str) -> Namespace:
+    """The namespace a request names, in the tenant its key acts for."""
     # The tenant comes from the API key, never from the body.
     return Namespace(model=body.model, kv_layout=body.kv_layout, tenant=tenant, salt=body.salt)
 
@@ -84,6 +87,17 @@ async def lookup(request: Request) -> Response:
     """Find the longest stored, verified prefix; optionally return its payloads too."""
     state = service_state(request)
     caller = principal(request)
+    raw, binary = await read_prompt_body(request, state)
+    if not binary and len(raw) >= INLINE_BODY_BYTES:  # parsing a long JSON array takes a while
+        return await run_in_threadpool(lambda: _lookup(state, caller, *parse_lookup(raw, binary)))
+    options, tokens = parse_lookup(raw, binary)
+    if options.fetch:  # copies payloads: never on the event loop
+        return await run_in_threadpool(_lookup, state, caller, options, tokens)
+    return _lookup(state, caller, options, tokens)
+
+
+async def read_prompt_body(request: Request, state: ServiceState) -> tuple[bytes, bool]:
+    """A lookup-shaped body (JSON, or frames) within the limits, and whether it is frames."""
     require_media_type(request, JSON, MEDIA_TYPE)
     binary = media_type(request) == MEDIA_TYPE
     raw = await read_body(
@@ -94,22 +108,33 @@ async def lookup(request: Request) -> Response:
     check_token_room(
         frame_header_length(raw) if binary else len(raw), state.settings.max_tokens_per_request
     )
-    if not binary and len(raw) >= INLINE_BODY_BYTES:  # parsing a long JSON array takes a while
-        return await run_in_threadpool(lambda: _lookup(state, caller, *_parse_lookup(raw, binary)))
-    options, tokens = _parse_lookup(raw, binary)
-    if options.fetch:  # copies payloads: never on the event loop
-        return await run_in_threadpool(_lookup, state, caller, options, tokens)
-    return _lookup(state, caller, options, tokens)
+    return raw, binary
 
 
-def _parse_lookup(raw: bytes, binary: bool) -> tuple[LookupHeader, list[int] | bytes]:
+async def read_request_json(request: Request, state: ServiceState, model: type[Model]) -> Model:
+    """A JSON body of `model` within the service's body limits."""
+    return await read_json(
+        request,
+        model,
+        limit_bytes=state.settings.max_body_size,
+        timeout_seconds=state.settings.body_timeout,
+    )
+
+
+def parse_lookup(
+    raw: bytes,
+    binary: bool,
+    json_model: type[LookupRequest] = LookupRequest,
+    header_model: type[LookupHeader] = LookupHeader,
+) -> tuple[LookupHeader, list[int] | bytes]:
+    """The options and tokens of a lookup-shaped body (JSON, or a frame body)."""
     if not binary:
-        body = parse_json(LookupRequest, raw)
+        body = parse_json(json_model, raw)
         return body, body.tokens
     header, frames = decode_frames(raw)
     if len(frames) != 1:
         raise InvalidField("frames", f"a lookup carries one frame (its tokens), not {len(frames)}")
-    return parse_object(LookupHeader, header), tokens_frame(frames[0], "frames[0]")
+    return parse_object(header_model, header), tokens_frame(frames[0], "frames[0]")
 
 
 def _lookup(
@@ -120,7 +145,7 @@ def _lookup(
     check_count("tokens", count, limit, "max_tokens_per_request")
     frames = FrameWriter()
     found = state.cache.match_prefix(
-        _namespace(options, caller.tenant),
+        namespace_of(options, caller.tenant),
         tokens,
         retention=options.retention,
         block_size=options.block_size,
@@ -183,7 +208,7 @@ def _store(state: ServiceState, tenant: str, raw: bytes) -> Response:
             raise InvalidField(f"frames[{index}]", "an absent frame cannot be stored")
         present.append(payload)
     outcome = state.cache.insert(
-        _namespace(body, tenant),
+        namespace_of(body, tenant),
         tokens,
         present,
         start_block=body.start_block,
@@ -216,12 +241,7 @@ def _store(state: ServiceState, tenant: str, raw: bytes) -> Response:
 async def fetch_blocks(request: Request) -> Response:
     """Payloads of blocks of the caller's namespace, checked against their checksums."""
     state = service_state(request)
-    body = await read_json(
-        request,
-        FetchRequest,
-        limit_bytes=state.settings.max_body_size,
-        timeout_seconds=state.settings.body_timeout,
-    )
+    body = await read_request_json(request, state, FetchRequest)
     limit = state.settings.max_blocks_per_request
     check_count("keys", len(body.keys), limit, "max_blocks_per_request")
     keys = [key_from_hex(text) for text in body.keys]
@@ -233,7 +253,7 @@ async def fetch_blocks(request: Request) -> Response:
         frames.add(payload)
         found += payload is not None
 
-    namespace = _namespace(body, principal(request).tenant)
+    namespace = namespace_of(body, principal(request).tenant)
     await run_in_threadpool(state.cache.read_payloads, namespace, keys, add)
     return FramesResponse({"model": body.model, "requested": len(keys), "found": found}, frames)
 

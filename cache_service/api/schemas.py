@@ -51,6 +51,18 @@ class LookupRequest(LookupHeader):
     tokens: list[Token] = Field(description=TOKENS_DOC)
 
 
+class ExplainHeader(LookupHeader):
+    """The JSON header of a POST /v1/explain frame body."""
+
+    tenant: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")] | None = Field(
+        None, description="Whose blocks: an admin key may name any tenant; others only theirs."
+    )
+
+
+class ExplainRequest(LookupRequest, ExplainHeader):
+    """POST /v1/explain as JSON: a lookup's body (an admin may name a tenant)."""
+
+
 class StoreHeader(PromptOptions):
     """The JSON header of a POST /v1/blocks frame body: frames are the tokens (if not given
     here), then one payload per block stored."""
@@ -65,6 +77,80 @@ class FetchRequest(NamespaceFields):
     """POST /v1/blocks/fetch."""
 
     keys: list[HexKey] = Field(description="Block keys, as lookup returned them.")
+
+
+TenantName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+TENANT_DOC = "Whose blocks: an admin key may name any tenant; other keys only their own."
+
+
+class PinRequest(NamespaceFields):
+    """POST /v1/pin and /v1/unpin: a prefix by its tokens (every full block) or its keys."""
+
+    tokens: list[Token] | None = Field(None, description=TOKENS_DOC)
+    keys: list[HexKey] | None = Field(None, description="The prefix's keys, from block 0.")
+    block_size: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="The block size the caller expects; 422 if the service's differs."
+    )
+    tenant: TenantName | None = Field(None, description=TENANT_DOC)
+
+
+class PinResponse(BaseModel):
+    """What a pin did."""
+
+    model: str
+    key: str = Field(description="The pinned prefix's deepest key.")
+    pinned_blocks: int
+    new: bool = Field(description="False when this prefix was already pinned.")
+
+
+class UnpinResponse(BaseModel):
+    """What an unpin did."""
+
+    model: str
+    released_blocks: int = Field(description="Blocks the pin held; 0 if there was no such pin.")
+
+
+class PurgeRequest(BaseModel):
+    """POST /v1/purge: a tenant; one of its namespaces (model, kv_layout, salt); or, with
+    tokens, that prompt's last full block and every block stored under it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    tenant: TenantName | None = Field(None, description=TENANT_DOC)
+    model: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    kv_layout: Name | None = None
+    salt: Name | None = None
+    tokens: list[Token] | None = Field(None, description=TOKENS_DOC)
+    block_size: Annotated[int, Field(ge=1)] | None = None
+
+
+class PurgeResponse(BaseModel):
+    """What a purge removed."""
+
+    tenant: str
+    blocks: int
+    bytes: int = Field(description="Payload bytes removed.")
+    pins: int = Field(description="Pins removed with their blocks.")
+
+
+class ExplainResponse(BaseModel):
+    """Why a lookup stops where it does."""
+
+    model: str
+    block_size: int
+    prompt_tokens: int
+    matched_blocks: int
+    cached_tokens: int
+    first_unmatched_block: int | None
+    reason: str = Field(
+        description="complete, partial_block, never_stored, evicted, expired, purged, "
+        "other_namespace, block_size_differs, collision_rejected or stored_since."
+    )
+    detail: str
+    facts: dict[str, str | int | float | None] = Field(
+        description="When and under which class (removed_at, expired_at, retention), or "
+        "where the block is stored instead (model, kv_layout, salt, block_size)."
+    )
 
 
 class Usage(BaseModel):
@@ -137,4 +223,8 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     LookupHeader,
     StoreHeader,
     FetchRequest,
+    PinRequest,
+    PurgeRequest,
+    ExplainRequest,
+    ExplainHeader,
 )

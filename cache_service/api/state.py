@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
 from cache_service.cache import PrefixCache
 from cache_service.errors import Overloaded, StorageError
 from cache_service.metrics import CacheMetrics
+from cache_service.operators import Operators
 from cache_service.quotas import QuotaBook
 from cache_service.settings import Settings
 from cache_service.usage import UsageLog
@@ -53,6 +54,10 @@ class ServiceState:
     writes: WriteGate
     usage_log: UsageLog | None = None
     quotas: QuotaBook | None = None
+    operators: Operators = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.operators = Operators(self.cache)
 
 
 class NotReady(StorageError):

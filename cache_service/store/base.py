@@ -9,12 +9,15 @@ from typing import Protocol
 from cache_service.blocks import (
     BlockKey,
     BlockMeta,
+    BlockState,
     ChainLink,
     Evicted,
     InsertResult,
     MatchResult,
     NamespaceId,
     NewBlock,
+    PinRecord,
+    PurgeResult,
     StoreUsage,
     Touch,
 )
@@ -22,6 +25,13 @@ from cache_service.blocks import (
 VICTIMS = "victims"  # leaf blocks, by eviction priority
 EXPIRY = "expiry"  # every block, by expires_at
 SORT_KEY_BYTES = 8  # an index entry is its 8-byte sort key then the block's stored key
+# Small tables beside the blocks, for the operator controls (see store.controls):
+PINS = "pins"  # a pin: namespace scope + its deepest block's hash -> what it pins
+PIN_COUNTS = "pin_counts"  # stored key -> how many pins hold the block (u32)
+REMOVALS = "removals"  # stored key -> why and when the block was removed (bounded)
+REMOVAL_ORDER = "removal_order"  # removal sequence -> stored key (to drop the oldest)
+FIRSTS = "firsts"  # partition + first tokens' fingerprint + scope + block size -> b""
+AUX_TABLES = (PINS, PIN_COUNTS, REMOVALS, REMOVAL_ORDER, FIRSTS)
 
 
 class BlockStore(Protocol):
@@ -29,6 +39,8 @@ class BlockStore(Protocol):
 
     The store never hashes: callers hand it chain links whose keys are already computed.
     """
+
+    removal_log_entries: int  # recent removals remembered for explanations (0: none)
 
     def match(
         self,
@@ -103,6 +115,59 @@ class BlockStore(Protocol):
 
     def usage(self) -> StoreUsage:
         """Blocks, payload bytes and the space the backend really uses."""
+        ...
+
+    def pin(
+        self,
+        namespace: NamespaceId,
+        links: Sequence[ChainLink],
+        *,
+        now: float,
+        by: str,
+        quota_blocks: int | None = None,
+    ) -> tuple[PinRecord, bool]:
+        """Pin a prefix from block 0: never evicted nor expired until unpinned."""
+        ...
+
+    def unpin(
+        self, namespace: NamespaceId, deepest: BlockKey, *, now: float, ttl_seconds: float
+    ) -> int:
+        """Release a pin (by its deepest block); how many blocks it held, 0 if none."""
+        ...
+
+    def pins(self, partition: bytes) -> list[PinRecord]:
+        """A tenant's pins."""
+        ...
+
+    def links_of(
+        self, namespace: NamespaceId, keys: Sequence[BlockKey], *, now: float
+    ) -> list[ChainLink]:
+        """The links of a stored prefix given by its keys; NotStored if it is not one."""
+        ...
+
+    def encoded_namespace(self, scope: BlockKey) -> bytes | None:
+        """The encoded namespace stored for a scope (partition + root), if any."""
+        ...
+
+    def purge(
+        self,
+        partition: bytes,
+        *,
+        root: BlockKey | None = None,
+        under: BlockKey | None = None,
+        now: float,
+    ) -> PurgeResult:
+        """Delete a tenant's blocks, a namespace's, or those under one block."""
+        ...
+
+    def inspect(self, namespace: NamespaceId, link: ChainLink, *, now: float) -> BlockState:
+        """Why one block of a chain, whose parent matched, does not match."""
+        ...
+
+    def first_block_homes(
+        self, partition: bytes, token_bytes: bytes
+    ) -> list[tuple[BlockKey, int, bytes | None]]:
+        """(root, block size, encoded namespace) of first blocks that start like these."""
         ...
 
     def batch(self) -> AbstractContextManager[None]:
@@ -194,6 +259,31 @@ class BlockTxn(Protocol):
 
     def next_seq(self, count: int) -> int:
         """Reserve `count` use-sequence numbers and return the first."""
+        ...
+
+    def aux_get(self, table: str, key: bytes) -> bytes | None:
+        """A value of one of the AUX_TABLES, or None."""
+        ...
+
+    def aux_put(self, table: str, key: bytes, value: bytes) -> None:
+        """Write a value of one of the AUX_TABLES."""
+        ...
+
+    def aux_delete(self, table: str, key: bytes) -> None:
+        """Remove a key of one of the AUX_TABLES (absent is fine)."""
+        ...
+
+    def aux_scan(self, table: str, prefix: bytes, limit: int) -> list[tuple[bytes, bytes]]:
+        """Up to `limit` (key, value) pairs whose key starts with `prefix`, in key order."""
+        ...
+
+    def aux_count(self, table: str) -> int:
+        """How many keys one of the AUX_TABLES holds."""
+        ...
+
+    def scan_blocks(self, prefix: bytes, after: bytes | None, limit: int) -> list[BlockMeta]:
+        """Up to `limit` blocks whose stored key starts with `prefix` (a tenant's partition;
+        b"" for the default tenant, whose keys have none), in key order after `after`."""
         ...
 
     def add_payload_bytes(self, delta: int) -> None:

@@ -20,7 +20,12 @@ import xxhash
 
 from cache_service.blocks import BlockKey, BlockMeta, Evicted, StoreUsage
 from cache_service.eviction import EvictionPolicy, LruPolicy
-from cache_service.store.base import EXPIRY, VICTIMS, BlockTxn
+from cache_service.store.base import EXPIRY, FIRSTS, PIN_COUNTS, VICTIMS, BlockTxn
+from cache_service.store.removals import (
+    DEFAULT_REMOVAL_LOG_ENTRIES,
+    first_hint_key,
+    remember_removal,
+)
 
 PayloadSink = Callable[[int, "bytes | memoryview | None"], None]
 SCAN_FIRST = 4  # most scans need one entry: start small, widen when entries are skipped
@@ -43,6 +48,7 @@ class IndexedStore:
 
     def __init__(self, *, policy: EvictionPolicy | None = None) -> None:
         self.policy: EvictionPolicy = policy or LruPolicy()
+        self.removal_log_entries = DEFAULT_REMOVAL_LOG_ENTRIES
         self._batch = threading.local()
 
     def _begin_read(self, *, views: bool = False) -> AbstractContextManager[BlockTxn]:
@@ -94,14 +100,15 @@ class IndexedStore:
         return struct.pack(">Q", self.policy.priority(meta))
 
     def _indexed(self, meta: BlockMeta) -> _Indexed:
-        """Where a block stands in the victims index now; taken before changing it."""
-        return self._victim_key(meta) if meta.children == 0 else None
+        """Where a block stands in the victims index now (only unpinned leaves are there);
+        taken before changing it."""
+        return self._victim_key(meta) if meta.children == 0 and not meta.pinned else None
 
     def _save(self, txn: BlockTxn, meta: BlockMeta, before: _Indexed, *, new: bool = False) -> None:
         """Write `meta`, moving its victims entry from `before`; a new block joins the expiry
         index. Later expiry changes leave that entry early on purpose: sliding a block's TTL
         on every hit then costs no index write, and the sweeper re-files early entries."""
-        victim = self._victim_key(meta) if meta.children == 0 else None
+        victim = self._indexed(meta)
         if before != victim:
             if before is not None:
                 txn.index_remove(VICTIMS, before, meta.key)
@@ -119,13 +126,18 @@ class IndexedStore:
         txn.index_add(EXPIRY, expiry_sort_key(meta.expires_at), meta.key)
         txn.put(meta)
 
-    def _drop(self, txn: BlockTxn, meta: BlockMeta) -> bool:
-        """Delete a leaf block; True when that made its parent a leaf."""
-        txn.index_remove(VICTIMS, self._victim_key(meta), meta.key)
+    def _drop(self, txn: BlockTxn, meta: BlockMeta, *, reason: str, at: float) -> bool:
+        """Delete a leaf block, remembering why; True when that made its parent a leaf."""
+        victim = self._indexed(meta)
+        if victim is not None:
+            txn.index_remove(VICTIMS, victim, meta.key)
         txn.index_remove(EXPIRY, expiry_sort_key(meta.indexed_expiry), meta.key)
         txn.delete(meta.key)
         txn.add_payload_bytes(-meta.payload_size)
+        txn.aux_delete(PIN_COUNTS, meta.key)
+        remember_removal(txn, meta, reason=reason, at=at, limit=self.removal_log_entries)
         if meta.depth == 0:
+            txn.aux_delete(FIRSTS, first_hint_key(meta))
             return False
         parent = txn.get(meta.parent_key)
         if parent is None:
@@ -178,6 +190,7 @@ class IndexedStore:
                 satisfied=satisfied,
                 protected=protected,
                 now=now,
+                at=now,
             )
             if not expired_only:
                 self._evict_from(
@@ -188,6 +201,7 @@ class IndexedStore:
                     evicted=evicted,
                     satisfied=satisfied,
                     protected=protected,
+                    at=now,
                 )
         return evicted
 
@@ -201,6 +215,7 @@ class IndexedStore:
         evicted: list[Evicted],
         satisfied: Callable[[], bool],
         protected: frozenset[BlockKey],
+        at: float,
         now: float | None = None,
     ) -> None:
         """Drop leaves from the front of `index`; with `now`, expired ancestors follow at once."""
@@ -209,7 +224,7 @@ class IndexedStore:
             for meta in self._candidates(txn, index, upto, protected, now):
                 victim: BlockMeta | None = meta
                 while victim is not None:
-                    new_leaf = self._drop(txn, victim)
+                    new_leaf = self._drop(txn, victim, reason=reason, at=at)
                     evicted.append(
                         Evicted(
                             victim.key, reason, victim.retention, victim.expires_at,

@@ -30,7 +30,7 @@ from cache_service.blocks import (
 )
 from cache_service.errors import StorageError, StoreFull
 from cache_service.eviction import EvictionPolicy
-from cache_service.store.base import EXPIRY, SORT_KEY_BYTES, VICTIMS
+from cache_service.store.base import AUX_TABLES, EXPIRY, SORT_KEY_BYTES, VICTIMS
 from cache_service.store.codec import (
     DEPTH,
     DEPTH_AT,
@@ -183,6 +183,46 @@ class _LmdbTxn:
                 positioned = cursor.next()
         return out
 
+    def aux_get(self, table: str, key: bytes) -> bytes | None:
+        found = self._txn.get(key, db=self._dbs[table])
+        return bytes(found) if found is not None else None
+
+    def aux_put(self, table: str, key: bytes, value: bytes) -> None:
+        self._txn.put(key, value, db=self._dbs[table])
+
+    def aux_delete(self, table: str, key: bytes) -> None:
+        self._txn.delete(key, db=self._dbs[table])
+
+    def aux_scan(self, table: str, prefix: bytes, limit: int) -> list[tuple[bytes, bytes]]:
+        out: list[tuple[bytes, bytes]] = []
+        with self._txn.cursor(db=self._dbs[table]) as cursor:
+            positioned = cursor.set_range(prefix)
+            while positioned and len(out) < limit:
+                key = bytes(cursor.key())
+                if not key.startswith(prefix):
+                    break
+                out.append((key, bytes(cursor.value())))
+                positioned = cursor.next()
+        return out
+
+    def aux_count(self, table: str) -> int:
+        return int(self._txn.stat(self._dbs[table])["entries"])
+
+    def scan_blocks(self, prefix: bytes, after: bytes | None, limit: int) -> list[BlockMeta]:
+        out: list[BlockMeta] = []
+        with self._txn.cursor(db=self._blocks) as cursor:
+            positioned = cursor.set_range(after if after is not None else prefix)
+            if positioned and after is not None and bytes(cursor.key()) == after:
+                positioned = cursor.next()
+            while positioned and len(out) < limit:
+                key = bytes(cursor.key())
+                if not key.startswith(prefix):
+                    break
+                if prefix or len(key) == KEY_BYTES:  # the default tenant's keys have no prefix
+                    out.append(decode_meta(BlockKey(key), cursor.value()))
+                positioned = cursor.next()
+        return out
+
     def _counter(self, name: bytes, codec: struct.Struct) -> int:
         raw = self._txn.get(name, db=self._dbs["meta"])
         return int(codec.unpack(raw)[0]) if raw is not None else 0
@@ -240,7 +280,7 @@ class LmdbStore(TxnStore):
         self.env = lmdb.open(
             str(self.path),
             map_size=map_size_bytes,
-            max_dbs=8,
+            max_dbs=16,
             max_readers=max_readers,
             writemap=False,  # with writemap a full disk kills the process with SIGBUS
             readahead=False,  # random block reads; readahead only pollutes the page cache
@@ -251,7 +291,7 @@ class LmdbStore(TxnStore):
         self.main_db = self.env.open_db(None)
         self.dbs = {
             name: self.env.open_db(name.encode())
-            for name in ("blocks", "payloads", "namespaces", VICTIMS, EXPIRY, "meta")
+            for name in ("blocks", "payloads", "namespaces", VICTIMS, EXPIRY, "meta", *AUX_TABLES)
         }
         with self.env.begin(write=True) as txn:
             found = txn.get(_FORMAT, db=self.dbs["meta"])

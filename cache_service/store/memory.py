@@ -9,9 +9,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
-from cache_service.blocks import BlockKey, BlockMeta, ChainLink, NamespaceId, StoreUsage
+from cache_service.blocks import KEY_BYTES, BlockKey, BlockMeta, ChainLink, NamespaceId, StoreUsage
 from cache_service.eviction import EvictionPolicy
-from cache_service.store.base import EXPIRY, SORT_KEY_BYTES, VICTIMS
+from cache_service.store.base import AUX_TABLES, EXPIRY, SORT_KEY_BYTES, VICTIMS
 from cache_service.store.codec import COLLISION, HIT, MISSING, record_size
 from cache_service.store.ops import TxnStore, count_hits_by_check
 
@@ -117,6 +117,33 @@ class _MemoryTxn:
     def add_payload_bytes(self, delta: int) -> None:
         self._s.payload_bytes += delta
 
+    def aux_get(self, table: str, key: bytes) -> bytes | None:
+        return self._s.aux[table].get(key)
+
+    def aux_put(self, table: str, key: bytes, value: bytes) -> None:
+        self._s.aux[table][key] = bytes(value)
+
+    def aux_delete(self, table: str, key: bytes) -> None:
+        self._s.aux[table].pop(key, None)
+
+    def aux_scan(self, table: str, prefix: bytes, limit: int) -> list[tuple[bytes, bytes]]:
+        entries = self._s.aux[table]
+        keys = sorted(k for k in entries if k.startswith(prefix))[:limit]
+        return [(k, entries[k]) for k in keys]
+
+    def aux_count(self, table: str) -> int:
+        return len(self._s.aux[table])
+
+    def scan_blocks(self, prefix: bytes, after: bytes | None, limit: int) -> list[BlockMeta]:
+        wanted = sorted(
+            key
+            for key in self._s.metas
+            if key.startswith(prefix)
+            and (prefix or len(key) == KEY_BYTES)
+            and (after is None or key > after)
+        )
+        return [replace(self._s.metas[key]) for key in wanted[:limit]]
+
     def usage(self) -> StoreUsage:
         blocks = len(self._s.metas)
         used = self._s.payload_bytes + self._s.record_bytes + BLOCK_OVERHEAD_BYTES * blocks
@@ -132,6 +159,7 @@ class MemoryStore(TxnStore):
         self.payloads: dict[BlockKey, bytes] = {}
         self.namespaces: dict[BlockKey, bytes] = {}
         self.indexes: dict[str, list[bytes]] = {VICTIMS: [], EXPIRY: []}
+        self.aux: dict[str, dict[bytes, bytes]] = {table: {} for table in AUX_TABLES}
         self.seq = 1
         self.payload_bytes = 0
         self.record_bytes = 0

@@ -25,16 +25,14 @@ from cache_service.blocks import (
 from cache_service.errors import MissingParent
 from cache_service.store.base import BlockTxn
 from cache_service.store.codec import COLLISION, HIT
-from cache_service.store.indexed import (
-    IndexedStore,
-    PayloadSink,
-    checksum,
-)
+from cache_service.store.controls import OperatorControls
+from cache_service.store.indexed import PayloadSink, checksum
+from cache_service.store.removals import record_first_block
 
 __all__ = ["PayloadSink", "TxnStore", "checksum", "count_hits_by_check"]
 
 
-class TxnStore(IndexedStore):
+class TxnStore(OperatorControls):
     """BlockStore operations over a backend that supplies read and write transactions."""
 
     def match(
@@ -213,6 +211,8 @@ class TxnStore(IndexedStore):
                         self._save(txn, new, self._indexed(old))
                     if old is None and link.depth > 0:
                         self._add_child(txn, new.parent_key)
+                    if link.depth == 0:
+                        record_first_block(txn, new)
                     stored.append(key)
                 if index == 0:
                     first_expiry, first_class = new.expires_at, new.retention

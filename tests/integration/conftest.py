@@ -108,3 +108,26 @@ def make_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
 def server(make_server: Callable[..., ServerProcess]) -> ServerProcess:
     """One service on default settings (touch flushes every 50 ms to keep tests quick)."""
     return make_server(touch_flush_interval="0.05")
+
+
+# Keys of two tenants and an operator, for the servers that run with --auth keys.
+KEY_ROLES = {
+    "a-writer": ("team-a", "writer"),
+    "a-reader": ("team-a", "reader"),
+    "b-writer": ("team-b", "writer"),
+    "ops": ("operators", "admin"),
+}
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> dict[str, str]:
+    """Fresh secrets by key id; `tmp_path/keys.toml` holds only their digests."""
+    from cache_service.keys import Role, key_file_entry, new_key  # noqa: PLC0415
+
+    secrets = {key_id: new_key() for key_id in KEY_ROLES}
+    entries = [
+        key_file_entry(key_id, tenant, Role.parse(role), secrets[key_id])
+        for key_id, (tenant, role) in KEY_ROLES.items()
+    ]
+    (tmp_path / "keys.toml").write_text("\n".join(entries))
+    return secrets

@@ -15,7 +15,7 @@ from cache_service.api import create_app
 from cache_service.api.auth import PUBLIC_PATHS, ROUTE_ROLES
 from cache_service.client import CacheClient
 from cache_service.errors import ServiceError
-from cache_service.keys import Role, key_file_entry, new_key
+from cache_service.keys import new_key
 from cache_service.settings import Settings
 from tests.integration.conftest import ServerProcess, free_port
 
@@ -23,12 +23,6 @@ pytestmark = pytest.mark.integration
 
 MakeServer = Callable[..., ServerProcess]
 MODEL = "llama-3-8b"
-ROLES = {
-    "a-writer": ("team-a", Role.WRITER),
-    "a-reader": ("team-a", Role.READER),
-    "b-writer": ("team-b", Role.WRITER),
-    "ops": ("operators", Role.ADMIN),
-}
 
 
 def application_routes(routes: Iterable[Any]) -> Iterator[tuple[str, str]]:
@@ -40,15 +34,6 @@ def application_routes(routes: Iterable[Any]) -> Iterator[tuple[str, str]]:
             yield from application_routes(route.original_router.routes)
         elif hasattr(route, "routes"):
             yield from application_routes(route.routes)
-
-
-@pytest.fixture
-def keys(tmp_path: Path) -> dict[str, str]:
-    """Fresh secrets by key id; the key file beside them holds only their digests."""
-    secrets = {key_id: new_key() for key_id in ROLES}
-    entries = [key_file_entry(k, *ROLES[k], secrets[k]) for k in ROLES]
-    (tmp_path / "keys.toml").write_text("\n".join(entries))
-    return secrets
 
 
 @pytest.fixture

@@ -1,0 +1,173 @@
+"""Operator routes: explain a miss, pin and unpin prefixes, list pins, purge."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from cache_service.api.auth import principal
+from cache_service.api.bodies import (
+    JSON,
+)
+from cache_service.api.openapi import json_body, lookup_body, responses
+from cache_service.api.routes import (
+    namespace_of,
+    parse_lookup,
+    read_prompt_body,
+    read_request_json,
+)
+from cache_service.api.schemas import (
+    ExplainHeader,
+    ExplainRequest,
+    ExplainResponse,
+    PinRequest,
+    PinResponse,
+    PurgeRequest,
+    PurgeResponse,
+    UnpinResponse,
+)
+from cache_service.api.state import ServiceState, service_state
+from cache_service.blocks import Namespace, key_from_hex
+from cache_service.errors import Forbidden, InvalidField
+from cache_service.keys import ApiKey, Role
+
+router = APIRouter()
+
+
+def tenant_for(caller: ApiKey, requested: str | None) -> str:
+    """The tenant a request acts for: the key's own, or any one for an admin key."""
+    if requested is None or requested == caller.tenant:
+        return caller.tenant
+    if caller.role < Role.ADMIN:
+        raise Forbidden(
+            f"key {caller.id!r} acts for tenant {caller.tenant!r} only; naming another "
+            "tenant needs an admin key"
+        )
+    return requested
+
+
+@router.post(
+    "/v1/explain",
+    summary="Why a lookup stops where it does",
+    openapi_extra=lookup_body("ExplainRequest", "ExplainHeader"),
+    responses=responses({JSON: ExplainResponse}, 400, 408, 413, 415, 422),
+)
+async def explain(request: Request) -> Response:
+    """The same body as a lookup; answers the first unmatched block and the reason."""
+    state = service_state(request)
+    raw, binary = await read_prompt_body(request, state)
+    options, tokens = await run_in_threadpool(
+        parse_lookup, raw, binary, ExplainRequest, ExplainHeader
+    )
+    assert isinstance(options, ExplainHeader)
+    namespace = namespace_of(options, tenant_for(principal(request), options.tenant))
+    found = await run_in_threadpool(
+        state.operators.explain, namespace, tokens, block_size=options.block_size
+    )
+    return JSONResponse(
+        {
+            "model": options.model,
+            "block_size": found.block_size,
+            "prompt_tokens": found.prompt_tokens,
+            "matched_blocks": found.matched_blocks,
+            "cached_tokens": found.matched_blocks * found.block_size,
+            "first_unmatched_block": found.first_unmatched_block,
+            "reason": found.reason,
+            "detail": found.detail,
+            "facts": found.facts,
+        }
+    )
+
+
+async def _pin_request(request: Request) -> tuple[ServiceState, ApiKey, PinRequest, Namespace]:
+    state = service_state(request)
+    body = await read_request_json(request, state, PinRequest)
+    if (body.tokens is None) == (body.keys is None):
+        raise InvalidField("tokens", "give the prefix's `tokens` or its `keys`, not both")
+    caller = principal(request)
+    return state, caller, body, namespace_of(body, tenant_for(caller, body.tenant))
+
+
+@router.post(
+    "/v1/pin",
+    summary="Pin a prefix: never evicted nor expired until unpinned",
+    openapi_extra=json_body("PinRequest"),
+    responses=responses({JSON: PinResponse}, 400, 403, 408, 409, 413, 415, 422),
+)
+async def pin(request: Request) -> Response:
+    """Pin every full block of `tokens` (or the blocks of `keys`); a writer's pins count
+    against its tenant's pin quota."""
+    state, caller, body, namespace = await _pin_request(request)
+    quota = None if caller.role >= Role.ADMIN else state.settings.pin_quota_blocks
+    keys = [key_from_hex(k) for k in body.keys] if body.keys is not None else None
+    record, new = await run_in_threadpool(
+        lambda: state.operators.pin(
+            namespace, body.tokens, keys=keys, block_size=body.block_size, by=caller.id,
+            quota_blocks=quota,
+        )
+    )  # fmt: skip
+    return JSONResponse(
+        {"model": body.model, "key": record.key.hex(), "pinned_blocks": record.blocks, "new": new}
+    )
+
+
+@router.post(
+    "/v1/unpin",
+    summary="Release a pin",
+    openapi_extra=json_body("PinRequest"),
+    responses=responses({JSON: UnpinResponse}, 400, 403, 408, 413, 415, 422),
+)
+async def unpin(request: Request) -> Response:
+    """Release the pin of exactly this prefix; its blocks then expire as if just used under
+    the longest retention class, unless another pin holds them."""
+    state, _caller, body, namespace = await _pin_request(request)
+    keys = [key_from_hex(k) for k in body.keys] if body.keys is not None else None
+    released = await run_in_threadpool(
+        lambda: state.operators.unpin(namespace, body.tokens, keys=keys, block_size=body.block_size)
+    )
+    return JSONResponse({"model": body.model, "released_blocks": released})
+
+
+@router.get("/v1/pins", summary="A tenant's pins")
+async def pins(request: Request, tenant: str | None = None) -> dict[str, Any]:
+    """The caller's tenant's pins (an admin key may ask for any tenant's)."""
+    state = service_state(request)
+    chosen = tenant_for(principal(request), tenant)
+    return {"tenant": chosen, "pins": await run_in_threadpool(state.operators.pins, chosen)}
+
+
+@router.post(
+    "/v1/purge",
+    summary="Delete a tenant's blocks, a namespace's, or those under a prefix",
+    openapi_extra=json_body("PurgeRequest"),
+    responses=responses({JSON: PurgeResponse}, 400, 403, 408, 413, 415, 422),
+)
+async def purge(request: Request) -> Response:
+    """Remove blocks for good (durable once answered) and say how many and how many bytes."""
+    state = service_state(request)
+    body = await read_request_json(request, state, PurgeRequest)
+    tenant = tenant_for(principal(request), body.tenant)
+    namespace = None
+    if body.model is not None:
+        namespace = Namespace(
+            model=body.model, kv_layout=body.kv_layout or "", tenant=tenant, salt=body.salt or ""
+        )
+    elif body.kv_layout is not None or body.salt is not None or body.tokens is not None:
+        raise InvalidField("model", "a namespace or prefix purge names its model")
+    result = await run_in_threadpool(
+        lambda: state.operators.purge(
+            tenant, namespace=namespace, tokens=body.tokens, block_size=body.block_size
+        )
+    )
+    return JSONResponse(
+        {
+            "tenant": tenant,
+            "blocks": result.blocks,
+            "bytes": result.payload_bytes,
+            "pins": result.pins,
+        }
+    )

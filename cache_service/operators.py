@@ -1,0 +1,248 @@
+"""Operator controls over a PrefixCache: pin and unpin prefixes, purge, explain a miss."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cache_service.blocks import (
+    BlockKey,
+    Chain,
+    ChainLink,
+    Namespace,
+    PinRecord,
+    PurgeResult,
+)
+from cache_service.cache import PrefixCache, TokenInput
+from cache_service.errors import InvalidField
+from cache_service.hashing import decode_namespace, tenant_partition
+from cache_service.store.removals import HINT_TOKENS
+
+REASONS = {
+    "complete": "every full block of the prompt is cached",
+    "partial_block": "every full block is cached; the rest is shorter than a block",
+    "never_stored": "the block is not stored, and the store has no record of removing it "
+    "(never stored, or removed too long ago to be remembered)",
+    "evicted": "the block was evicted to make room",
+    "expired": "the block's retention ran out",
+    "purged": "an operator purged the block",
+    "other_namespace": "the prompt's first block is stored under another model, KV layout "
+    "or salt of this tenant",
+    "block_size_differs": "the prompt's first block is stored with another block size",
+    "collision_rejected": "another block holds this block's key (a hash collision); it was "
+    "not served",
+    "stored_since": "the block was stored while this explanation was being made: look again",
+}
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why a lookup of a prompt stops where it does."""
+
+    block_size: int
+    prompt_tokens: int
+    matched_blocks: int
+    reason: str
+    first_unmatched_block: int | None
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def detail(self) -> str:
+        """The reason in words."""
+        return REASONS[self.reason]
+
+
+class Operators:
+    """Pins, purges and explanations for one PrefixCache."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+
+    def pin(
+        self,
+        namespace: Namespace,
+        tokens: TokenInput | None = None,
+        *,
+        keys: Sequence[BlockKey] | None = None,
+        block_size: int | None = None,
+        by: str,
+        quota_blocks: int | None = None,
+    ) -> tuple[PinRecord, bool]:
+        """Pin every full block of `tokens` (or the chain of `keys`, from block 0)."""
+        chain = self._prefix(namespace, tokens, keys, block_size)
+        return self.cache.store.pin(
+            self.cache.hasher.namespace_id(namespace),
+            chain,
+            now=self.cache.clock(),
+            by=by,
+            quota_blocks=quota_blocks,
+        )
+
+    def unpin(
+        self,
+        namespace: Namespace,
+        tokens: TokenInput | None = None,
+        *,
+        keys: Sequence[BlockKey] | None = None,
+        block_size: int | None = None,
+    ) -> int:
+        """Release the pin of exactly this prefix; its blocks then expire as if just used
+        under the longest retention class. How many blocks the pin held (0: no such pin)."""
+        chain = self._prefix(namespace, tokens, keys, block_size)
+        longest_ttl = max(self.cache.retention.ttl_seconds.values())
+        return self.cache.store.unpin(
+            self.cache.hasher.namespace_id(namespace),
+            chain[-1].key,
+            now=self.cache.clock(),
+            ttl_seconds=longest_ttl,
+        )
+
+    def pins(self, tenant: str) -> list[dict[str, Any]]:
+        """A tenant's pins, with the namespace each belongs to."""
+        partition = tenant_partition(tenant)
+        out = []
+        for record in self.cache.store.pins(partition):
+            namespace = self._namespace_of(record.scope)
+            out.append(
+                {
+                    "model": namespace.model if namespace else None,
+                    "kv_layout": namespace.kv_layout if namespace else None,
+                    "salt": namespace.salt if namespace else None,
+                    "key": record.key.hex(),
+                    "blocks": record.blocks,
+                    "pinned_at": record.pinned_at,
+                    "by": record.by,
+                }
+            )
+        return out
+
+    def purge(
+        self,
+        tenant: str,
+        *,
+        namespace: Namespace | None = None,
+        tokens: TokenInput | None = None,
+        block_size: int | None = None,
+    ) -> PurgeResult:
+        """Delete every block of a tenant; of one namespace; or, with tokens, the prompt's
+        last full block and everything stored under it."""
+        partition = tenant_partition(tenant)
+        now = self.cache.clock()
+        if namespace is None:
+            return self.cache.store.purge(partition, now=now)
+        root = self.cache.hasher.namespace_id(namespace).root
+        if tokens is None:
+            return self.cache.store.purge(partition, root=root, now=now)
+        chain = self.cache.chain(namespace, tokens, block_size=block_size)
+        if not len(chain):
+            raise InvalidField("tokens", "a prefix purge needs at least one full block")
+        return self.cache.store.purge(
+            partition, root=root, under=BlockKey(partition + chain[-1].key), now=now
+        )
+
+    def explain(
+        self, namespace: Namespace, tokens: TokenInput, *, block_size: int | None = None
+    ) -> Explanation:
+        """Why a lookup of `tokens` stops where it does (the lookup itself is not counted
+        and marks nothing used)."""
+        cache = self.cache
+        size = cache.model_block_sizes.get(namespace.model, cache.default_block_size)
+        links = cache.chain(namespace, tokens)
+        prompt_tokens = len(links.token_bytes) // 4
+        if block_size is not None and block_size != size:
+            return Explanation(block_size, prompt_tokens, 0, "block_size_differs", 0,
+                               {"service_block_size": size})  # fmt: skip
+        namespace_id = cache.hasher.namespace_id(namespace)
+        now = cache.clock()
+        matched = cache.store.match(namespace_id, links, now=now).matched
+        if matched == len(links):
+            reason = "complete" if prompt_tokens % size == 0 else "partial_block"
+            return Explanation(size, prompt_tokens, matched, reason, None)
+        state = cache.store.inspect(namespace_id, links[matched], now=now)
+        facts: dict[str, Any] = {}
+        if state.status == "collision":
+            reason = "collision_rejected"
+        elif state.status == "expired":
+            reason = "expired"
+            facts = {"expired_at": state.expires_at, "retention": state.retention}
+        elif state.removal is not None:
+            removal = state.removal
+            reason = "evicted" if removal.reason == "capacity" else removal.reason
+            facts = {"removed_at": removal.at, "retention": removal.retention}
+            if removal.reason == "expired":
+                facts["expired_at"] = removal.expires_at
+        elif state.status == "stored":  # stored between the match and the inspection
+            reason = "stored_since"
+        else:
+            reason, facts = "never_stored", {}
+            if matched == 0:
+                reason, facts = self._first_block_elsewhere(namespace, links, size)
+        return Explanation(size, prompt_tokens, matched, reason, matched, facts)
+
+    def _first_block_elsewhere(
+        self, namespace: Namespace, links: Chain, size: int
+    ) -> tuple[str, dict[str, Any]]:
+        """Whether the prompt's first block is stored (alive, verified) under another
+        namespace or block size of the same tenant."""
+        cache = self.cache
+        own_root = cache.hasher.namespace_id(namespace).root
+        partition = tenant_partition(namespace.tenant)
+        now = cache.clock()
+        # A first block's hint fingerprints its first 16 tokens, or all of a shorter block:
+        # look under each length a configured block size gives.
+        sizes = {size, cache.default_block_size, *cache.model_block_sizes.values()}
+        lengths = sorted({HINT_TOKENS, *(min(HINT_TOKENS, s) for s in sizes)})
+        homes = [
+            home
+            for length in lengths
+            if len(links.token_bytes) >= 4 * length
+            for home in cache.store.first_block_homes(partition, links.token_bytes[: 4 * length])
+        ]
+        homes.sort(key=lambda home: home[0] != own_root)  # its own namespace first
+        for root, block_size, encoded in homes:
+            if (root, block_size) == (own_root, size) or encoded is None:
+                continue
+            seed, other = decode_namespace(encoded)
+            if seed != cache.hasher.seed or other.tenant != namespace.tenant:
+                continue
+            other_links = cache.hasher.chain(other, links.token_bytes, block_size=block_size)
+            other_id = cache.hasher.namespace_id(other)
+            first = other_links[:1]
+            if not first or not cache.store.match(other_id, first, now=now).matched:
+                continue  # the hint outlived the block's life (expired, not yet swept)
+            if root == own_root:
+                return "block_size_differs", {"stored_block_size": block_size}
+            return "other_namespace", {
+                "model": other.model,
+                "kv_layout": other.kv_layout,
+                "salt": other.salt,
+                "block_size": block_size,
+            }
+        return "never_stored", {}
+
+    def _namespace_of(self, scope: BlockKey) -> Namespace | None:
+        encoded = self.cache.store.encoded_namespace(scope)
+        return decode_namespace(encoded)[1] if encoded is not None else None
+
+    def _prefix(
+        self,
+        namespace: Namespace,
+        tokens: TokenInput | None,
+        keys: Sequence[BlockKey] | None,
+        block_size: int | None,
+    ) -> Sequence[ChainLink]:
+        """The prefix's links, from its tokens, or from its keys as the store holds them."""
+        if keys is not None:
+            if not keys:
+                raise InvalidField("keys", "a pin needs at least one block")
+            cache = self.cache
+            return cache.store.links_of(
+                cache.hasher.namespace_id(namespace), keys, now=cache.clock()
+            )
+        if tokens is None:
+            raise InvalidField("tokens", "give the prefix's tokens or its keys")
+        chain = self.cache.chain(namespace, tokens, block_size=block_size)
+        if not len(chain):
+            raise InvalidField("tokens", "a pin needs at least one full block of tokens")
+        return chain

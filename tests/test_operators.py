@@ -1,0 +1,233 @@
+"""Operator controls on every backend: pins, purges and explanations of misses."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+from cache_service.blocks import Namespace
+from cache_service.cache import PrefixCache
+from cache_service.errors import InvalidField, NotStored, QuotaExceeded
+from cache_service.hashing import BlockHasher
+from cache_service.operators import Operators
+from cache_service.store.base import BlockStore
+
+if TYPE_CHECKING:
+    from conftest import VirtualClock
+
+DAY = 86400.0
+NS = Namespace(model="m", tenant="team-a")
+BLOCK = 4
+
+
+def blocks_of(*labels: int) -> list[int]:
+    """One block per label, each block BLOCK copies of it."""
+    return [label for label in labels for _ in range(BLOCK)]
+
+
+def make(store: BlockStore, clock: VirtualClock, **kwargs: object) -> tuple[PrefixCache, Operators]:
+    store.removal_log_entries = 1000  # type: ignore[attr-defined]
+    kwargs.setdefault("default_block_size", BLOCK)
+    cache = PrefixCache(store, clock=clock, **kwargs)  # type: ignore[arg-type]
+    return cache, Operators(cache)
+
+
+def put(cache: PrefixCache, tokens: list[int], namespace: Namespace = NS, **kw: object) -> None:
+    count = len(tokens) // cache.block_size_for(namespace.model)
+    cache.insert(namespace, tokens, [b"kv%d" % i for i in range(count)], **kw)  # type: ignore[arg-type]
+
+
+def matched(cache: PrefixCache, tokens: list[int], namespace: Namespace = NS) -> int:
+    return cache.match_prefix(namespace, tokens, touch=False).matched_blocks
+
+
+# -- pins --------------------------------------------------------------------------------------
+
+
+def test_a_pinned_prefix_survives_an_eviction_storm_and_eight_days(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    cache, ops = make(store, clock, capacity_blocks=6)
+    system = blocks_of(1, 2, 3)
+    put(cache, system, retention="agent")
+    record, new = ops.pin(NS, system, by="ops")
+    assert (record.blocks, new) == (3, True)
+    for label in range(100, 160):  # sixty other prompts through a six-block cache
+        clock.advance(60)
+        put(cache, blocks_of(label, label + 1))
+    assert matched(cache, system) == 3
+    clock.advance(8 * DAY)  # past every retention class
+    while cache.sweep_expired():
+        pass
+    assert matched(cache, system) == 3
+    assert cache.usage().blocks == 3  # everything else expired and was swept
+    again, new = ops.pin(NS, system, by="ops")
+    assert (again, new) == (record, False)  # pinning again changes nothing
+
+
+def test_unpinning_lets_a_prefix_expire_and_be_evicted_again(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    cache, ops = make(store, clock, capacity_blocks=3)
+    system = blocks_of(1, 2)
+    put(cache, system)
+    ops.pin(NS, system, by="ops")
+    assert ops.unpin(NS, system) == 2
+    assert ops.unpin(NS, system) == 0  # no such pin any more
+    longest = max(cache.retention.ttl_seconds.values())
+    clock.advance(longest - 1)
+    assert matched(cache, system) == 2
+    clock.advance(2)
+    assert matched(cache, system) == 0
+
+
+def test_overlapping_pins_are_released_independently(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    cache, ops = make(store, clock, capacity_blocks=4)
+    short, long = blocks_of(1, 2), blocks_of(1, 2, 3)
+    put(cache, long)
+    ops.pin(NS, short, by="a")
+    ops.pin(NS, long, by="b")
+    assert ops.unpin(NS, long) == 3
+    for label in range(100, 120):
+        put(cache, blocks_of(label))
+    assert matched(cache, long) == 2  # the short pin still holds its two blocks
+
+
+def test_pins_name_the_block_that_is_not_stored_and_keep_to_the_quota(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    cache, ops = make(store, clock)
+    put(cache, blocks_of(1, 2))
+    with pytest.raises(NotStored, match="block 2 of the prefix is not stored"):
+        ops.pin(NS, blocks_of(1, 2, 3), by="a")
+    with pytest.raises(InvalidField):
+        ops.pin(NS, [1, 2], by="a")  # no full block
+    ops.pin(NS, blocks_of(1), by="a", quota_blocks=2)
+    with pytest.raises(QuotaExceeded, match="pin quota of 2 blocks"):
+        ops.pin(NS, blocks_of(1, 2), by="a", quota_blocks=2)
+    assert [p["blocks"] for p in ops.pins("team-a")] == [1]
+    assert ops.pins("team-b") == []
+
+
+def test_a_prefix_can_be_pinned_by_its_keys(store: BlockStore, clock: VirtualClock) -> None:
+    cache, ops = make(store, clock, capacity_blocks=2)
+    prompt = blocks_of(1, 2)
+    put(cache, prompt)
+    keys = list(cache.match_prefix(NS, prompt).keys)
+    record, _ = ops.pin(NS, keys=keys, by="ops")
+    assert record.blocks == 2
+    assert ops.pins("team-a")[0]["key"] == keys[-1].hex()
+    assert ops.pins("team-a")[0]["model"] == "m"
+    with pytest.raises(NotStored, match=r"keys\[0\] is not block 0"):
+        ops.pin(NS, keys=keys[1:], by="ops")
+    with pytest.raises(NotStored):  # another tenant's view of the same keys: nothing stored
+        ops.pin(Namespace(model="m", tenant="team-b"), keys=keys, by="ops")
+    put(cache, blocks_of(7, 8))  # the cache is full of pins: nothing of this can stay
+    assert matched(cache, prompt) == 2
+
+
+# -- purge -------------------------------------------------------------------------------------
+
+
+def test_purge_a_tenant_a_namespace_or_what_is_under_a_prefix(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    cache, ops = make(store, clock)
+    salted = Namespace(model="m", tenant="team-a", salt="s")
+    other_tenant = Namespace(model="m", tenant="team-b")
+    put(cache, blocks_of(1, 2, 3))
+    put(cache, blocks_of(1, 2, 4))
+    put(cache, blocks_of(1, 5))
+    put(cache, blocks_of(1, 2), namespace=salted)
+    put(cache, blocks_of(1, 2), namespace=other_tenant)
+    ops.pin(NS, blocks_of(1, 2, 3), by="ops")
+
+    under = ops.purge("team-a", namespace=NS, tokens=blocks_of(1, 2))  # [1,2] and below
+    assert (under.blocks, under.pins) == (3, 1)
+    assert under.payload_bytes == len(b"kv1") + 2 * len(b"kv2")
+    assert matched(cache, blocks_of(1, 2, 3)) == 1
+    assert matched(cache, blocks_of(1, 5)) == 2
+
+    namespace = ops.purge("team-a", namespace=NS)
+    assert namespace.blocks == 2
+    assert matched(cache, blocks_of(1, 5)) == 0
+    assert matched(cache, blocks_of(1, 2), salted) == 2
+
+    tenant = ops.purge("team-a")
+    assert tenant.blocks == 2
+    assert matched(cache, blocks_of(1, 2), salted) == 0
+    assert matched(cache, blocks_of(1, 2), other_tenant) == 2  # another tenant is untouched
+    assert cache.usage().blocks == 2
+
+
+# -- explanations ------------------------------------------------------------------------------
+
+
+def test_explain_names_why_a_lookup_stops(store: BlockStore, clock: VirtualClock) -> None:
+    cache, ops = make(store, clock, capacity_blocks=3)
+    put(cache, blocks_of(1, 2))
+    assert ops.explain(NS, blocks_of(1, 2)).reason == "complete"
+    assert ops.explain(NS, [*blocks_of(1, 2), 9]).reason == "partial_block"
+    never = ops.explain(NS, blocks_of(1, 2, 3))
+    assert (never.matched_blocks, never.first_unmatched_block, never.reason) == (
+        2,
+        2,
+        "never_stored",
+    )
+
+    clock.advance(10)
+    put(cache, blocks_of(7, 8))  # capacity 3: evicts the oldest leaf, block 1 of [1, 2]
+    evicted = ops.explain(NS, blocks_of(1, 2))
+    assert (evicted.reason, evicted.matched_blocks) == ("evicted", 1)
+    assert evicted.facts["removed_at"] == clock()
+    assert ops.explain(NS, blocks_of(1, 2), block_size=8).reason == "block_size_differs"
+
+
+def test_explain_tells_expired_blocks_before_and_after_the_sweep(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    cache, ops = make(store, clock)
+    put(cache, blocks_of(1), retention="agent")
+    clock.advance(3 * DAY + 1)
+    before = ops.explain(NS, blocks_of(1))
+    assert (before.reason, before.facts["retention"]) == ("expired", "agent")
+    cache.sweep_expired()
+    after = ops.explain(NS, blocks_of(1))
+    assert after.reason == "expired"
+    assert after.facts["expired_at"] == before.facts["expired_at"]
+    assert after.facts["removed_at"] == clock()
+    ops.purge("team-a")  # nothing left to purge; a purge of stored blocks is "purged":
+    put(cache, blocks_of(2))
+    ops.purge("team-a")
+    assert ops.explain(NS, blocks_of(2)).reason == "purged"
+
+
+def test_explain_finds_the_first_block_under_another_salt_or_block_size(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    cache, ops = make(store, clock)
+    prompt = list(range(100, 132))  # 32 tokens
+    put(cache, prompt, namespace=Namespace(model="m", tenant="team-a", salt="lora-7"))
+    other = ops.explain(NS, prompt)
+    assert other.reason == "other_namespace"
+    assert (other.facts["salt"], other.facts["model"]) == ("lora-7", "m")
+    # Another tenant's identical prompt is not revealed.
+    assert ops.explain(Namespace(model="m", tenant="team-b", salt="lora-7"), prompt).reason == (
+        "never_stored"
+    )
+    # The same namespace under a block size the service used before.
+    resized, resized_ops = make(store, clock, model_block_sizes={"m": 16})
+    put(resized, prompt)
+    assert ops.explain(NS, prompt).reason == "block_size_differs"
+    assert ops.explain(NS, prompt).facts["stored_block_size"] == 16
+    assert resized_ops.explain(NS, prompt).reason == "complete"
+
+
+def test_explain_reports_a_rejected_collision(store: BlockStore, clock: VirtualClock) -> None:
+    hasher = BlockHasher(hash_fn=lambda data: b"\1" * 16)
+    cache, ops = make(store, clock, hasher=hasher)
+    put(cache, blocks_of(1))
+    assert ops.explain(NS, blocks_of(2)).reason == "collision_rejected"
