@@ -100,6 +100,7 @@ class PrefixCache:
         defer_touches: bool = False,
         touch_resolution_seconds: float = 1.0,
         ttl_slide_fraction: float = 0.0,
+        tenant_capacity_bytes: Mapping[str, int] | None = None,
         events: CacheEvents | None = None,
     ) -> None:
         if capacity_bytes is not None and capacity_blocks is not None:
@@ -129,6 +130,8 @@ class PrefixCache:
         # share of the class TTL: a long prefix is then rewritten once per slide period,
         # not on every first hit. Its expiry may thereby fall short by up to that share.
         self.ttl_slide_fraction = ttl_slide_fraction
+        # A tenant over its quota evicts its own least recently used blocks, first.
+        self.tenant_capacity_bytes = dict(tenant_capacity_bytes or {})
         self._pending: list[Touch] = []
         self._recent = RecentMatches()
         self._pending_lock = threading.Lock()
@@ -434,6 +437,10 @@ class PrefixCache:
         if result is None:
             raise InsufficientStorage("the store is full and nothing in it can be evicted")
         evicted = {e.key for e in self.enforce_capacity(set(result.stored))}
+        quota = self.tenant_capacity_bytes.get(namespace.tenant)
+        if quota is not None:
+            evicted |= {e.key for e in self.capacity.enforce_tenant(
+                namespace_id.partition, quota, now=self.clock())}  # fmt: skip
         kept = set(result.stored) - evicted
         # The request's own blocks go only when they alone overflow the cache: truncated too.
         own_evicted = len(result.stored) - len(kept)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from cache_service.blocks import BlockKey, Evicted, NewBlock
@@ -87,20 +87,42 @@ class Capacity:
         target_blocks: int | None = None,
         protected: frozenset[BlockKey] = frozenset(),
     ) -> list[Evicted]:
-        evicted: list[Evicted] = []
-        while True:
-            batch = self.store.evict(
+        return self._in_batches(
+            lambda: self.store.evict(
                 now=now,
                 max_blocks=EVICT_BATCH_BLOCKS,
                 target_used_bytes=target_used_bytes,
                 target_blocks=target_blocks,
                 protected=protected,
-            )
+            ),
+            now=now,
+        )
+
+    def _in_batches(self, evict: Callable[[], list[Evicted]], *, now: float) -> list[Evicted]:
+        """Run `evict` (one short transaction of up to a batch) until a batch falls short."""
+        evicted: list[Evicted] = []
+        while True:
+            batch = evict()
             evicted += batch
             if batch:
                 self.events.on_evicted(batch, now=now)
             if len(batch) < EVICT_BATCH_BLOCKS:
                 return evicted
+
+    def enforce_tenant(self, partition: bytes, quota_bytes: int, *, now: float) -> list[Evicted]:
+        """Evict a tenant's own blocks down to its quota's low-water mark once it is above
+        the quota's high-water mark."""
+        if self.store.tenant_bytes(partition) <= quota_bytes * self.high_water:
+            return []
+        return self._in_batches(
+            lambda: self.store.evict_tenant(
+                partition,
+                target_bytes=int(quota_bytes * self.low_water),
+                now=now,
+                max_blocks=EVICT_BATCH_BLOCKS,
+            ),
+            now=now,
+        )
 
     def sweep_expired(self, *, now: float, max_blocks: int = EVICT_BATCH_BLOCKS) -> int:
         """Delete up to `max_blocks` expired blocks, leaf first, in one short transaction."""

@@ -10,6 +10,9 @@ A key file is TOML and holds only SHA-256 digests of the keys, never the keys th
     requests_per_second = 200 # optional quotas, enforced across all worker processes (429)
     bytes_per_second = "1GiB" # request and response bodies together
 
+    [tenants.team-a]
+    capacity = "20GiB"        # optional: past it, the tenant evicts its own blocks first
+
 The same entries can come from the environment as `id:tenant:role:sha256` separated by
 commas. Keys are random 256-bit secrets, so a plain SHA-256 is the right digest (a slow
 password hash protects guessable secrets, and costs every request).
@@ -88,7 +91,10 @@ def new_key() -> str:
 class KeyRing:
     """The configured keys, looked up by the digest of a presented key."""
 
-    def __init__(self, keys: Iterable[ApiKey]) -> None:
+    def __init__(
+        self, keys: Iterable[ApiKey], *, tenant_capacity: Mapping[str, int] | None = None
+    ) -> None:
+        self.tenant_capacity = dict(tenant_capacity or {})  # tenant -> quota in bytes
         self._by_digest: dict[str, ApiKey] = {}
         partitions: dict[bytes, str] = {}
         ids: set[str] = set()
@@ -178,6 +184,26 @@ def parse_key_file(text: str, *, source: str = "key file") -> list[ApiKey]:
     return [_entry(entry, f"{source}: keys[{i}]") for i, entry in enumerate(entries)]
 
 
+def parse_tenant_capacities(text: str, *, source: str = "key file") -> dict[str, int]:
+    """The `[tenants.NAME] capacity = "20GiB"` quotas of a key file."""
+    data = tomllib.loads(text)
+    tenants = data.get("tenants", {})
+    if not isinstance(tenants, dict):
+        raise KeyFileError(f"{source}: `tenants` must be a table of tables ([tenants.NAME])")
+    quotas = {}
+    for name, fields in tenants.items():
+        where = f"{source}: tenants.{name}"
+        if not NAME_PATTERN.match(name):
+            raise KeyFileError(f"{where}: not a tenant name")
+        if not isinstance(fields, dict) or set(fields) - {"capacity"}:
+            raise KeyFileError(f"{where}: the only field is `capacity`")
+        if "capacity" in fields:
+            capacity = _rate(fields["capacity"], f"{where}: `capacity`")
+            assert capacity is not None
+            quotas[name] = int(capacity)
+    return quotas
+
+
 def parse_key_list(text: str) -> list[ApiKey]:
     """Keys given as `id:tenant:role:sha256`, comma separated (the environment's form)."""
     keys = []
@@ -193,13 +219,15 @@ def parse_key_list(text: str) -> list[ApiKey]:
 def load_key_ring(path: Path | None, listed: str = "") -> KeyRing:
     """The keys of a key file (if given) and of a key list together."""
     keys = parse_key_list(listed)
+    quotas: dict[str, int] = {}
     if path is not None:
         try:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise KeyFileError(f"cannot read key file {path}: {exc.strerror}") from None
         keys += parse_key_file(text, source=str(path))
-    return KeyRing(keys)
+        quotas = parse_tenant_capacities(text, source=str(path))
+    return KeyRing(keys, tenant_capacity=quotas)
 
 
 def key_file_entry(key_id: str, tenant: str, role: Role, presented: str) -> str:

@@ -79,7 +79,8 @@ class CacheMetrics(CacheEvents):
         )
         self.evicted_blocks = Counter(
             "prompt_cache_evicted_blocks",
-            "Blocks removed, by reason: expired or capacity.",
+            "Blocks removed, by reason: expired, capacity, or tenant_quota (a tenant over "
+            "its quota evicting its own).",
             ["reason"],
             registry=registry,
         )
@@ -109,7 +110,7 @@ class CacheMetrics(CacheEvents):
             registry=registry,
         )
         self._by_tenant: dict[str, tuple[Any, Any]] = {}
-        for reason in ("expired", "capacity"):
+        for reason in ("expired", "capacity", "tenant_quota"):
             self.evicted_blocks.labels(reason=reason)
         self._outcomes = {o: self.lookups.labels(outcome=o) for o in ("full", "partial", "miss")}
         self._by_class: dict[str, tuple[Any, Any]] = {}
@@ -176,7 +177,7 @@ class CacheMetrics(CacheEvents):
         """Count evictions by reason, and capacity evictions that came before the TTL."""
         for block in evicted:
             self.evicted_blocks.labels(reason=block.reason).inc()
-            if block.reason == "capacity" and now < block.expires_at:
+            if block.reason != "expired" and now < block.expires_at:
                 self.evicted_before_ttl.labels(retention=block.retention).inc()
 
     def token_totals(self, retention: str) -> tuple[int, int]:

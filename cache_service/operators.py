@@ -168,8 +168,11 @@ class Operators:
             facts = {"expired_at": state.expires_at, "retention": state.retention}
         elif state.removal is not None:
             removal = state.removal
-            reason = "evicted" if removal.reason == "capacity" else removal.reason
+            evicted = removal.reason in ("capacity", "tenant_quota")
+            reason = "evicted" if evicted else removal.reason
             facts = {"removed_at": removal.at, "retention": removal.retention}
+            if evicted:
+                facts["cause"] = removal.reason  # room for everyone, or the tenant's quota
             if removal.reason == "expired":
                 facts["expired_at"] = removal.expires_at
         elif state.status == "stored":  # stored between the match and the inspection

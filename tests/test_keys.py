@@ -115,3 +115,15 @@ def test_admin_new_key_appends_only_a_digest_and_refuses_a_duplicate(tmp_path: P
     assert again.returncode == 2
     assert "configured twice" in again.stderr
     assert len(load_key_ring(path)) == 1
+
+
+def test_tenant_capacities_come_from_the_key_file(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(
+        key_file_entry("k", "team-a", Role.WRITER, new_key())
+        + '\n[tenants.team-a]\ncapacity = "2GiB"\n\n[tenants.team-b]\ncapacity = 1000\n'
+    )
+    assert load_key_ring(path).tenant_capacity == {"team-a": 2 * 2**30, "team-b": 1000}
+    path.write_text('[tenants.team-a]\nsize = "2GiB"\n')
+    with pytest.raises(KeyFileError, match="the only field is `capacity`"):
+        load_key_ring(path)

@@ -231,3 +231,32 @@ def test_explain_reports_a_rejected_collision(store: BlockStore, clock: VirtualC
     cache, ops = make(store, clock, hasher=hasher)
     put(cache, blocks_of(1))
     assert ops.explain(NS, blocks_of(2)).reason == "collision_rejected"
+
+
+# -- tenant quotas -----------------------------------------------------------------------------
+
+
+def test_a_tenant_over_its_quota_evicts_its_own_blocks_first(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    block_bytes = store.estimate_bytes(100, 4 * BLOCK)
+    cache, ops = make(store, clock, tenant_capacity_bytes={"team-a": 10 * block_bytes})
+    other = Namespace(model="m", tenant="team-b")
+    for label in range(5):
+        cache.insert(other, blocks_of(label), [b"b" * 100])
+    for label in range(40):  # forty blocks through a ten-block quota
+        clock.advance(1)
+        cache.insert(NS, blocks_of(1000 + label), [b"a" * 100])
+        partition = cache.hasher.namespace_id(NS).partition
+        assert store.tenant_bytes(partition) <= 10 * block_bytes
+    assert all(matched(cache, blocks_of(label), other) == 1 for label in range(5))
+    assert matched(cache, blocks_of(1039)) == 1  # the newest stays
+    assert matched(cache, blocks_of(1000)) == 0
+    why = ops.explain(NS, blocks_of(1000))
+    assert (why.reason, why.facts["cause"]) == ("evicted", "tenant_quota")
+    pinned = blocks_of(1039)
+    ops.pin(NS, pinned, by="ops")
+    for label in range(40, 60):
+        clock.advance(1)
+        cache.insert(NS, blocks_of(1000 + label), [b"a" * 100])
+    assert matched(cache, pinned) == 1  # a pin holds even against its own tenant's quota

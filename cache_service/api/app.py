@@ -108,6 +108,7 @@ def create_app(
             low_water=settings.low_water,
             defer_touches=True,
             ttl_slide_fraction=settings.ttl_slide_fraction,
+            tenant_capacity_bytes=keys.tenant_capacity if keys is not None else None,
             events=metrics,
         )
         collector = StoreCollector(cache.usage, settings.capacity)

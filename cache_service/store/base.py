@@ -31,7 +31,9 @@ PIN_COUNTS = "pin_counts"  # stored key -> how many pins hold the block (u32)
 REMOVALS = "removals"  # stored key -> why and when the block was removed (bounded)
 REMOVAL_ORDER = "removal_order"  # removal sequence -> stored key (to drop the oldest)
 FIRSTS = "firsts"  # partition + first tokens' fingerprint + scope + block size -> b""
-AUX_TABLES = (PINS, PIN_COUNTS, REMOVALS, REMOVAL_ORDER, FIRSTS)
+TENANT_LEAVES = "tenant_leaves"  # partition + victims sort key + stored key -> b""
+TENANT_BYTES = "tenant_bytes"  # partition -> the tenant's estimated bytes (i64)
+AUX_TABLES = (PINS, PIN_COUNTS, REMOVALS, REMOVAL_ORDER, FIRSTS, TENANT_LEAVES, TENANT_BYTES)
 
 
 class BlockStore(Protocol):
@@ -115,6 +117,16 @@ class BlockStore(Protocol):
 
     def usage(self) -> StoreUsage:
         """Blocks, payload bytes and the space the backend really uses."""
+        ...
+
+    def tenant_bytes(self, partition: bytes) -> int:
+        """A tenant's estimated bytes."""
+        ...
+
+    def evict_tenant(
+        self, partition: bytes, *, target_bytes: int, now: float, max_blocks: int
+    ) -> list[Evicted]:
+        """Remove a tenant's own least recently used leaves down to `target_bytes`."""
         ...
 
     def pin(

@@ -18,9 +18,18 @@ from contextlib import AbstractContextManager, contextmanager
 
 import xxhash
 
-from cache_service.blocks import BlockKey, BlockMeta, Evicted, StoreUsage
+from cache_service.blocks import KEY_BYTES, BlockKey, BlockMeta, Evicted, StoreUsage
 from cache_service.eviction import EvictionPolicy, LruPolicy
-from cache_service.store.base import EXPIRY, FIRSTS, PIN_COUNTS, VICTIMS, BlockTxn
+from cache_service.store.base import (
+    EXPIRY,
+    FIRSTS,
+    PIN_COUNTS,
+    SORT_KEY_BYTES,
+    TENANT_BYTES,
+    TENANT_LEAVES,
+    VICTIMS,
+    BlockTxn,
+)
 from cache_service.store.removals import (
     DEFAULT_REMOVAL_LOG_ENTRIES,
     first_hint_key,
@@ -31,6 +40,7 @@ PayloadSink = Callable[[int, "bytes | memoryview | None"], None]
 SCAN_FIRST = 4  # most scans need one entry: start small, widen when entries are skipped
 SCAN_MOST = 1024
 _Indexed = bytes | None  # the victims sort key while the block is a leaf
+_I64 = struct.Struct("<q")
 
 
 def checksum(payload: bytes | memoryview) -> int:
@@ -110,14 +120,37 @@ class IndexedStore:
         on every hit then costs no index write, and the sweeper re-files early entries."""
         victim = self._indexed(meta)
         if before != victim:
+            partition = meta.key[:-KEY_BYTES]  # a tenant's leaves are listed apart too
             if before is not None:
                 txn.index_remove(VICTIMS, before, meta.key)
+                if partition:
+                    txn.aux_delete(TENANT_LEAVES, partition + before + meta.key)
             if victim is not None:
                 txn.index_add(VICTIMS, victim, meta.key)
+                if partition:
+                    txn.aux_put(TENANT_LEAVES, partition + victim + meta.key, b"")
         if new:
             meta.indexed_expiry = meta.expires_at
             txn.index_add(EXPIRY, expiry_sort_key(meta.expires_at), meta.key)
         txn.put(meta)
+
+    def estimate_bytes(self, payload_size: int, token_bytes: int) -> int:
+        """The space one block of this size would take in this backend."""
+        raise NotImplementedError
+
+    def _add_tenant_bytes(self, txn: BlockTxn, partition: bytes, delta: int) -> None:
+        """Keep a tenant's estimated bytes (the default tenant, with no partition, has none)."""
+        if not partition or not delta:
+            return
+        held = txn.aux_get(TENANT_BYTES, partition)
+        total = (_I64.unpack(held)[0] if held is not None else 0) + delta
+        txn.aux_put(TENANT_BYTES, partition, _I64.pack(max(total, 0)))
+
+    def tenant_bytes(self, partition: bytes) -> int:
+        """A tenant's estimated bytes (its blocks' payloads, records and index entries)."""
+        with self._read() as txn:
+            held = txn.aux_get(TENANT_BYTES, partition)
+            return int(_I64.unpack(held)[0]) if held is not None else 0
 
     def _refile_expiry(self, txn: BlockTxn, meta: BlockMeta) -> None:
         """Move an early expiry entry to the block's real expiry."""
@@ -129,8 +162,14 @@ class IndexedStore:
     def _drop(self, txn: BlockTxn, meta: BlockMeta, *, reason: str, at: float) -> bool:
         """Delete a leaf block, remembering why; True when that made its parent a leaf."""
         victim = self._indexed(meta)
+        partition = meta.key[:-KEY_BYTES]
         if victim is not None:
             txn.index_remove(VICTIMS, victim, meta.key)
+            if partition:
+                txn.aux_delete(TENANT_LEAVES, partition + victim + meta.key)
+        self._add_tenant_bytes(
+            txn, partition, -self.estimate_bytes(meta.payload_size, len(meta.tokens))
+        )
         txn.index_remove(EXPIRY, expiry_sort_key(meta.indexed_expiry), meta.key)
         txn.delete(meta.key)
         txn.add_payload_bytes(-meta.payload_size)
@@ -151,6 +190,37 @@ class IndexedStore:
         parent.hits += meta.hits
         self._save(txn, parent, before)
         return parent.children == 0
+
+    def evict_tenant(
+        self, partition: bytes, *, target_bytes: int, now: float, max_blocks: int
+    ) -> list[Evicted]:
+        """Remove a tenant's own least recently used leaves (never another tenant's, never
+        a pinned block) until its estimated bytes are at most `target_bytes`."""
+        evicted: list[Evicted] = []
+        with self._write() as txn:
+            while len(evicted) < max_blocks:
+                held = txn.aux_get(TENANT_BYTES, partition)
+                if held is None or _I64.unpack(held)[0] <= target_bytes:
+                    break
+                entries = txn.aux_scan(TENANT_LEAVES, partition, SCAN_FIRST)
+                if not entries:
+                    break
+                dropped = False
+                for entry, _ in entries:
+                    meta = txn.get(BlockKey(entry[len(partition) + SORT_KEY_BYTES :]))
+                    if meta is None or meta.children or meta.pinned:
+                        txn.aux_delete(TENANT_LEAVES, entry)  # stale: not a leaf any more
+                        continue
+                    self._drop(txn, meta, reason="tenant_quota", at=now)
+                    evicted.append(
+                        Evicted(meta.key, "tenant_quota", meta.retention, meta.expires_at,
+                                meta.payload_size)
+                    )  # fmt: skip
+                    dropped = True
+                    break  # its parent may now be the tenant's oldest leaf: look again
+                if not dropped and len(entries) < SCAN_FIRST:
+                    break
+        return evicted
 
     def usage(self) -> StoreUsage:
         """Blocks, payload bytes and the space the backend really uses."""

@@ -141,7 +141,7 @@ class TxnStore(OperatorControls):
             return InsertResult()
         expires_at = now + ttl_seconds
         stored: list[BlockKey] = []
-        refreshed = conflicts = collisions = 0
+        refreshed = conflicts = collisions = tenant_bytes = 0
         part = namespace.partition
         with self._write() as txn:
             known = txn.get_namespace(namespace.scope)
@@ -205,6 +205,9 @@ class TxnStore(OperatorControls):
                     )
                     txn.put_payload(key, block.payload)
                     txn.add_payload_bytes(new.payload_size - (old.payload_size if old else 0))
+                    tenant_bytes += self.estimate_bytes(new.payload_size, len(new.tokens))
+                    if old is not None:
+                        tenant_bytes -= self.estimate_bytes(old.payload_size, len(old.tokens))
                     if old is None:
                         self._save(txn, new, None, new=True)
                     else:  # an expired block replaced: its early expiry entry stays valid
@@ -216,6 +219,7 @@ class TxnStore(OperatorControls):
                     stored.append(key)
                 if index == 0:
                     first_expiry, first_class = new.expires_at, new.retention
+            self._add_tenant_bytes(txn, part, tenant_bytes)
             written = len(stored) + refreshed
             last = None
             if written:

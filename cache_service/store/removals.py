@@ -17,7 +17,7 @@ from cache_service.store.base import FIRSTS, REMOVAL_ORDER, REMOVALS, BlockTxn
 
 DEFAULT_REMOVAL_LOG_ENTRIES = 0  # off unless the owner turns it on (the service does)
 HINT_TOKENS = 16  # a first-block hint fingerprints this many leading tokens (or the block)
-REASONS = ("expired", "capacity", "purged")
+REASONS = ("expired", "capacity", "purged", "tenant_quota")
 _REMOVAL = struct.Struct("<QBdd")  # removal sequence, reason, at, expires_at; then retention
 _SEQ = struct.Struct(">Q")
 _SIZE = struct.Struct("<I")

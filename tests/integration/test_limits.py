@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cache_service.client import CacheClient
 from cache_service.framing import MEDIA_TYPE, encode_frames, join_frames
 from cache_service.hashing import tokens_to_bytes
 from cache_service.keys import Role, key_file_entry, new_key
@@ -186,3 +187,29 @@ def test_a_quota_holds_across_worker_processes(make_server: MakeServer, tmp_path
     assert statuses.count(200) + statuses.count(429) == 40
     # One bucket for the machine: 5 at once plus 5 a second, however the workers split them.
     assert admitted <= 5 + 5 * elapsed + 1, (admitted, elapsed)
+
+
+def test_a_tenant_over_its_capacity_quota_evicts_only_its_own_blocks(
+    make_server: MakeServer, keys: dict[str, str], tmp_path: Path
+) -> None:
+    key_file = tmp_path / "keys.toml"
+    key_file.write_text(key_file.read_text() + '\n[tenants.team-a]\ncapacity = "1MiB"\n')
+    server = make_server(auth="keys", api_keys_file=str(key_file))
+    payload = b"x" * 64 * 1024
+    with (
+        CacheClient(server.url, api_key=keys["a-writer"]) as a,
+        CacheClient(server.url, api_key=keys["b-writer"]) as b,
+    ):
+        for label in range(8):
+            b.put_prefix("m", [label] * 64, [payload])
+        for label in range(40):  # 40 x 64 KiB through a 1 MiB quota
+            a.put_prefix("m", [1000 + label] * 64, [payload])
+        assert all(b.lookup("m", [label] * 64).matched_blocks == 1 for label in range(8))
+        assert a.lookup("m", [1039] * 64).matched_blocks == 1
+        assert a.lookup("m", [1000] * 64).matched_blocks == 0
+    why = httpx.post(server.url + "/v1/explain", json={"model": "m", "tokens": [1000] * 64},
+                     headers={"Authorization": "Bearer " + keys["a-reader"]}).json()  # fmt: skip
+    assert (why["reason"], why["facts"]["cause"]) == ("evicted", "tenant_quota")
+    text = httpx.get(server.url + "/metrics",
+                     headers={"Authorization": "Bearer " + keys["ops"]}).text  # fmt: skip
+    assert 'prompt_cache_evicted_blocks_total{reason="tenant_quota"}' in text

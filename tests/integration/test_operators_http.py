@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -134,3 +135,47 @@ def test_admin_cli_explains_and_purges(
     refused = run("purge", "--url", service.url, "--key", keys["a-writer"])
     assert refused.returncode == 1
     assert json.loads(refused.stdout)["status"] == 403
+
+
+def test_every_explain_reason_a_real_server_can_reach(make_server: MakeServer) -> None:
+    # (collision_rejected needs a crafted xxh3-128 collision: tests/test_operators.py stubs
+    # the hash for it.)
+    server = make_server(capacity="4MiB", retention="chat=7d,flash=1s",
+                         touch_flush_interval="0.05")  # fmt: skip
+    block = b"x" * 60 * 1024
+
+    def why(tokens: list[int], **fields: object) -> dict[str, object]:
+        answer = httpx.post(server.url + "/v1/explain",
+                            json={"model": MODEL, "tokens": tokens, **fields})  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        return dict(answer.json())
+
+    with CacheClient(server.url) as client:
+        client.put_prefix(MODEL, PROMPT[:128], [b"kv"] * 2)
+        assert why(PROMPT[:128])["reason"] == "complete"
+        assert why(PROMPT[:130])["reason"] == "partial_block"
+        never = why(PROMPT)
+        assert (never["reason"], never["first_unmatched_block"]) == ("never_stored", 2)
+        assert why(PROMPT[:128], block_size=16)["reason"] == "block_size_differs"
+        client.put_prefix(MODEL, [5] * 64, [b"kv"], retention="flash")
+        time.sleep(1.2)
+        expired = why([5] * 64)
+        assert (expired["reason"], expired["facts"]["retention"]) == ("expired", "flash")
+        client.put_prefix(MODEL, [6] * 64, [block])
+        for label in range(100, 200):  # 6 MiB through a 4 MiB cache
+            client.put_prefix(MODEL, [label] * 64, [block])
+        evicted = why([6] * 64)
+        assert (evicted["reason"], evicted["facts"]["cause"]) == ("evicted", "capacity")
+
+
+def test_a_pinned_prefix_survives_an_eviction_storm(make_server: MakeServer) -> None:
+    server = make_server(capacity="4MiB")
+    block = b"x" * 60 * 1024
+    with CacheClient(server.url) as client:
+        client.put_prefix(MODEL, PROMPT, [block] * 4)
+        pinned = httpx.post(server.url + "/v1/pin", json={"model": MODEL, "tokens": PROMPT})
+        assert pinned.json()["pinned_blocks"] == 4
+        for label in range(100, 300):  # 12 MiB through a 4 MiB cache
+            client.put_prefix(MODEL, [label] * 64, [block])
+        assert client.lookup(MODEL, PROMPT).matched_blocks == 4
+        assert client.lookup(MODEL, [100] * 64).matched_blocks == 0  # the storm did evict
