@@ -180,12 +180,23 @@ class CacheMetrics(CacheEvents):
             if block.reason != "expired" and now < block.expires_at:
                 self.evicted_before_ttl.labels(retention=block.retention).inc()
 
+    @property
+    def tenants(self) -> list[str]:
+        """The tenants counted by name."""
+        return sorted(self._by_tenant)
+
+    def tenant_token_totals(self, tenant: str) -> tuple[int, int]:
+        """Hit and miss tokens counted so far for a tenant (all worker processes)."""
+        return self._totals("prompt_cache_tenant", {"tenant": tenant})
+
+    def _totals(self, prefix: str, labels: dict[str, str]) -> tuple[int, int]:
+        hits = self.scrape_registry.get_sample_value(f"{prefix}_hit_tokens_total", labels)
+        misses = self.scrape_registry.get_sample_value(f"{prefix}_miss_tokens_total", labels)
+        return int(hits or 0), int(misses or 0)
+
     def token_totals(self, retention: str) -> tuple[int, int]:
         """Hit and miss tokens counted so far for a class (all worker processes)."""
-        labels = {"retention": retention}
-        hits = self.scrape_registry.get_sample_value("prompt_cache_hit_tokens_total", labels)
-        misses = self.scrape_registry.get_sample_value("prompt_cache_miss_tokens_total", labels)
-        return int(hits or 0), int(misses or 0)
+        return self._totals("prompt_cache", {"retention": retention})
 
     def close(self) -> None:
         """Tell the multiprocess files this process is gone (its counts stay in the sums)."""

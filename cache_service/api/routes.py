@@ -41,7 +41,7 @@ from cache_service.api.state import ServiceState, service_state
 from cache_service.blocks import KEY_BYTES, Namespace, PrefixMatch, key_from_hex, key_hex
 from cache_service.errors import InvalidField
 from cache_service.framing import MEDIA_TYPE, FrameWriter, decode_frames, frame_header_length
-from cache_service.hashing import HASH_SCHEME, HASH_VERSION
+from cache_service.hashing import HASH_SCHEME, HASH_VERSION, tenant_partition
 from cache_service.keys import ApiKey
 
 router = APIRouter()
@@ -291,13 +291,24 @@ async def info(request: Request) -> dict[str, Any]:
 
 @router.get("/v1/stats", summary="Blocks, bytes, capacity, hits and misses")
 async def stats(request: Request) -> dict[str, Any]:
-    """The store's size and this process's hit and miss tokens by retention class."""
+    """The store's size, hit and miss tokens by retention class, and by tenant (admin)."""
     state = service_state(request)
     usage = await run_in_threadpool(state.cache.usage)
     by_class = {}
     for name in state.cache.retention.classes:
         hits, misses = state.metrics.token_totals(name)
         by_class[name] = {"hit_tokens": hits, "miss_tokens": misses}
+    by_tenant = {}
+    for tenant in state.metrics.tenants:  # the key file's tenants (none with --auth none)
+        hits, misses = state.metrics.tenant_token_totals(tenant)
+        by_tenant[tenant] = {
+            "hit_tokens": hits,
+            "miss_tokens": misses,
+            "estimated_bytes": await run_in_threadpool(
+                state.cache.store.tenant_bytes, tenant_partition(tenant)
+            ),
+            "capacity_bytes": state.cache.tenant_capacity_bytes.get(tenant),
+        }
     return {
         "blocks": usage.blocks,
         "payload_bytes": usage.payload_bytes,
@@ -305,6 +316,7 @@ async def stats(request: Request) -> dict[str, Any]:
         "capacity_bytes": state.cache.capacity_bytes,
         "pending_touches": state.cache.pending_touches,
         "retention": by_class,
+        "tenants": by_tenant,
     }
 
 

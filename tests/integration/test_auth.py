@@ -161,6 +161,10 @@ def test_lookups_are_billed_per_tenant_in_the_usage_log_and_metrics(
     assert 'prompt_cache_tenant_hit_tokens_total{tenant="team-a"} 192.0' in text
     assert 'prompt_cache_tenant_miss_tokens_total{tenant="team-b"} 202.0' in text
     assert 'prompt_cache_tenant_hit_tokens_total{tenant="operators"} 0.0' in text
+    stats = httpx.get(server.url + "/v1/stats", headers=admin).json()["tenants"]
+    assert (stats["team-a"]["hit_tokens"], stats["team-b"]["miss_tokens"]) == (192, 202)
+    assert stats["team-a"]["estimated_bytes"] > 0
+    assert stats["team-b"]["estimated_bytes"] == 0
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
