@@ -37,7 +37,7 @@ def create_floor_app() -> FastAPI:
     @app.post("/v1/lookup")
     async def lookup(request: Request) -> Response:
         require_media_type(request, MEDIA_TYPE)
-        raw = await read_body(request, limit_bytes=512 * 2**20)
+        raw = await read_body(request, limit_bytes=512 * 2**20, timeout_seconds=30.0)
         header, frames = decode_frames(raw)
         parse_object(LookupHeader, header)
         tokens_frame(frames[0], "frames[0]")

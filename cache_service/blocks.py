@@ -311,6 +311,18 @@ class PinRecord:
     blocks: int
     pinned_at: float
     by: str
+    bytes: int = 0  # the pinned blocks' estimated size when pinned
+    rank: int = 0  # the pinner's rank: only as high a rank may release the pin
+
+
+@dataclass(frozen=True, slots=True)
+class PinLimits:
+    """What a pin may not pass: the tenant's pinned blocks and bytes, and all tenants' bytes
+    (None: no limit)."""
+
+    blocks: int | None = None
+    tenant_bytes: int | None = None
+    total_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -440,7 +440,8 @@ class PrefixCache:
         quota = self.tenant_capacity_bytes.get(namespace.tenant)
         if quota is not None:
             evicted |= {e.key for e in self.capacity.enforce_tenant(
-                namespace_id.partition, quota, now=self.clock())}  # fmt: skip
+                namespace_id.partition, quota, now=self.clock(),
+                protected=frozenset(result.stored))}  # fmt: skip
         kept = set(result.stored) - evicted
         # The request's own blocks go only when they alone overflow the cache: truncated too.
         own_evicted = len(result.stored) - len(kept)

@@ -109,9 +109,16 @@ class Capacity:
             if len(batch) < EVICT_BATCH_BLOCKS:
                 return evicted
 
-    def enforce_tenant(self, partition: bytes, quota_bytes: int, *, now: float) -> list[Evicted]:
+    def enforce_tenant(
+        self,
+        partition: bytes,
+        quota_bytes: int,
+        *,
+        now: float,
+        protected: frozenset[BlockKey] = frozenset(),
+    ) -> list[Evicted]:
         """Evict a tenant's own blocks down to its quota's low-water mark once it is above
-        the quota's high-water mark."""
+        the quota's high-water mark (never the `protected` blocks just written)."""
         if self.store.tenant_bytes(partition) <= quota_bytes * self.high_water:
             return []
         return self._in_batches(
@@ -120,6 +127,7 @@ class Capacity:
                 target_bytes=int(quota_bytes * self.low_water),
                 now=now,
                 max_blocks=EVICT_BATCH_BLOCKS,
+                protected=protected,
             ),
             now=now,
         )

@@ -11,6 +11,7 @@ from cache_service.blocks import (
     Chain,
     ChainLink,
     Namespace,
+    PinLimits,
     PinRecord,
     PurgeResult,
 )
@@ -67,16 +68,31 @@ class Operators:
         keys: Sequence[BlockKey] | None = None,
         block_size: int | None = None,
         by: str,
-        quota_blocks: int | None = None,
+        rank: int = 0,
+        limits: PinLimits | None = None,
     ) -> tuple[PinRecord, bool]:
-        """Pin every full block of `tokens` (or the chain of `keys`, from block 0)."""
+        """Pin every full block of `tokens` (or the chain of `keys`, from block 0), as
+        `by` of `rank`, within `limits`."""
         chain = self._prefix(namespace, tokens, keys, block_size)
         return self.cache.store.pin(
             self.cache.hasher.namespace_id(namespace),
             chain,
             now=self.cache.clock(),
             by=by,
-            quota_blocks=quota_blocks,
+            rank=rank,
+            limits=limits,
+        )
+
+    def pin_limits(self, tenant: str, *, pin_quota_blocks: int, pinned_share: float) -> PinLimits:
+        """The limits of a writer's pins: the tenant's pinned blocks, and a share of the
+        tenant's capacity quota and of the whole capacity (pins are never evicted, so they
+        must not crowd out everything else)."""
+        quota = self.cache.tenant_capacity_bytes.get(tenant)
+        capacity = self.cache.capacity_bytes
+        return PinLimits(
+            blocks=pin_quota_blocks,
+            tenant_bytes=int(quota * pinned_share) if quota is not None else None,
+            total_bytes=int(capacity * pinned_share) if capacity is not None else None,
         )
 
     def unpin(
@@ -86,9 +102,11 @@ class Operators:
         *,
         keys: Sequence[BlockKey] | None = None,
         block_size: int | None = None,
+        rank: int = 0,
     ) -> int:
-        """Release the pin of exactly this prefix; its blocks then expire as if just used
-        under the longest retention class. How many blocks the pin held (0: no such pin)."""
+        """Release the pin of exactly this prefix (Forbidden if a higher rank pinned it);
+        its blocks then expire as if just used under the longest retention class. How many
+        blocks the pin held (0: no such pin)."""
         chain = self._prefix(namespace, tokens, keys, block_size)
         longest_ttl = max(self.cache.retention.ttl_seconds.values())
         return self.cache.store.unpin(
@@ -96,10 +114,12 @@ class Operators:
             chain[-1].key,
             now=self.cache.clock(),
             ttl_seconds=longest_ttl,
+            rank=rank,
         )
 
-    def pins(self, tenant: str) -> list[dict[str, Any]]:
-        """A tenant's pins, with the namespace each belongs to."""
+    def pins(self, tenant: str, *, reveal_salts: bool = False) -> list[dict[str, Any]]:
+        """A tenant's pins, with the namespace each belongs to (its salt only when
+        `reveal_salts`: a salt keeps users of one tenant apart, so only admins see them)."""
         partition = tenant_partition(tenant)
         out = []
         for record in self.cache.store.pins(partition):
@@ -108,7 +128,8 @@ class Operators:
                 {
                     "model": namespace.model if namespace else None,
                     "kv_layout": namespace.kv_layout if namespace else None,
-                    "salt": namespace.salt if namespace else None,
+                    "salt": namespace.salt if namespace and reveal_salts else None,
+                    "salted": bool(namespace and namespace.salt),
                     "key": record.key.hex(),
                     "blocks": record.blocks,
                     "pinned_at": record.pinned_at,
@@ -138,14 +159,25 @@ class Operators:
         if not len(chain):
             raise InvalidField("tokens", "a prefix purge needs at least one full block")
         return self.cache.store.purge(
-            partition, root=root, under=BlockKey(partition + chain[-1].key), now=now
+            partition,
+            root=root,
+            under=BlockKey(partition + chain[-1].key),
+            now=now,
+            ttl_seconds=max(self.cache.retention.ttl_seconds.values()),
         )
 
     def explain(
-        self, namespace: Namespace, tokens: TokenInput, *, block_size: int | None = None
+        self,
+        namespace: Namespace,
+        tokens: TokenInput,
+        *,
+        block_size: int | None = None,
+        reveal_salts: bool = False,
     ) -> Explanation:
         """Why a lookup of `tokens` stops where it does (the lookup itself is not counted
-        and marks nothing used)."""
+        and marks nothing used). Another namespace holding the first block is named by its
+        model and layout; its salt only when `reveal_salts` (for admins: a salt is what keeps
+        users of one tenant apart)."""
         cache = self.cache
         size = cache.model_block_sizes.get(namespace.model, cache.default_block_size)
         links = cache.chain(namespace, tokens)
@@ -180,11 +212,13 @@ class Operators:
         else:
             reason, facts = "never_stored", {}
             if matched == 0:
-                reason, facts = self._first_block_elsewhere(namespace, links, size)
+                reason, facts = self._first_block_elsewhere(
+                    namespace, links, size, reveal_salts=reveal_salts
+                )
         return Explanation(size, prompt_tokens, matched, reason, matched, facts)
 
     def _first_block_elsewhere(
-        self, namespace: Namespace, links: Chain, size: int
+        self, namespace: Namespace, links: Chain, size: int, *, reveal_salts: bool
     ) -> tuple[str, dict[str, Any]]:
         """Whether the prompt's first block is stored (alive, verified) under another
         namespace or block size of the same tenant."""
@@ -219,7 +253,8 @@ class Operators:
             return "other_namespace", {
                 "model": other.model,
                 "kv_layout": other.kv_layout,
-                "salt": other.salt,
+                "salt": other.salt if reveal_salts else None,
+                "salt_differs": other.salt != namespace.salt,
                 "block_size": block_size,
             }
         return "never_stored", {}

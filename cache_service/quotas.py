@@ -5,7 +5,9 @@ file beside the data: every worker maps the same file and changes a key's slot u
 record lock on that slot, so the quota holds for the machine, not per process. A bucket
 holds one second of its rate; a request is admitted while its buckets are not empty, costs
 one request at once and its bytes (body in and out) when it ends, so a large transfer can
-take a bucket below zero and the key then waits until it has paid for it.
+take a bucket below zero and the key then waits until it has paid for it. A declared body
+(Content-Length) is charged on admission, so concurrent large uploads cannot all slip in
+while the bucket is still full.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class QuotaBook:
     def __init__(
         self,
         keys: Sequence[ApiKey],
-        path: Path | None,
+        folder: Path | None,
         *,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -47,28 +49,28 @@ class QuotaBook:
         size = _HEADER.size + _SLOT.size * max(len(ids), 1)
         layout = xxhash.xxh3_64_intdigest("\0".join(ids).encode())
         self._fd: int | None = None
-        if path is None:
+        header = _HEADER.pack(_MAGIC, layout)
+        if folder is None:
             self._map = mmap.mmap(-1, size)
         else:
+            # One file per set of keys: workers started from another key file map another
+            # file, so a file in use is never resized under a worker that maps it.
+            path = folder / f"quotas-{layout:016x}.bin"
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             fcntl.lockf(self._fd, fcntl.LOCK_EX)
             try:
-                if os.fstat(self._fd).st_size != size or os.pread(
-                    self._fd, _HEADER.size, 0
-                ) != _HEADER.pack(_MAGIC, layout):
-                    # Another key file made it: start every bucket full (a restart's leniency).
-                    os.ftruncate(self._fd, 0)
+                if os.fstat(self._fd).st_size < size:  # new: every bucket starts full
                     os.ftruncate(self._fd, size)
-                    os.pwrite(self._fd, _HEADER.pack(_MAGIC, layout), 0)
+                    os.pwrite(self._fd, header, 0)
             finally:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN)
             self._map = mmap.mmap(self._fd, size)
-        if path is None:
-            self._map[: _HEADER.size] = _HEADER.pack(_MAGIC, layout)
+        if folder is None:
+            self._map[: _HEADER.size] = header
 
-    def admit(self, key: ApiKey) -> tuple[float, str] | None:
-        """Take one request from the key's buckets; None if admitted, else how many seconds
-        to wait and which quota is spent."""
+    def admit(self, key: ApiKey, upfront_bytes: int = 0) -> tuple[float, str] | None:
+        """Take one request (and `upfront_bytes`, its declared body) from the key's buckets;
+        None if admitted, else how many seconds to wait and which quota is spent."""
         if key.id not in self._slots:
             return None
         with self._locked(key.id) as offset:
@@ -80,12 +82,14 @@ class QuotaBook:
                 wait = (-byte_tokens / key.bytes_per_second, "bytes_per_second")
             else:
                 request_tokens -= 1
+                byte_tokens -= upfront_bytes
             self._write(offset, request_tokens, byte_tokens, now)
         return wait
 
     def spend_bytes(self, key: ApiKey, count: int) -> None:
-        """Charge bytes a request moved to its key's byte bucket."""
-        if key.bytes_per_second is None or key.id not in self._slots or count <= 0:
+        """Charge bytes a request moved beyond what it was charged on admission (negative:
+        a refund, for a body that came short of its declared length)."""
+        if key.bytes_per_second is None or key.id not in self._slots or count == 0:
             return
         with self._locked(key.id) as offset:
             request_tokens, byte_tokens, now = self._read(key, offset)

@@ -73,7 +73,10 @@ class Settings(BaseSettings):
     )
     max_tokens_per_request: int = Field(1 << 20, gt=0, description="Most tokens in a request.")
     body_timeout: float = Field(
-        30.0, gt=0, description="Seconds a request body may take to arrive (then 408)."
+        30.0,
+        gt=0,
+        description="Seconds a request body may take to arrive, plus one per MiB it brings "
+        "(a slower body gets 408).",
     )
     max_header_bytes: int = Field(
         16384, ge=1024, description="Largest request line plus headers (then 431)."
@@ -86,6 +89,13 @@ class Settings(BaseSettings):
     )
     pin_quota_blocks: int = Field(
         65536, ge=0, description="Blocks a tenant's writer keys may hold pinned (admins: any)."
+    )
+    pinned_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Writers' pins may take at most this share of --capacity (and of a "
+        "tenant's capacity quota); admins' pins are not limited.",
     )
     removal_log_entries: int = Field(
         1 << 18,
@@ -115,7 +125,8 @@ class Settings(BaseSettings):
         "", description="More API keys, as id:tenant:role:sha256 separated by commas."
     )
     allow_unauthenticated: bool = Field(
-        False, description="Allow --auth none on an address other than loopback."
+        False,
+        description="Allow --auth none, or the metrics port, on an address other than loopback.",
     )
     metrics_port: int | None = Field(
         None, ge=1, le=65535, description="Serve /metrics on this port too, without a key."
@@ -178,6 +189,16 @@ class Settings(BaseSettings):
                 f"refusing to serve {self.host} without authentication: anyone who can reach "
                 "it could read and write every block; use --auth keys, or "
                 "--allow-unauthenticated if a network boundary protects it"
+            )
+        if (
+            self.metrics_port is not None
+            and not is_loopback(self.metrics_host)
+            and not self.allow_unauthenticated
+        ):
+            raise ValueError(
+                f"refusing to serve metrics on {self.metrics_host} without authentication: "
+                "they show every tenant's hits and misses; use --allow-unauthenticated if a "
+                "network boundary protects the metrics port"
             )
         return self
 

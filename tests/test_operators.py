@@ -6,9 +6,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from cache_service.blocks import Namespace
+from cache_service.blocks import Namespace, PinLimits
 from cache_service.cache import PrefixCache
-from cache_service.errors import InvalidField, NotStored, QuotaExceeded
+from cache_service.errors import Forbidden, InvalidField, NotStored, QuotaExceeded
 from cache_service.hashing import BlockHasher
 from cache_service.operators import Operators
 from cache_service.store.base import BlockStore
@@ -105,9 +105,14 @@ def test_pins_name_the_block_that_is_not_stored_and_keep_to_the_quota(
         ops.pin(NS, blocks_of(1, 2, 3), by="a")
     with pytest.raises(InvalidField):
         ops.pin(NS, [1, 2], by="a")  # no full block
-    ops.pin(NS, blocks_of(1), by="a", quota_blocks=2)
+    ops.pin(NS, blocks_of(1), by="a", limits=PinLimits(blocks=2))
     with pytest.raises(QuotaExceeded, match="pin quota of 2 blocks"):
-        ops.pin(NS, blocks_of(1, 2), by="a", quota_blocks=2)
+        ops.pin(NS, blocks_of(1, 2), by="a", limits=PinLimits(blocks=2))
+    block = store.estimate_bytes(len(b"kv0"), 4 * BLOCK)
+    with pytest.raises(QuotaExceeded, match="pinned_share"):  # the bytes all pins may take
+        ops.pin(NS, blocks_of(1, 2), by="a", limits=PinLimits(total_bytes=block + 1))
+    with pytest.raises(QuotaExceeded, match="the tenant's pins hold"):
+        ops.pin(NS, blocks_of(1, 2), by="a", limits=PinLimits(tenant_bytes=block + 1))
     assert [p["blocks"] for p in ops.pins("team-a")] == [1]
     assert ops.pins("team-b") == []
 
@@ -127,6 +132,47 @@ def test_a_prefix_can_be_pinned_by_its_keys(store: BlockStore, clock: VirtualClo
         ops.pin(Namespace(model="m", tenant="team-b"), keys=keys, by="ops")
     put(cache, blocks_of(7, 8))  # the cache is full of pins: nothing of this can stay
     assert matched(cache, prompt) == 2
+
+
+def test_an_unpinned_prefix_expires_and_is_swept_like_any_other(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    cache, ops = make(store, clock)
+    prompt = blocks_of(1, 2)
+    put(cache, prompt, retention="agent")
+    ops.pin(NS, prompt, by="ops")
+    clock.advance(4 * DAY)  # past the class TTL: the sweeper finds the entries, keeps them
+    cache.sweep_expired()
+    assert matched(cache, prompt) == 2
+    ops.unpin(NS, prompt)
+    clock.advance(max(cache.retention.ttl_seconds.values()) + 1)
+    while cache.sweep_expired():
+        pass
+    assert cache.usage().blocks == 0  # swept: the expiry entries came back from "never"
+
+
+def test_only_as_high_a_role_may_release_a_pin(store: BlockStore, clock: VirtualClock) -> None:
+    cache, ops = make(store, clock)
+    prompt = blocks_of(1)
+    put(cache, prompt)
+    ops.pin(NS, prompt, by="ops", rank=3)
+    with pytest.raises(Forbidden, match="pinned by 'ops'"):
+        ops.unpin(NS, prompt, rank=2)
+    assert ops.unpin(NS, prompt, rank=3) == 1
+
+
+def test_a_purge_under_a_pin_releases_the_blocks_above_it(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    cache, ops = make(store, clock, capacity_blocks=3)
+    prompt = blocks_of(1, 2, 3)
+    put(cache, prompt)
+    ops.pin(NS, prompt, by="ops")
+    assert ops.purge("team-a", namespace=NS, tokens=blocks_of(1, 2)).pins == 1
+    assert ops.pins("team-a") == []
+    for label in range(100, 110):  # block 0 is no longer pinned: it can be evicted
+        put(cache, blocks_of(label))
+    assert matched(cache, prompt) == 0
 
 
 # -- purge -------------------------------------------------------------------------------------
@@ -213,7 +259,13 @@ def test_explain_finds_the_first_block_under_another_salt_or_block_size(
     put(cache, prompt, namespace=Namespace(model="m", tenant="team-a", salt="lora-7"))
     other = ops.explain(NS, prompt)
     assert other.reason == "other_namespace"
-    assert (other.facts["salt"], other.facts["model"]) == ("lora-7", "m")
+    # A salt keeps users of one tenant apart: only an admin's explanation names it.
+    assert (other.facts["salt"], other.facts["salt_differs"], other.facts["model"]) == (
+        None,
+        True,
+        "m",
+    )
+    assert ops.explain(NS, prompt, reveal_salts=True).facts["salt"] == "lora-7"
     # Another tenant's identical prompt is not revealed.
     assert ops.explain(Namespace(model="m", tenant="team-b", salt="lora-7"), prompt).reason == (
         "never_stored"

@@ -98,6 +98,10 @@ KEY_LIST = "k:team-a:reader:" + "a" * 64
         ({"host": "0.0.0.0"}, "refusing to serve 0.0.0.0 without authentication"),
         ({"host": "10.1.2.3"}, "without authentication"),
         ({"auth": "maybe"}, "use one of none, keys"),
+        (
+            {"auth": "keys", "api_keys": KEY_LIST, "metrics_port": 9100, "metrics_host": "0.0.0.0"},
+            "refusing to serve metrics on 0.0.0.0",
+        ),
         ({"auth": "keys", "api_keys": "k:t:reader"}, "use id:tenant:role:sha256"),
     ],
 )

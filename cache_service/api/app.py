@@ -131,11 +131,7 @@ def create_app(
             else None
         )
         writes = WriteGate(settings.max_pending_writes)
-        quotas = (
-            QuotaBook(list(keys), folder / "quotas.bin" if folder is not None else None)
-            if keys is not None
-            else None
-        )
+        quotas = QuotaBook(list(keys), folder) if keys is not None else None
         app.state.service = ServiceState(cache, metrics, settings, kind, writes, usage_log, quotas)
 
         async def flush() -> None:

@@ -18,6 +18,7 @@ from cache_service.errors import (
 )
 
 Model = TypeVar("Model", bound=BaseModel)
+MIN_BODY_RATE = 2**20  # bytes a second a body must keep up beyond body_timeout
 MAX_REPORTED_ERRORS = 20
 JSON = "application/json"
 INLINE_BODY_BYTES = 256 * 1024  # larger bodies are parsed and hashed in a worker thread
@@ -45,26 +46,32 @@ def require_media_type(request: Request, *accepted: str) -> None:
 
 async def read_body(request: Request, *, limit_bytes: int, timeout_seconds: float) -> bytes:
     """The whole body, refused with 413 as soon as it passes `limit_bytes` (with or without
-    a Content-Length), and with 408 if it has not all arrived within `timeout_seconds` (the
-    connection is then closed, so a client trickling bytes cannot hold a worker)."""
+    a Content-Length), and with 408 if it has not all arrived within `timeout_seconds` plus
+    a second per MiB received (the connection is then closed, so a client trickling bytes
+    cannot hold a worker)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
         raise _too_large(limit_bytes)
     chunks: list[bytes] = []
     received = 0
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     try:
-        async with asyncio.timeout(timeout_seconds):
+        async with asyncio.timeout(timeout_seconds) as deadline:
             async for chunk in request.stream():
                 received += len(chunk)
                 if received > limit_bytes:
                     raise _too_large(limit_bytes)
                 chunks.append(chunk)
+                # A large body earns time as it comes: a second per MiB beyond the timeout,
+                # so only a body slower than 1 MiB/s (a trickle) runs out of it.
+                deadline.reschedule(started + timeout_seconds + received / MIN_BODY_RATE)
     except ClientDisconnect:
         raise MalformedBody("the client disconnected before sending the whole body") from None
     except TimeoutError:
         raise RequestTimeout(
-            f"the body did not arrive within {timeout_seconds:g} s ({received} bytes came; "
-            "body_timeout)",
+            f"the body did not arrive within {timeout_seconds:g} s plus a second per MiB "
+            f"({received} bytes came; body_timeout)",
             limit="body_timeout",
             limit_seconds=timeout_seconds,
         ) from None
@@ -116,15 +123,6 @@ def parse_json(model: type[Model], raw: bytes) -> Model:
         return model.model_validate_json(raw)
     except ValidationError as exc:
         raise validation_problem(exc.errors(include_url=False)) from None
-
-
-async def read_json(
-    request: Request, model: type[Model], *, limit_bytes: int, timeout_seconds: float
-) -> Model:
-    """Check the media type, read the body within its limit and validate it as `model`."""
-    require_media_type(request, JSON)
-    raw = await read_body(request, limit_bytes=limit_bytes, timeout_seconds=timeout_seconds)
-    return parse_json(model, raw)
 
 
 def parse_object(model: type[Model], data: dict[str, Any]) -> Model:

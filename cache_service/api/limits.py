@@ -24,7 +24,8 @@ class QuotaGate:
         if scope["type"] != "http" or key is None or book is None or not key.has_quota:
             await self.app(scope, receive, send)
             return
-        wait = book.admit(key)
+        declared = _declared_length(scope)
+        wait = book.admit(key, upfront_bytes=declared)
         if wait is not None:
             seconds, quota = wait
             await refuse(send, scope, Throttled(
@@ -49,4 +50,12 @@ class QuotaGate:
         try:
             await self.app(scope, counting_receive, counting_send)
         finally:
-            book.spend_bytes(key, moved)
+            book.spend_bytes(key, moved - declared)
+
+
+def _declared_length(scope: Scope) -> int:
+    """The request's Content-Length, or 0."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else 0
+    return 0

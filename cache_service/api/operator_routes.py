@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 from cache_service.api.auth import principal
 from cache_service.api.bodies import (
     JSON,
+    check_count,
 )
 from cache_service.api.openapi import json_body, lookup_body, responses
 from cache_service.api.routes import (
@@ -64,9 +65,17 @@ async def explain(request: Request) -> Response:
         parse_lookup, raw, binary, ExplainRequest, ExplainHeader
     )
     assert isinstance(options, ExplainHeader)
-    namespace = namespace_of(options, tenant_for(principal(request), options.tenant))
+    caller = principal(request)
+    namespace = namespace_of(options, tenant_for(caller, options.tenant))
+    count = len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)
+    check_count("tokens", count, state.settings.max_tokens_per_request, "max_tokens_per_request")
     found = await run_in_threadpool(
-        state.operators.explain, namespace, tokens, block_size=options.block_size
+        lambda: state.operators.explain(
+            namespace,
+            tokens,
+            block_size=options.block_size,
+            reveal_salts=caller.role >= Role.ADMIN,
+        )
     )
     return JSONResponse(
         {
@@ -102,12 +111,18 @@ async def pin(request: Request) -> Response:
     """Pin every full block of `tokens` (or the blocks of `keys`); a writer's pins count
     against its tenant's pin quota."""
     state, caller, body, namespace = await _pin_request(request)
-    quota = None if caller.role >= Role.ADMIN else state.settings.pin_quota_blocks
+    limits = None
+    if caller.role < Role.ADMIN:  # admins pin without limits; writers within their tenant's
+        limits = state.operators.pin_limits(
+            namespace.tenant,
+            pin_quota_blocks=state.settings.pin_quota_blocks,
+            pinned_share=state.settings.pinned_share,
+        )
     keys = [key_from_hex(k) for k in body.keys] if body.keys is not None else None
     record, new = await run_in_threadpool(
         lambda: state.operators.pin(
             namespace, body.tokens, keys=keys, block_size=body.block_size, by=caller.id,
-            quota_blocks=quota,
+            rank=int(caller.role), limits=limits,
         )
     )  # fmt: skip
     return JSONResponse(
@@ -124,11 +139,14 @@ async def pin(request: Request) -> Response:
 async def unpin(request: Request) -> Response:
     """Release the pin of exactly this prefix; its blocks then expire as if just used under
     the longest retention class, unless another pin holds them."""
-    state, _caller, body, namespace = await _pin_request(request)
+    state, caller, body, namespace = await _pin_request(request)
     keys = [key_from_hex(k) for k in body.keys] if body.keys is not None else None
     released = await run_in_threadpool(
-        lambda: state.operators.unpin(namespace, body.tokens, keys=keys, block_size=body.block_size)
-    )
+        lambda: state.operators.unpin(
+            namespace, body.tokens, keys=keys, block_size=body.block_size,
+            rank=int(caller.role),
+        )
+    )  # fmt: skip
     return JSONResponse({"model": body.model, "released_blocks": released})
 
 
@@ -136,8 +154,12 @@ async def unpin(request: Request) -> Response:
 async def pins(request: Request, tenant: str | None = None) -> dict[str, Any]:
     """The caller's tenant's pins (an admin key may ask for any tenant's)."""
     state = service_state(request)
-    chosen = tenant_for(principal(request), tenant)
-    return {"tenant": chosen, "pins": await run_in_threadpool(state.operators.pins, chosen)}
+    caller = principal(request)
+    chosen = tenant_for(caller, tenant)
+    found = await run_in_threadpool(
+        lambda: state.operators.pins(chosen, reveal_salts=caller.role >= Role.ADMIN)
+    )
+    return {"tenant": chosen, "pins": found}
 
 
 @router.post(

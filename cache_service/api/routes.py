@@ -23,7 +23,6 @@ from cache_service.api.bodies import (
     parse_json,
     parse_object,
     read_body,
-    read_json,
     require_media_type,
     tokens_frame,
 )
@@ -112,13 +111,24 @@ async def read_prompt_body(request: Request, state: ServiceState) -> tuple[bytes
 
 
 async def read_request_json(request: Request, state: ServiceState, model: type[Model]) -> Model:
-    """A JSON body of `model` within the service's body limits."""
-    return await read_json(
+    """A JSON body of `model` within the service's body and token limits; a long one is
+    parsed in a worker thread, never on the event loop."""
+    require_media_type(request, JSON)
+    raw = await read_body(
         request,
-        model,
         limit_bytes=state.settings.max_body_size,
         timeout_seconds=state.settings.body_timeout,
     )
+    check_token_room(len(raw), state.settings.max_tokens_per_request)
+    if len(raw) >= INLINE_BODY_BYTES:
+        body = await run_in_threadpool(parse_json, model, raw)
+    else:
+        body = parse_json(model, raw)
+    tokens = getattr(body, "tokens", None)
+    if tokens is not None:
+        limit = state.settings.max_tokens_per_request
+        check_count("tokens", len(tokens), limit, "max_tokens_per_request")
+    return body
 
 
 def parse_lookup(
@@ -176,13 +186,15 @@ async def store_blocks(request: Request) -> Response:
     """Store payloads for blocks start_block.. of a prompt; the parent must be stored."""
     state = service_state(request)
     require_media_type(request, MEDIA_TYPE)
-    with state.writes.admit():  # refused before the body is read when writes are backed up
-        raw = await read_body(
-            request,
-            limit_bytes=state.settings.max_body_size,
-            timeout_seconds=state.settings.body_timeout,
-        )
-        check_token_room(frame_header_length(raw), state.settings.max_tokens_per_request)
+    raw = await read_body(
+        request,
+        limit_bytes=state.settings.max_body_size,
+        timeout_seconds=state.settings.body_timeout,
+    )
+    check_token_room(frame_header_length(raw), state.settings.max_tokens_per_request)
+    # The queue is of writes waiting for the store, not of uploads: a slow upload holds no
+    # place, so a trickling client cannot shut others' writes out.
+    with state.writes.admit():
         return await run_in_threadpool(_store, state, principal(request).tenant, raw)
 
 

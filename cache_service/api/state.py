@@ -18,9 +18,9 @@ from cache_service.usage import UsageLog
 
 
 class WriteGate:
-    """Bounds the store requests one worker process takes at once: past the bound a store is
-    refused at once (503, Retry-After) instead of queueing for LMDB's single writer, and the
-    threads it would have held stay free for reads."""
+    """Bounds the stores one worker process has waiting for (or in) the store at once: past
+    the bound a store is refused at once (503, Retry-After) instead of queueing for LMDB's
+    single writer, and the threads it would have held stay free for reads."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit

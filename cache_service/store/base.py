@@ -16,6 +16,7 @@ from cache_service.blocks import (
     MatchResult,
     NamespaceId,
     NewBlock,
+    PinLimits,
     PinRecord,
     PurgeResult,
     StoreUsage,
@@ -124,7 +125,13 @@ class BlockStore(Protocol):
         ...
 
     def evict_tenant(
-        self, partition: bytes, *, target_bytes: int, now: float, max_blocks: int
+        self,
+        partition: bytes,
+        *,
+        target_bytes: int,
+        now: float,
+        max_blocks: int,
+        protected: frozenset[BlockKey] = frozenset(),
     ) -> list[Evicted]:
         """Remove a tenant's own least recently used leaves down to `target_bytes`."""
         ...
@@ -136,13 +143,20 @@ class BlockStore(Protocol):
         *,
         now: float,
         by: str,
-        quota_blocks: int | None = None,
+        rank: int = 0,
+        limits: PinLimits | None = None,
     ) -> tuple[PinRecord, bool]:
         """Pin a prefix from block 0: never evicted nor expired until unpinned."""
         ...
 
     def unpin(
-        self, namespace: NamespaceId, deepest: BlockKey, *, now: float, ttl_seconds: float
+        self,
+        namespace: NamespaceId,
+        deepest: BlockKey,
+        *,
+        now: float,
+        ttl_seconds: float,
+        rank: int = 0,
     ) -> int:
         """Release a pin (by its deepest block); how many blocks it held, 0 if none."""
         ...
@@ -168,8 +182,10 @@ class BlockStore(Protocol):
         root: BlockKey | None = None,
         under: BlockKey | None = None,
         now: float,
+        ttl_seconds: float = 0.0,
     ) -> PurgeResult:
-        """Delete a tenant's blocks, a namespace's, or those under one block."""
+        """Delete a tenant's blocks, a namespace's, or those under one block (pins above it
+        that lose their blocks let go, and what they held expires in `ttl_seconds`)."""
         ...
 
     def inspect(self, namespace: NamespaceId, link: ChainLink, *, now: float) -> BlockState:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import orjson
 
@@ -22,10 +23,11 @@ from cache_service.blocks import (
     BlockState,
     ChainLink,
     NamespaceId,
+    PinLimits,
     PinRecord,
     PurgeResult,
 )
-from cache_service.errors import NotStored, QuotaExceeded
+from cache_service.errors import Forbidden, NotStored, QuotaExceeded
 from cache_service.store.base import FIRSTS, PIN_COUNTS, PINS, BlockTxn
 from cache_service.store.codec import COLLISION, HIT
 from cache_service.store.indexed import IndexedStore
@@ -48,11 +50,13 @@ class OperatorControls(IndexedStore):
         *,
         now: float,
         by: str,
-        quota_blocks: int | None = None,
+        rank: int = 0,
+        limits: PinLimits | None = None,
     ) -> tuple[PinRecord, bool]:
         """Pin the prefix `links` (from block 0; every block must be stored and alive);
         returns its pin and whether it is new (pinning a pinned prefix again changes nothing).
-        QuotaExceeded if the tenant's pins would hold more than `quota_blocks` blocks."""
+        `rank` is the pinner's (only as high a rank may release it); QuotaExceeded when the
+        pin would pass one of `limits`."""
         if not links or links[0].depth != 0:
             raise ValueError("a pin holds a prefix from block 0")
         part = namespace.partition
@@ -61,16 +65,13 @@ class OperatorControls(IndexedStore):
             held = txn.aux_get(PINS, pin_key)
             if held is not None:
                 return _pin_record(pin_key, held, part), False
+            if limits is not None and limits.blocks is not None:
+                _check_blocks(self._pins(txn, part), len(links), limits.blocks)
             metas = self._verified(txn, namespace, links, now)
-            if quota_blocks is not None:
-                pinned = sum(record.blocks for record in self._pins(txn, part))
-                if pinned + len(links) > quota_blocks:
-                    raise QuotaExceeded(
-                        f"the tenant's pins hold {pinned} blocks; {len(links)} more would pass "
-                        f"its pin quota of {quota_blocks} blocks (pin_quota_blocks)",
-                        limit="pin_quota_blocks",
-                        limit_blocks=quota_blocks,
-                    )
+            size = sum(self.estimate_bytes(m.payload_size, len(m.tokens)) for m in metas)
+            if limits is not None:
+                _check_bytes(self._pins(txn, part), size, limits.tenant_bytes, "tenant")
+                _check_bytes(self._pins(txn, b"", every=True), size, limits.total_bytes, "all")
             for meta in metas:
                 count = _count(txn, meta.key)
                 txn.aux_put(PIN_COUNTS, meta.key, _COUNT.pack(count + 1))
@@ -78,16 +79,25 @@ class OperatorControls(IndexedStore):
                     before = self._indexed(meta)
                     meta.expires_at = math.inf
                     self._save(txn, meta, before)
-            value = orjson.dumps({"blocks": len(links), "pinned_at": now, "by": by})
+            value = orjson.dumps(
+                {"blocks": len(links), "bytes": size, "pinned_at": now, "by": by, "rank": rank}
+            )
             txn.aux_put(PINS, pin_key, value)
         return _pin_record(pin_key, value, part), True
 
     def unpin(
-        self, namespace: NamespaceId, deepest: BlockKey, *, now: float, ttl_seconds: float
+        self,
+        namespace: NamespaceId,
+        deepest: BlockKey,
+        *,
+        now: float,
+        ttl_seconds: float,
+        rank: int = 0,
     ) -> int:
         """Release the pin whose deepest block is `deepest`; its blocks that no other pin
         holds expire `ttl_seconds` from now (the longest class's TTL, so that none expires
-        before a descendant). Returns how many blocks the pin held (0 if no such pin)."""
+        before a descendant). Returns how many blocks the pin held (0 if no such pin);
+        Forbidden if it was pinned by a higher rank than `rank`."""
         part = namespace.partition
         pin_key = namespace.scope + deepest
         with self._write() as txn:
@@ -95,22 +105,36 @@ class OperatorControls(IndexedStore):
             if value is None:
                 return 0
             record = _pin_record(pin_key, value, part)
-            key: BlockKey | None = BlockKey(part + deepest)
-            for _ in range(record.blocks):  # deepest first, up the chain
-                meta = txn.get(key) if key is not None else None
-                if meta is None:
-                    break
-                count = _count(txn, meta.key)
-                if count <= 1:
-                    txn.aux_delete(PIN_COUNTS, meta.key)
-                    before = self._indexed(meta)
-                    meta.expires_at = now + ttl_seconds
-                    self._save(txn, meta, before)
-                else:
-                    txn.aux_put(PIN_COUNTS, meta.key, _COUNT.pack(count - 1))
-                key = meta.parent_key if meta.depth else None
+            if record.rank > rank:
+                raise Forbidden(
+                    f"this prefix was pinned by {record.by!r}, whose role is above this key's"
+                )
+            self._release(txn, BlockKey(part + deepest), record.blocks, now, ttl_seconds)
             txn.aux_delete(PINS, pin_key)
         return record.blocks
+
+    def _release(
+        self, txn: BlockTxn, key: BlockKey, count: int, now: float, ttl_seconds: float
+    ) -> None:
+        """Take one pin off `count` blocks from `key` up the chain; a block no pin holds any
+        more expires `ttl_seconds` from now, and its expiry-index entry (moved to never while
+        it was pinned) comes back to that time."""
+        at: BlockKey | None = key
+        for _ in range(count):  # deepest first, up the chain
+            meta = txn.get(at) if at is not None else None
+            if meta is None:
+                return
+            held = _count(txn, meta.key)
+            if held <= 1:
+                txn.aux_delete(PIN_COUNTS, meta.key)
+                before = self._indexed(meta)
+                meta.expires_at = now + ttl_seconds
+                self._save(txn, meta, before)
+                if meta.indexed_expiry > meta.expires_at:
+                    self._refile_expiry(txn, meta)
+            else:
+                txn.aux_put(PIN_COUNTS, meta.key, _COUNT.pack(held - 1))
+            at = meta.parent_key if meta.depth else None
 
     def pins(self, partition: bytes) -> list[PinRecord]:
         """Every pin of a tenant (by its partition)."""
@@ -118,12 +142,13 @@ class OperatorControls(IndexedStore):
             return self._pins(txn, partition)
 
     @staticmethod
-    def _pins(txn: BlockTxn, partition: bytes) -> list[PinRecord]:
-        size = len(partition) + 2 * KEY_BYTES  # a pin key: partition, root, deepest key
+    def _pins(txn: BlockTxn, partition: bytes, *, every: bool = False) -> list[PinRecord]:
+        """A tenant's pins (a pin key: partition, root, deepest key); with `every`, all."""
+        size = len(partition) + 2 * KEY_BYTES
         return [
-            _pin_record(key, value, partition)
+            _pin_record(key, value, key[: len(key) - 2 * KEY_BYTES] if every else partition)
             for key, value in txn.aux_scan(PINS, partition, 1 << 30)
-            if len(key) == size
+            if every or len(key) == size
         ]
 
     def links_of(
@@ -187,15 +212,17 @@ class OperatorControls(IndexedStore):
         root: BlockKey | None = None,
         under: BlockKey | None = None,
         now: float,
+        ttl_seconds: float = 0.0,
     ) -> PurgeResult:
         """Delete every block of a tenant, of one of its namespaces (`root`), or every block
         under the block `under` (its own key, with its partition) and itself. Runs in short
-        transactions, deepest blocks first; durable once it returns."""
-        with self._read() as txn:
-            targets = self._purge_targets(txn, partition, root, under)
+        transactions, deepest blocks first; durable once it returns. A pin whose blocks
+        went lets go of the blocks that stay (above `under`), which then expire
+        `ttl_seconds` from now unless another pin holds them."""
+        targets = self._purge_targets(partition, root, under)
         blocks = payload_bytes = 0
         dropped: set[BlockKey] = set()
-        targets.sort(key=lambda meta: -meta.depth)  # children before parents
+        targets.sort(key=lambda target: -target.depth)  # children before parents
         for start in range(0, len(targets), PURGE_BATCH_BLOCKS):
             with self._write() as txn:
                 for target in targets[start : start + PURGE_BATCH_BLOCKS]:
@@ -206,6 +233,7 @@ class OperatorControls(IndexedStore):
                     dropped.add(meta.key)
                     blocks += 1
                     payload_bytes += meta.payload_size
+        top = targets[-1] if under is not None and targets else None  # `under` itself
         with self._write() as txn:
             pins = 0
             for record in self._pins(txn, partition):
@@ -214,27 +242,37 @@ class OperatorControls(IndexedStore):
                 ):
                     txn.aux_delete(PINS, record.scope + record.key)
                     pins += 1
+                    if top is not None and top.depth:  # the pin also held under's ancestors
+                        self._release(txn, top.parent_key, top.depth, now, ttl_seconds)
         return PurgeResult(blocks=blocks, payload_bytes=payload_bytes, pins=pins)
 
-    @staticmethod
     def _purge_targets(
-        txn: BlockTxn, partition: bytes, root: BlockKey | None, under: BlockKey | None
-    ) -> list[BlockMeta]:
-        found: list[BlockMeta] = []
+        self, partition: bytes, root: BlockKey | None, under: BlockKey | None
+    ) -> list[_Target]:
+        """The blocks a purge deletes, read in batches (each its own short read)."""
+        found: list[_Target] = []
         after: bytes | None = None
-        while batch := txn.scan_blocks(partition, after, SCAN_BATCH_BLOCKS):
-            found += [m for m in batch if root is None or m.namespace_root == root]
+        while True:
+            with self._read() as txn:
+                batch = txn.scan_blocks(partition, after, SCAN_BATCH_BLOCKS)
+            if not batch:
+                break
+            found += [
+                _Target(meta.key, meta.depth, meta.parent_key)
+                for meta in batch
+                if root is None or meta.namespace_root == root
+            ]
             after = batch[-1].key
         if under is None:
             return found
-        children: dict[bytes, list[BlockMeta]] = {}
-        for meta in found:
-            if meta.depth:
-                children.setdefault(meta.parent_key, []).append(meta)
-        start = next((meta for meta in found if meta.key == under), None)
+        children: dict[bytes, list[_Target]] = {}
+        for target in found:
+            if target.depth:
+                children.setdefault(target.parent_key, []).append(target)
+        start = next((target for target in found if target.key == under), None)
         subtree = [start] if start is not None else []
-        for meta in subtree:  # grows as it goes: a breadth-first walk
-            subtree += children.get(meta.key, [])
+        for target in subtree:  # grows as it goes: a breadth-first walk
+            subtree += children.get(target.key, [])
         return subtree
 
     # -- explanations -------------------------------------------------------------------------
@@ -270,6 +308,39 @@ class OperatorControls(IndexedStore):
             return homes
 
 
+def _check_blocks(pins: list[PinRecord], adding: int, limit: int) -> None:
+    pinned = sum(record.blocks for record in pins)
+    if pinned + adding > limit:
+        raise QuotaExceeded(
+            f"the tenant's pins hold {pinned} blocks; {adding} more would pass its pin quota "
+            f"of {limit} blocks (pin_quota_blocks)",
+            limit="pin_quota_blocks",
+            limit_blocks=limit,
+        )
+
+
+def _check_bytes(pins: list[PinRecord], adding: int, limit: int | None, whose: str) -> None:
+    if limit is None:
+        return
+    pinned = sum(record.bytes for record in pins)
+    if pinned + adding > limit:
+        holder = "the tenant's pins" if whose == "tenant" else "all pins together"
+        raise QuotaExceeded(
+            f"{holder} hold {pinned} bytes; {adding} more would pass the {limit} bytes they "
+            "may take (pinned_share of the capacity, or of the tenant's capacity quota)",
+            limit="pinned_share",
+            limit_bytes=limit,
+        )
+
+
+class _Target(NamedTuple):
+    """A block a purge will delete."""
+
+    key: BlockKey
+    depth: int
+    parent_key: BlockKey
+
+
 def _count(txn: BlockTxn, key: BlockKey) -> int:
     raw = txn.aux_get(PIN_COUNTS, key)
     return int(_COUNT.unpack(raw)[0]) if raw is not None else 0
@@ -279,4 +350,12 @@ def _pin_record(pin_key: bytes, value: bytes, partition: bytes) -> PinRecord:
     fields = orjson.loads(value)
     scope = BlockKey(pin_key[: len(partition) + KEY_BYTES])
     key = BlockKey(pin_key[len(partition) + KEY_BYTES :])
-    return PinRecord(scope, key, int(fields["blocks"]), float(fields["pinned_at"]), fields["by"])
+    return PinRecord(
+        scope,
+        key,
+        int(fields["blocks"]),
+        float(fields["pinned_at"]),
+        fields["by"],
+        int(fields.get("bytes", 0)),
+        int(fields.get("rank", 0)),
+    )

@@ -192,34 +192,43 @@ class IndexedStore:
         return parent.children == 0
 
     def evict_tenant(
-        self, partition: bytes, *, target_bytes: int, now: float, max_blocks: int
+        self,
+        partition: bytes,
+        *,
+        target_bytes: int,
+        now: float,
+        max_blocks: int,
+        protected: frozenset[BlockKey] = frozenset(),
     ) -> list[Evicted]:
         """Remove a tenant's own least recently used leaves (never another tenant's, never
         a pinned block) until its estimated bytes are at most `target_bytes`."""
         evicted: list[Evicted] = []
+        limit = SCAN_FIRST
         with self._write() as txn:
             while len(evicted) < max_blocks:
                 held = txn.aux_get(TENANT_BYTES, partition)
                 if held is None or _I64.unpack(held)[0] <= target_bytes:
                     break
-                entries = txn.aux_scan(TENANT_LEAVES, partition, SCAN_FIRST)
-                if not entries:
-                    break
-                dropped = False
+                entries = txn.aux_scan(TENANT_LEAVES, partition, limit)
+                victim = None
                 for entry, _ in entries:
                     meta = txn.get(BlockKey(entry[len(partition) + SORT_KEY_BYTES :]))
                     if meta is None or meta.children or meta.pinned:
                         txn.aux_delete(TENANT_LEAVES, entry)  # stale: not a leaf any more
-                        continue
-                    self._drop(txn, meta, reason="tenant_quota", at=now)
-                    evicted.append(
-                        Evicted(meta.key, "tenant_quota", meta.retention, meta.expires_at,
-                                meta.payload_size)
-                    )  # fmt: skip
-                    dropped = True
-                    break  # its parent may now be the tenant's oldest leaf: look again
-                if not dropped and len(entries) < SCAN_FIRST:
-                    break
+                    elif meta.key not in protected:
+                        victim = meta
+                        break
+                if victim is None:
+                    if len(entries) < limit or limit >= SCAN_MOST:
+                        break  # nothing the tenant may lose is left
+                    limit = min(limit * 4, SCAN_MOST)
+                    continue
+                # One at a time: the victim's parent may now be the tenant's oldest leaf.
+                self._drop(txn, victim, reason="tenant_quota", at=now)
+                evicted.append(
+                    Evicted(victim.key, "tenant_quota", victim.retention, victim.expires_at,
+                            victim.payload_size)
+                )  # fmt: skip
         return evicted
 
     def usage(self) -> StoreUsage:
