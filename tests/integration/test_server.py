@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -214,12 +215,18 @@ def test_info_reports_hashing_scheme_and_block_sizes(make_server: MakeServer) ->
 
 def test_openapi_schema_documents_every_route(server: ServerProcess) -> None:
     schema = httpx.get(server.url + "/openapi.json").json()
-    for path in ("/v1/lookup", "/v1/blocks", "/v1/blocks/fetch", "/v1/info", "/v1/stats"):
+    for path in ("/v1/lookup", "/v1/blocks", "/v1/blocks/fetch", "/v1/info", "/v1/stats",
+                 "/v1/explain", "/v1/pin", "/v1/unpin", "/v1/pins", "/v1/purge"):  # fmt: skip
         assert path in schema["paths"]
     components = schema["components"]["schemas"]
     assert {"LookupRequest", "StoreHeader", "FetchRequest", "LookupResponse", "Problem"} <= set(
         components
     )
+    assert {"ExplainRequest", "PinRequest", "PurgeRequest", "ExplainResponse"} <= set(components)
+    # Every reference resolves.
+    refs = re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(schema))
+    assert refs
+    assert set(refs) <= set(components)
     store_body = schema["paths"]["/v1/blocks"]["post"]["requestBody"]["content"]
     assert MEDIA_TYPE in store_body
 
