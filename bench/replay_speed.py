@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from cache_service.hashing import BlockHasher
@@ -61,7 +62,7 @@ def main() -> None:
         ("embedded memory store, unbounded", "memory", None),
     ):
         config = ReplayConfig(traces=[args.trace], store=store, capacity_tokens=capacity)
-        rows.append((label, _median_seconds(args.runs, lambda c=config: run_replay(c, log=quiet))))
+        rows.append((label, _median_seconds(args.runs, partial(run_replay, config, log=quiet))))
     accesses = build_accesses(requests, units)
     rows.append(
         (

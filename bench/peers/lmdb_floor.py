@@ -106,8 +106,10 @@ def _measure_in(directory: Path, *, repetitions: int) -> list[Row]:
                 continue
             # Reads do not depend on the sync mode: measure them once, on the last write.
 
-            def read(read_keys: list[bytes], env: lmdb.Environment = env) -> Callable[[], list]:
-                def work() -> list[bytes]:
+            def read(
+                read_keys: list[bytes], env: lmdb.Environment = env
+            ) -> Callable[[], list[bytes | None]]:
+                def work() -> list[bytes | None]:
                     with env.begin() as txn:
                         return [txn.get(key) for key in read_keys]
 
@@ -115,7 +117,7 @@ def _measure_in(directory: Path, *, repetitions: int) -> list[Row]:
 
             def read_views(env: lmdb.Environment = env) -> int:
                 with env.begin(buffers=True) as txn:  # views are valid only inside the txn
-                    return sum(len(txn.get(key)) for key in keys)
+                    return sum(len(txn.get(key) or b"") for key in keys)
 
             def check_total(total: object) -> None:
                 if total != prefix_bytes:

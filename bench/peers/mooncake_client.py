@@ -22,6 +22,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from mooncake.store import MooncakeDistributedStore
@@ -97,7 +98,9 @@ def _succeeded(code: int) -> None:
         raise RuntimeError(f"put returned {code}")
 
 
-def client(rpc_port: str, metadata_port: str, payloads_path: str, counts: dict) -> dict:
+def client(
+    rpc_port: str, metadata_port: str, payloads_path: str, counts: dict[str, Any]
+) -> dict[str, Any]:
     """Seconds per store and fetch of the prefix and of each single block."""
     payloads = _load_payloads(payloads_path)
     store = _open(rpc_port, metadata_port, 0)
@@ -122,13 +125,13 @@ def client(rpc_port: str, metadata_port: str, payloads_path: str, counts: dict) 
         key = f"single-{label}"
         result[label] = {
             "store_seconds": _timed(
-                lambda k=key, p=payload: store.put(k, p),
+                partial(store.put, key, payload),
                 counts["single"],
                 before=store.remove_all,
                 check=_succeeded,
             ),
             "fetch_seconds": _timed(
-                lambda k=key: store.get(k), counts["single"], check=_expect([payload])
+                partial(store.get, key), counts["single"], check=_expect([payload])
             ),
             "payload_bytes": len(payload),
         }

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from functools import partial
 from typing import Any
 
 from bench.peers.harness import (
@@ -147,9 +148,7 @@ def _measure_server(port: int, *, repetitions: int) -> list[Row]:
         single_repetitions = repetitions * SINGLE_BLOCK_REPETITION_FACTOR
         for label, value in single_blocks().items():
             key = block_keys(1, namespace=f"redis-{label}".encode())[0]
-            seconds = time_calls(
-                lambda k=key, v=value: client.set(k, v), repetitions=single_repetitions
-            )
+            seconds = time_calls(partial(client.set, key, value), repetitions=single_repetitions)
             rows += payload_rows(
                 single_case(label, "store"),
                 SUBJECT,
@@ -159,7 +158,7 @@ def _measure_server(port: int, *, repetitions: int) -> list[Row]:
                 note="no persistence",
             )
             seconds = time_calls(
-                lambda k=key: client.get(k),
+                partial(client.get, key),
                 repetitions=single_repetitions,
                 check=check_equal([value]),
             )

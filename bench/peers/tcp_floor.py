@@ -17,6 +17,7 @@ import struct
 import subprocess
 import sys
 import time
+from functools import partial
 
 from bench.peers.harness import (
     SINGLE_BLOCK_REPETITION_FACTOR,
@@ -125,7 +126,7 @@ def measure(*, quick: bool, repetitions: int, allow_install: bool) -> list[Row]:
             ]
             for name, label, size, count in cases:
                 for operation, work in (("fetch", fetch), ("store", store)):
-                    seconds = time_calls(lambda w=work, s=size: w(s), repetitions=count)
+                    seconds = time_calls(partial(work, size), repetitions=count)
                     case = name(label, operation) if label else name(operation, "bulk")
                     rows += payload_rows(case, SUBJECT, CLIENT, seconds, payload_bytes=size)
         finally:

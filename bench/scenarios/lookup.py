@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 from bench.peers.harness import time_calls
@@ -202,7 +203,7 @@ def run(ctx: Context) -> list[Row]:
                 found = client.lookup(MODEL, token_bytes)
                 assert found.matched_blocks == stored, (name, state, found.matched_blocks)
                 seconds = time_calls(
-                    lambda t=token_bytes: client.lookup(MODEL, t),
+                    partial(client.lookup, MODEL, token_bytes),
                     repetitions=ctx.reps(100, 500),
                     warmup=10,
                 )

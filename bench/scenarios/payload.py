@@ -7,6 +7,7 @@ import importlib
 import json
 import time
 from collections.abc import Callable
+from functools import partial
 
 from bench.peers import PEER_MODULES
 from bench.peers.harness import check_equal, payload_rows, time_calls
@@ -86,17 +87,19 @@ def _ours(ctx: Context, reps: int) -> tuple[list[Row], dict[str, Row]]:
         fresh = iter(range(10**6))
         for index, (label, value) in enumerate(single_blocks().items()):
             one = tokens_to_bytes(range(9_000_000 + index * 64, 9_000_064 + index * 64))
-            seconds = time_calls(
-                lambda v=value, t=one: client.put_prefix(MODEL, t, [v], salt=f"s{next(fresh)}"),
-                repetitions=reps * 4,
-            )
+
+            def store_once(value: bytes = value, tokens: bytes = one) -> None:
+                # A fresh salt each time: every call stores, none merely refreshes.
+                client.put_prefix(MODEL, tokens, [value], salt=f"s{next(fresh)}")
+
+            seconds = time_calls(store_once, repetitions=reps * 4)
             rows += payload_rows(
                 single_case(label, "store"), OURS, "our client", seconds, payload_bytes=len(value)
             )
             client.put_prefix(MODEL, one, [value])
             single_key = client.lookup(MODEL, one).keys
             seconds = time_calls(
-                lambda k=single_key: client.get_blocks(MODEL, k, copy=False),
+                partial(client.get_blocks, MODEL, single_key, copy=False),
                 repetitions=reps * 4,
                 check=check_equal([value]),
             )
