@@ -83,17 +83,22 @@ class Operators:
             limits=limits,
         )
 
-    def pin_limits(self, tenant: str, *, pin_quota_blocks: int, pinned_share: float) -> PinLimits:
-        """The limits of a writer's pins: the tenant's pinned blocks, and a share of the
-        tenant's capacity quota and of the whole capacity (pins are never evicted, so they
-        must not crowd out everything else)."""
+    def pin_limits(
+        self, tenant: str, *, pin_quota_blocks: int, pinned_share: float, tenants: int
+    ) -> PinLimits:
+        """The limits of a writer's pins: the tenant's pinned blocks; `pinned_share` of its
+        capacity quota, or without one its even part (of `tenants`) of the cache's pinned
+        share; and the cache's pinned share for all pins together (pins are never evicted,
+        so they must not crowd out everything else, nor one tenant's pins everyone's)."""
         quota = self.cache.tenant_capacity_bytes.get(tenant)
         capacity = self.cache.capacity_bytes
-        return PinLimits(
-            blocks=pin_quota_blocks,
-            tenant_bytes=int(quota * pinned_share) if quota is not None else None,
-            total_bytes=int(capacity * pinned_share) if capacity is not None else None,
-        )
+        total = int(capacity * pinned_share) if capacity is not None else None
+        own: int | None
+        if quota is not None:
+            own = int(quota * pinned_share)
+        else:
+            own = total // max(tenants, 1) if total is not None else None
+        return PinLimits(blocks=pin_quota_blocks, tenant_bytes=own, total_bytes=total)
 
     def unpin(
         self,
@@ -175,9 +180,10 @@ class Operators:
         reveal_salts: bool = False,
     ) -> Explanation:
         """Why a lookup of `tokens` stops where it does (the lookup itself is not counted
-        and marks nothing used). Another namespace holding the first block is named by its
-        model and layout; its salt only when `reveal_salts` (for admins: a salt is what keeps
-        users of one tenant apart)."""
+        and marks nothing used). Another namespace of the tenant holding the first block is
+        named by its model and layout; one under another salt is considered, and its salt
+        named, only when `reveal_salts` (for admins: a salt is what keeps users of one
+        tenant apart, so even that such a block exists is not for them to learn)."""
         cache = self.cache
         size = cache.model_block_sizes.get(namespace.model, cache.default_block_size)
         links = cache.chain(namespace, tokens)
@@ -243,6 +249,8 @@ class Operators:
             seed, other = decode_namespace(encoded)
             if seed != cache.hasher.seed or other.tenant != namespace.tenant:
                 continue
+            if not reveal_salts and other.salt != namespace.salt:
+                continue  # a salt keeps users apart: that one exists is for admins alone
             other_links = cache.hasher.chain(other, links.token_bytes, block_size=block_size)
             other_id = cache.hasher.namespace_id(other)
             first = other_links[:1]

@@ -175,6 +175,57 @@ def test_a_purge_under_a_pin_releases_the_blocks_above_it(
     assert matched(cache, prompt) == 0
 
 
+def test_a_higher_role_pinning_a_pinned_prefix_takes_the_pin_over(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    cache, ops = make(store, clock)
+    prompt = blocks_of(1, 2)
+    put(cache, prompt)
+    ops.pin(NS, prompt, by="a-writer", rank=2)
+    record, new = ops.pin(NS, prompt, by="ops", rank=3)
+    assert (record.by, record.rank, new) == ("ops", 3, False)
+    with pytest.raises(Forbidden):
+        ops.unpin(NS, prompt, rank=2)
+
+
+def test_a_full_pinned_share_does_not_tell_how_much_others_pinned(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    cache, ops = make(store, clock)
+    other = Namespace(model="m", tenant="team-b")
+    put(cache, blocks_of(1), namespace=other)
+    ops.pin(other, blocks_of(1), by="b")
+    put(cache, blocks_of(2))
+    with pytest.raises(QuotaExceeded) as refused:
+        ops.pin(NS, blocks_of(2), by="a", limits=PinLimits(total_bytes=10))
+    assert "bytes" not in str(refused.value)
+    assert refused.value.extensions == {"limit": "pinned_share"}
+
+
+def test_a_purge_racing_a_store_leaves_no_block_pinned_for_ever(
+    store: BlockStore, clock: VirtualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache, ops = make(store, clock)
+    prompt = blocks_of(1, 2)
+    put(cache, prompt)
+    ops.pin(NS, prompt, by="ops")
+    scan = store._purge_targets  # type: ignore[attr-defined]
+
+    def scan_then_store(*args: object) -> object:
+        targets = scan(*args)
+        put(cache, blocks_of(1, 9))  # a sibling under the pinned root lands mid-purge
+        return targets
+
+    monkeypatch.setattr(store, "_purge_targets", scan_then_store)
+    result = ops.purge("team-a", namespace=NS)
+    assert (result.blocks, result.pins) == (1, 1)  # the root stays: it has a new child
+    assert ops.pins("team-a") == []
+    clock.advance(400 * DAY)
+    while cache.sweep_expired():
+        pass
+    assert cache.usage().blocks == 0  # the root was let go of, so it expired like the rest
+
+
 # -- purge -------------------------------------------------------------------------------------
 
 
@@ -257,15 +308,18 @@ def test_explain_finds_the_first_block_under_another_salt_or_block_size(
     cache, ops = make(store, clock)
     prompt = list(range(100, 132))  # 32 tokens
     put(cache, prompt, namespace=Namespace(model="m", tenant="team-a", salt="lora-7"))
-    other = ops.explain(NS, prompt)
+    # A salt keeps users of one tenant apart: only an admin's explanation looks across.
+    assert ops.explain(NS, prompt).reason == "never_stored"
+    other = ops.explain(NS, prompt, reveal_salts=True)
     assert other.reason == "other_namespace"
-    # A salt keeps users of one tenant apart: only an admin's explanation names it.
     assert (other.facts["salt"], other.facts["salt_differs"], other.facts["model"]) == (
-        None,
+        "lora-7",
         True,
         "m",
     )
-    assert ops.explain(NS, prompt, reveal_salts=True).facts["salt"] == "lora-7"
+    # Under the same salt, another model is named to anyone of the tenant.
+    put(cache, prompt, namespace=Namespace(model="m2", tenant="team-a"))
+    assert ops.explain(NS, prompt).facts["model"] == "m2"
     # Another tenant's identical prompt is not revealed.
     assert ops.explain(Namespace(model="m", tenant="team-b", salt="lora-7"), prompt).reason == (
         "never_stored"
@@ -273,7 +327,7 @@ def test_explain_finds_the_first_block_under_another_salt_or_block_size(
     # The same namespace under a block size the service used before.
     resized, resized_ops = make(store, clock, model_block_sizes={"m": 16})
     put(resized, prompt)
-    assert ops.explain(NS, prompt).reason == "block_size_differs"
+    assert ops.explain(NS, prompt).reason == "block_size_differs"  # its own namespace first
     assert ops.explain(NS, prompt).facts["stored_block_size"] == 16
     assert resized_ops.explain(NS, prompt).reason == "complete"
 

@@ -117,6 +117,7 @@ async def pin(request: Request) -> Response:
             namespace.tenant,
             pin_quota_blocks=state.settings.pin_quota_blocks,
             pinned_share=state.settings.pinned_share,
+            tenants=len(state.metrics.tenants),
         )
     keys = [key_from_hex(k) for k in body.keys] if body.keys is not None else None
     record, new = await run_in_threadpool(

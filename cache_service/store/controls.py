@@ -64,7 +64,12 @@ class OperatorControls(IndexedStore):
         with self._write() as txn:
             held = txn.aux_get(PINS, pin_key)
             if held is not None:
-                return _pin_record(pin_key, held, part), False
+                record = _pin_record(pin_key, held, part)
+                if rank > record.rank:  # a higher role takes the pin over: only it may release
+                    fields = {**orjson.loads(held), "by": by, "rank": rank}
+                    txn.aux_put(PINS, pin_key, orjson.dumps(fields))
+                    record = _pin_record(pin_key, orjson.dumps(fields), part)
+                return record, False
             if limits is not None and limits.blocks is not None:
                 _check_blocks(self._pins(txn, part), len(links), limits.blocks)
             metas = self._verified(txn, namespace, links, now)
@@ -220,8 +225,7 @@ class OperatorControls(IndexedStore):
         went lets go of the blocks that stay (above `under`), which then expire
         `ttl_seconds` from now unless another pin holds them."""
         targets = self._purge_targets(partition, root, under)
-        blocks = payload_bytes = 0
-        dropped: set[BlockKey] = set()
+        blocks = payload_bytes = pins = 0
         targets.sort(key=lambda target: -target.depth)  # children before parents
         for start in range(0, len(targets), PURGE_BATCH_BLOCKS):
             with self._write() as txn:
@@ -229,21 +233,19 @@ class OperatorControls(IndexedStore):
                     meta = txn.get(target.key)
                     if meta is None or meta.children:  # gone, or given a child since the scan
                         continue
+                    # A pin ending at this block goes with it, in the same transaction, and
+                    # lets go of the blocks above (which may be purged next, or stay).
+                    pin_key = partition + meta.namespace_root + meta.key[len(partition) :]
+                    value = txn.aux_get(PINS, pin_key)
+                    if value is not None:
+                        txn.aux_delete(PINS, pin_key)
+                        held = _pin_record(pin_key, value, partition).blocks
+                        if meta.depth and held > 1:
+                            self._release(txn, meta.parent_key, held - 1, now, ttl_seconds)
+                        pins += 1
                     self._drop(txn, meta, reason="purged", at=now)
-                    dropped.add(meta.key)
                     blocks += 1
                     payload_bytes += meta.payload_size
-        top = targets[-1] if under is not None and targets else None  # `under` itself
-        with self._write() as txn:
-            pins = 0
-            for record in self._pins(txn, partition):
-                if (root is None or record.scope.endswith(root)) and (
-                    partition + record.key in dropped
-                ):
-                    txn.aux_delete(PINS, record.scope + record.key)
-                    pins += 1
-                    if top is not None and top.depth:  # the pin also held under's ancestors
-                        self._release(txn, top.parent_key, top.depth, now, ttl_seconds)
         return PurgeResult(blocks=blocks, payload_bytes=payload_bytes, pins=pins)
 
     def _purge_targets(
@@ -323,14 +325,22 @@ def _check_bytes(pins: list[PinRecord], adding: int, limit: int | None, whose: s
     if limit is None:
         return
     pinned = sum(record.bytes for record in pins)
-    if pinned + adding > limit:
-        holder = "the tenant's pins" if whose == "tenant" else "all pins together"
+    if pinned + adding <= limit:
+        return
+    if whose == "tenant":
         raise QuotaExceeded(
-            f"{holder} hold {pinned} bytes; {adding} more would pass the {limit} bytes they "
-            "may take (pinned_share of the capacity, or of the tenant's capacity quota)",
+            f"the tenant's pins hold {pinned} bytes; {adding} more would pass the {limit} "
+            "bytes they may take (pinned_share of its capacity quota, or its share of the "
+            "cache's)",
             limit="pinned_share",
             limit_bytes=limit,
         )
+    # Other tenants' pins are theirs: say only that the cache's pinned share is full.
+    raise QuotaExceeded(
+        "the share of the cache that pins may take is full (pinned_share); retry after "
+        "pins are released",
+        limit="pinned_share",
+    )
 
 
 class _Target(NamedTuple):
