@@ -182,3 +182,21 @@ def test_a_pinned_prefix_survives_an_eviction_storm(make_server: MakeServer) -> 
             client.put_prefix(MODEL, [label] * 64, [block])
         assert client.lookup(MODEL, PROMPT).matched_blocks == 4
         assert client.lookup(MODEL, [100] * 64).matched_blocks == 0  # the storm did evict
+
+
+def test_every_worker_process_explains_from_the_same_removal_log(
+    make_server: MakeServer,
+) -> None:
+    server = make_server(capacity="4MiB", workers="2")
+    block = b"x" * 60 * 1024
+    with CacheClient(server.url) as client:
+        client.put_prefix(MODEL, [6] * 64, [block])
+        for label in range(100, 200):  # evictions happen in whichever worker stored
+            client.put_prefix(MODEL, [label] * 64, [block])
+    reasons = set()
+    for _ in range(12):  # a fresh connection each time: both workers answer some
+        with httpx.Client() as fresh:
+            answer = fresh.post(server.url + "/v1/explain",
+                                json={"model": MODEL, "tokens": [6] * 64})  # fmt: skip
+            reasons.add(answer.json()["reason"])
+    assert reasons == {"evicted"}
