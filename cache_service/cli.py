@@ -33,12 +33,15 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
             + (f"; e.g. {example}" if example else "")
             + "]"
         )
+        # A true/false setting is also a bare switch: `--access-log` means `--access-log true`.
+        switch = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
         parser.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,
             default=argparse.SUPPRESS,
             metavar=name.upper(),
             help=help_text.replace("%", "%%"),
+            **switch,  # type: ignore[arg-type]
         )
 
 

@@ -117,3 +117,12 @@ def test_an_open_address_needs_keys_or_an_explicit_allowance() -> None:
     assert Settings(host="0.0.0.0", allow_unauthenticated=True).auth == "none"
     assert Settings(host="::1").auth == "none"  # loopback needs neither
     assert Settings(host="localhost").auth == "none"
+
+
+def test_a_true_false_setting_is_also_a_bare_switch() -> None:
+    args = vars(build_parser().parse_args(
+        ["serve", "--host", "0.0.0.0", "--allow-unauthenticated", "--access-log", "false"]
+    ))  # fmt: skip
+    args.pop("command")
+    settings = load_settings(args)
+    assert (settings.allow_unauthenticated, settings.access_log) == (True, False)
