@@ -171,3 +171,30 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_two_workers_append_one_usage_log_without_losing_or_tearing_a_line(
+    make_server: MakeServer, keys: dict[str, str], tmp_path: Path
+) -> None:
+    usage = tmp_path / "usage.jsonl"
+    server = make_server(auth="keys", api_keys_file=str(tmp_path / "keys.toml"),
+                         usage_log=str(usage), usage_log_max_bytes="4KiB",
+                         workers="2", touch_flush_interval="0.05")  # fmt: skip
+    headers = {"Authorization": "Bearer " + keys["a-reader"]}
+    for index in range(60):  # fresh connections: both workers answer some
+        with httpx.Client() as fresh:
+            fresh.post(server.url + "/v1/lookup", json={"model": "m", "tokens": [index] * 64},
+                       headers=headers).raise_for_status()  # fmt: skip
+    files = sorted(tmp_path.glob("usage.jsonl*"))
+
+    def records() -> list[dict[str, Any]]:
+        lines = [line for path in tmp_path.glob("usage.jsonl*") if not path.name.endswith(".lock")
+                 for line in path.read_text().splitlines()]  # fmt: skip
+        return [json.loads(line) for line in lines]  # a torn line would not parse
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(records()) < 60:
+        time.sleep(0.05)
+    assert len(records()) == 60  # rotated at 4 KiB, five old files kept: all still here
+    assert files
+    assert {r["key"] for r in records()} == {"a-reader"}
