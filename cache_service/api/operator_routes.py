@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter
@@ -32,7 +33,7 @@ from cache_service.api.schemas import (
     UnpinResponse,
 )
 from cache_service.api.state import ServiceState, service_state
-from cache_service.blocks import Namespace, key_from_hex
+from cache_service.blocks import BlockKey, Namespace, key_from_hex
 from cache_service.errors import Forbidden, InvalidField
 from cache_service.keys import ApiKey, Role
 
@@ -92,13 +93,26 @@ async def explain(request: Request) -> Response:
     )
 
 
-async def _pin_request(request: Request) -> tuple[ServiceState, ApiKey, PinRequest, Namespace]:
+@dataclass(frozen=True)
+class _PinCall:
+    """A parsed pin or unpin request: who asks, for which namespace, which prefix."""
+
+    state: ServiceState
+    caller: ApiKey
+    body: PinRequest
+    namespace: Namespace
+    keys: list[BlockKey] | None
+
+
+async def _pin_request(request: Request) -> _PinCall:
     state = service_state(request)
     body = await read_request_json(request, state, PinRequest)
     if (body.tokens is None) == (body.keys is None):
         raise InvalidField("tokens", "give the prefix's `tokens` or its `keys`, not both")
     caller = principal(request)
-    return state, caller, body, namespace_of(body, tenant_for(caller, body.tenant))
+    keys = [key_from_hex(k) for k in body.keys] if body.keys is not None else None
+    namespace = namespace_of(body, tenant_for(caller, body.tenant))
+    return _PinCall(state, caller, body, namespace, keys)
 
 
 @router.post(
@@ -110,25 +124,26 @@ async def _pin_request(request: Request) -> tuple[ServiceState, ApiKey, PinReque
 async def pin(request: Request) -> Response:
     """Pin every full block of `tokens` (or the blocks of `keys`); a writer's pins count
     against its tenant's pin quota."""
-    state, caller, body, namespace = await _pin_request(request)
+    call = await _pin_request(request)
+    state, caller = call.state, call.caller
     limits = None
     if caller.role < Role.ADMIN:  # admins pin without limits; writers within their tenant's
         limits = state.operators.pin_limits(
-            namespace.tenant,
+            call.namespace.tenant,
             pin_quota_blocks=state.settings.pin_quota_blocks,
             pinned_share=state.settings.pinned_share,
             tenants=len(state.metrics.tenants),
         )
-    keys = [key_from_hex(k) for k in body.keys] if body.keys is not None else None
     record, new = await run_in_threadpool(
         lambda: state.operators.pin(
-            namespace, body.tokens, keys=keys, block_size=body.block_size, by=caller.id,
-            rank=int(caller.role), limits=limits,
+            call.namespace, call.body.tokens, keys=call.keys, block_size=call.body.block_size,
+            by=caller.id, rank=int(caller.role), limits=limits,
         )
     )  # fmt: skip
     return JSONResponse(
-        {"model": body.model, "key": record.key.hex(), "pinned_blocks": record.blocks, "new": new}
-    )
+        {"model": call.body.model, "key": record.key.hex(), "pinned_blocks": record.blocks,
+         "new": new}
+    )  # fmt: skip
 
 
 @router.post(
@@ -140,15 +155,14 @@ async def pin(request: Request) -> Response:
 async def unpin(request: Request) -> Response:
     """Release the pin of exactly this prefix; its blocks then expire as if just used under
     the longest retention class, unless another pin holds them."""
-    state, caller, body, namespace = await _pin_request(request)
-    keys = [key_from_hex(k) for k in body.keys] if body.keys is not None else None
+    call = await _pin_request(request)
     released = await run_in_threadpool(
-        lambda: state.operators.unpin(
-            namespace, body.tokens, keys=keys, block_size=body.block_size,
-            rank=int(caller.role),
+        lambda: call.state.operators.unpin(
+            call.namespace, call.body.tokens, keys=call.keys, block_size=call.body.block_size,
+            rank=int(call.caller.role),
         )
     )  # fmt: skip
-    return JSONResponse({"model": body.model, "released_blocks": released})
+    return JSONResponse({"model": call.body.model, "released_blocks": released})
 
 
 @router.get("/v1/pins", summary="A tenant's pins")

@@ -95,15 +95,20 @@ async def lookup(request: Request) -> Response:
     return _lookup(state, caller, options, tokens)
 
 
-async def read_prompt_body(request: Request, state: ServiceState) -> tuple[bytes, bool]:
-    """A lookup-shaped body (JSON, or frames) within the limits, and whether it is frames."""
-    require_media_type(request, JSON, MEDIA_TYPE)
-    binary = media_type(request) == MEDIA_TYPE
-    raw = await read_body(
+async def read_limited_body(request: Request, state: ServiceState) -> bytes:
+    """The body within the service's size and time limits."""
+    return await read_body(
         request,
         limit_bytes=state.settings.max_body_size,
         timeout_seconds=state.settings.body_timeout,
     )
+
+
+async def read_prompt_body(request: Request, state: ServiceState) -> tuple[bytes, bool]:
+    """A lookup-shaped body (JSON, or frames) within the limits, and whether it is frames."""
+    require_media_type(request, JSON, MEDIA_TYPE)
+    binary = media_type(request) == MEDIA_TYPE
+    raw = await read_limited_body(request, state)
     check_token_room(
         frame_header_length(raw) if binary else len(raw), state.settings.max_tokens_per_request
     )
@@ -114,11 +119,7 @@ async def read_request_json(request: Request, state: ServiceState, model: type[M
     """A JSON body of `model` within the service's body and token limits; a long one is
     parsed in a worker thread, never on the event loop."""
     require_media_type(request, JSON)
-    raw = await read_body(
-        request,
-        limit_bytes=state.settings.max_body_size,
-        timeout_seconds=state.settings.body_timeout,
-    )
+    raw = await read_limited_body(request, state)
     check_token_room(len(raw), state.settings.max_tokens_per_request)
     if len(raw) >= INLINE_BODY_BYTES:
         body = await run_in_threadpool(parse_json, model, raw)
@@ -186,11 +187,7 @@ async def store_blocks(request: Request) -> Response:
     """Store payloads for blocks start_block.. of a prompt; the parent must be stored."""
     state = service_state(request)
     require_media_type(request, MEDIA_TYPE)
-    raw = await read_body(
-        request,
-        limit_bytes=state.settings.max_body_size,
-        timeout_seconds=state.settings.body_timeout,
-    )
+    raw = await read_limited_body(request, state)
     check_token_room(frame_header_length(raw), state.settings.max_tokens_per_request)
     # The queue is of writes waiting for the store, not of uploads: a slow upload holds no
     # place, so a trickling client cannot shut others' writes out.

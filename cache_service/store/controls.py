@@ -70,13 +70,16 @@ class OperatorControls(IndexedStore):
                     txn.aux_put(PINS, pin_key, orjson.dumps(fields))
                     record = _pin_record(pin_key, orjson.dumps(fields), part)
                 return record, False
+            own = self._pins(txn, part) if limits is not None else []
             if limits is not None and limits.blocks is not None:
-                _check_blocks(self._pins(txn, part), len(links), limits.blocks)
+                _check_blocks(own, len(links), limits.blocks)
             metas = self._verified(txn, namespace, links, now)
             size = sum(self.estimate_bytes(m.payload_size, len(m.tokens)) for m in metas)
             if limits is not None:
-                _check_bytes(self._pins(txn, part), size, limits.tenant_bytes, "tenant")
-                _check_bytes(self._pins(txn, b"", every=True), size, limits.total_bytes, "all")
+                _check_bytes(own, size, limits.tenant_bytes, "tenant")
+                if limits.total_bytes is not None:
+                    every = self._pins(txn, b"", every=True)
+                    _check_bytes(every, size, limits.total_bytes, "all")
             for meta in metas:
                 count = _count(txn, meta.key)
                 txn.aux_put(PIN_COUNTS, meta.key, _COUNT.pack(count + 1))

@@ -138,6 +138,13 @@ class IndexedStore:
         """The space one block of this size would take in this backend."""
         raise NotImplementedError
 
+    def _tenant_delta(self, new: BlockMeta, old: BlockMeta | None) -> int:
+        """What writing `new` over `old` (None: nothing) changes in its tenant's bytes."""
+        delta = self.estimate_bytes(new.payload_size, len(new.tokens))
+        if old is not None:
+            delta -= self.estimate_bytes(old.payload_size, len(old.tokens))
+        return delta
+
     def _add_tenant_bytes(self, txn: BlockTxn, partition: bytes, delta: int) -> None:
         """Keep a tenant's estimated bytes (the default tenant, with no partition, has none)."""
         if not partition or not delta:
@@ -167,13 +174,13 @@ class IndexedStore:
             txn.index_remove(VICTIMS, victim, meta.key)
             if partition:
                 txn.aux_delete(TENANT_LEAVES, partition + victim + meta.key)
-        self._add_tenant_bytes(
-            txn, partition, -self.estimate_bytes(meta.payload_size, len(meta.tokens))
-        )
+        if partition:
+            self._add_tenant_bytes(txn, partition, -self._tenant_delta(meta, None))
         txn.index_remove(EXPIRY, expiry_sort_key(meta.indexed_expiry), meta.key)
         txn.delete(meta.key)
         txn.add_payload_bytes(-meta.payload_size)
-        txn.aux_delete(PIN_COUNTS, meta.key)
+        if meta.pinned:  # only a purge removes a pinned block
+            txn.aux_delete(PIN_COUNTS, meta.key)
         remember_removal(txn, meta, reason=reason, at=at, limit=self.removal_log_entries)
         if meta.depth == 0:
             txn.aux_delete(FIRSTS, first_hint_key(meta))
@@ -225,10 +232,7 @@ class IndexedStore:
                     continue
                 # One at a time: the victim's parent may now be the tenant's oldest leaf.
                 self._drop(txn, victim, reason="tenant_quota", at=now)
-                evicted.append(
-                    Evicted(victim.key, "tenant_quota", victim.retention, victim.expires_at,
-                            victim.payload_size)
-                )  # fmt: skip
+                evicted.append(_evicted(victim, "tenant_quota"))
         return evicted
 
     def usage(self) -> StoreUsage:
@@ -304,12 +308,7 @@ class IndexedStore:
                 victim: BlockMeta | None = meta
                 while victim is not None:
                     new_leaf = self._drop(txn, victim, reason=reason, at=at)
-                    evicted.append(
-                        Evicted(
-                            victim.key, reason, victim.retention, victim.expires_at,
-                            victim.payload_size,
-                        )
-                    )  # fmt: skip
+                    evicted.append(_evicted(victim, reason))
                     progressed = True
                     if satisfied():
                         return
@@ -361,3 +360,8 @@ class IndexedStore:
                 return
             after = entries[-1][0] + entries[-1][1]
             limit = min(limit * 4, SCAN_MOST)
+
+
+def _evicted(meta: BlockMeta, reason: str) -> Evicted:
+    """The record of a block removed for `reason`."""
+    return Evicted(meta.key, reason, meta.retention, meta.expires_at, meta.payload_size)

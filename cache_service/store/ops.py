@@ -205,9 +205,8 @@ class TxnStore(OperatorControls):
                     )
                     txn.put_payload(key, block.payload)
                     txn.add_payload_bytes(new.payload_size - (old.payload_size if old else 0))
-                    tenant_bytes += self.estimate_bytes(new.payload_size, len(new.tokens))
-                    if old is not None:
-                        tenant_bytes -= self.estimate_bytes(old.payload_size, len(old.tokens))
+                    if part:  # only tenants' bytes are counted: the default tenant has no quota
+                        tenant_bytes += self._tenant_delta(new, old)
                     if old is None:
                         self._save(txn, new, None, new=True)
                     else:  # an expired block replaced: its early expiry entry stays valid
