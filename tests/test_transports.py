@@ -1,12 +1,17 @@
-"""The client's transports against a tiny HTTP server: keep-alive, chunked answers, no body."""
+"""The client's transports against a tiny HTTP server: keep-alive, chunked answers, no body;
+and failures to connect, which must read as such (the client counts them as `connect`)."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+from collections.abc import Callable
 
 import httpx
+import pytest
 
 from cache_service.client.aio_transport import AsyncStreamTransport
+from cache_service.client.transport import StdlibTransport
 
 CHUNKED = (
     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -54,3 +59,58 @@ def test_chunked_answers_with_trailers_keep_the_connection_usable() -> None:
 def test_an_answer_without_a_body_does_not_wait_for_one() -> None:
     responses = _exchange_twice([NO_CONTENT, CHUNKED], b"")
     assert [r.status_code for r in responses] == [204, 200]
+
+
+def _closed_port() -> int:
+    """A port that was free a moment ago: nobody listens on it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _stdlib_get(port: int) -> None:
+    with httpx.Client(transport=StdlibTransport(timeout_seconds=5)) as client:
+        client.get(f"http://127.0.0.1:{port}/healthz")
+
+
+def _stream_get(port: int) -> None:
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=AsyncStreamTransport(timeout_seconds=5)) as c:
+            await c.get(f"http://127.0.0.1:{port}/healthz")
+
+    asyncio.run(run())
+
+
+GETS = {"stdlib": _stdlib_get, "stream": _stream_get}
+
+
+@pytest.mark.parametrize("get", GETS.values(), ids=GETS.keys())
+def test_a_closed_port_is_a_connect_error(get: Callable[[int], None]) -> None:
+    with pytest.raises(httpx.ConnectError):
+        get(_closed_port())
+
+
+@pytest.mark.parametrize("get", GETS.values(), ids=GETS.keys())
+@pytest.mark.parametrize(
+    ("failure", "expected"),
+    [
+        (socket.gaierror(-2, "Name or service not known"), httpx.ConnectError),
+        (OSError(113, "No route to host"), httpx.ConnectError),
+        (TimeoutError("timed out"), httpx.ConnectTimeout),
+    ],
+    ids=["unknown-host", "no-route", "timeout"],
+)
+def test_a_failure_to_connect_is_a_connect_error_or_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+    get: Callable[[int], None],
+    failure: OSError,
+    expected: type[httpx.TransportError],
+) -> None:
+    def fail(*args: object, **kwargs: object) -> None:
+        raise failure
+
+    monkeypatch.setattr(socket, "create_connection", fail)  # http.client connects through it
+    monkeypatch.setattr(asyncio, "open_connection", fail)
+    with pytest.raises(expected) as caught:
+        get(_closed_port())
+    assert type(caught.value) is expected

@@ -65,7 +65,9 @@ class AsyncStreamTransport(httpx.AsyncBaseTransport):
             reused = bool(self._idle[origin])
             try:
                 conn = self._idle[origin].pop() if reused else await self._connect(origin)
-            except (OSError, TimeoutError) as exc:
+            except TimeoutError as exc:
+                raise httpx.ConnectTimeout("timed out", request=failed) from exc
+            except OSError as exc:
                 raise httpx.ConnectError(str(exc) or type(exc).__name__, request=failed) from exc
             try:
                 response = await asyncio.wait_for(self._exchange(conn, message), self._timeout)

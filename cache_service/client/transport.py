@@ -75,6 +75,8 @@ class StdlibTransport(httpx.BaseTransport):
         failed = request or httpx.Request(method, f"http://{origin[0]}:{origin[1]}{target}")
         for attempt in range(2):
             conn, reused = self._acquire(origin)
+            if not reused:
+                self._connect(conn, failed)
             try:
                 conn.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
                 for name, value in headers:
@@ -102,6 +104,19 @@ class StdlibTransport(httpx.BaseTransport):
                 status_code=answer.status, headers=answer.getheaders(), content=content
             )
         raise AssertionError("unreachable")
+
+    @staticmethod
+    def _connect(conn: http.client.HTTPConnection, failed: httpx.Request) -> None:
+        # Connected here rather than lazily in endheaders, so that a wrong host or port (refused,
+        # unknown name, no route) is a ConnectError or ConnectTimeout, not a ReadError.
+        try:
+            conn.connect()
+        except TimeoutError as exc:
+            conn.close()
+            raise httpx.ConnectTimeout(str(exc) or "timed out", request=failed) from exc
+        except OSError as exc:
+            conn.close()
+            raise httpx.ConnectError(str(exc) or type(exc).__name__, request=failed) from exc
 
     def close(self) -> None:
         """Close every idle connection."""
