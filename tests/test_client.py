@@ -4,6 +4,7 @@ fail-open and backoff. Every test runs against both twins (the `connect` fixture
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 from array import array
 from collections.abc import Callable, Iterator
@@ -88,13 +89,16 @@ class Service:
 
 
 class Blocking:
-    """Calls an AsyncCacheClient's coroutine methods from a plain test, one loop per call."""
+    """Calls an AsyncCacheClient's coroutine methods from a plain test, one loop per call;
+    its other attributes (`failures`) are read as they are."""
 
     def __init__(self, client: AsyncCacheClient) -> None:
         self.client = client
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
+    def __getattr__(self, name: str) -> Any:
         method = getattr(self.client, name)
+        if not inspect.iscoroutinefunction(method):
+            return method
 
         def call(*args: Any, **kwargs: Any) -> Any:
             return asyncio.run(method(*args, **kwargs))

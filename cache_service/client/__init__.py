@@ -13,6 +13,11 @@ With `fail_open=True`, the data-path calls (lookup, get_blocks, store, put_prefi
 misses at once, without the network, for `backoff_initial_seconds`, doubling per consecutive
 failure up to `backoff_max_seconds`; one success resets it. A 507 (store full) is a miss but
 not a failure: the service is up. 4xx answers are the caller's bug and are always raised.
+Failing open is never silent: each miss is counted by reason in `client.failures` (and in
+`prompt_cache_client_fail_open_total{reason}` on a `metrics_registry` passed in), and logged
+as a warning on the `cache_service.client` logger, at most one line per URL every 30 s,
+naming the URL and the error. A base URL without http:// or https:// is refused at once
+(ValueError), and `healthy()` (bool, never raises) is the check a worker makes at start-up.
 
 The blocking client talks plain http through `StdlibTransport` (http.client), which reads
 MiB-sized answers in one call; `copy=False` on lookup and get_blocks returns payloads as
@@ -22,12 +27,14 @@ memoryviews into the answer, so fetching a prefix copies its bytes only off the 
 from cache_service.client.aio import AsyncCacheClient
 from cache_service.client.answers import Match, Payload, StoreResult, Usage
 from cache_service.client.base import Clock
+from cache_service.client.failures import FailOpenCounts
 from cache_service.client.sync import CacheClient
 
 __all__ = [
     "AsyncCacheClient",
     "CacheClient",
     "Clock",
+    "FailOpenCounts",
     "Match",
     "Payload",
     "StoreResult",

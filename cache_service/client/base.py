@@ -1,8 +1,9 @@
 """The twins' shared base: each request built as a `_Call`, fail-open and backoff state.
 
-`_BaseCacheClient` does everything but the I/O: it builds a `_Call` (method, path, body, the
-parser of its answer and its fail-open miss), maps a transport error or a problem answer to a
-`ServiceError`, and keeps the backoff state that decides when a call skips the network.
+`_BaseCacheClient` does everything but the I/O: it checks the base URL, builds a `_Call`
+(method, path, body, the parser of its answer and its fail-open miss), maps a transport error
+or a problem answer to a `ServiceError`, keeps the backoff state that decides when a call
+skips the network, and counts and logs every fail-open miss (see `failures`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import httpx
 import orjson
@@ -27,9 +28,18 @@ from cache_service.client.answers import (
     _parse_store,
     _problem_error,
 )
+from cache_service.client.failures import (
+    FAILURE_LOG,
+    FailOpenCounts,
+    FailOpenTally,
+    transport_reason,
+)
 from cache_service.errors import InvalidField, ServiceError, ServiceUnavailable
 from cache_service.framing import MEDIA_TYPE, encode_frames, join_frames
 from cache_service.hashing import tokens_to_bytes
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 Clock = Callable[[], float]
 Tokens = Sequence[int] | bytes | memoryview  # ids, or already uint32 little-endian bytes
@@ -38,6 +48,7 @@ _T = TypeVar("_T")
 
 INSUFFICIENT_STORAGE = 507
 _MAX_DOUBLINGS = 64  # 2**64 * any sane initial backoff is far past any max: stops float overflow
+SCHEMES = ("http", "https")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +69,20 @@ class _BaseCacheClient:
 
     def __init__(
         self,
+        base_url: str | httpx.URL,
         *,
         fail_open: bool,
         backoff_initial_seconds: float,
         backoff_max_seconds: float,
         clock: Clock,
+        metrics_registry: CollectorRegistry | None,
     ) -> None:
         if not 0 <= backoff_initial_seconds <= backoff_max_seconds:
             raise ValueError("need 0 <= backoff_initial_seconds <= backoff_max_seconds")
+        self._base_url = checked_base_url(base_url)
+        # Named in errors and logs; without user:password, which must never reach a log.
+        self._shown_url = str(self._base_url.copy_with(userinfo=b"")).rstrip("/")
+        self._tally = FailOpenTally(metrics_registry)
         self._fail_open = fail_open
         self._backoff_initial_seconds = backoff_initial_seconds
         self._backoff_max_seconds = backoff_max_seconds
@@ -74,6 +91,11 @@ class _BaseCacheClient:
         self._retry_at = 0.0
         self._epoch = 0  # bumped on every state change; a call's outcome counts only once
         self._base_headers: list[tuple[str, str]] = []  # the twins set their default headers
+
+    @property
+    def failures(self) -> FailOpenCounts:
+        """Calls answered with a fail-open miss so far, by reason (all 0 without fail_open)."""
+        return self._tally.snapshot()
 
     def _plain_request(
         self, base_url: httpx.URL, call: _Call[Any]
@@ -186,33 +208,48 @@ class _BaseCacheClient:
 
     def _short_circuit(self, call: _Call[_T]) -> Callable[[], _T] | None:
         """The call's miss while backing off (skip the network), else None."""
-        if self._fails_open(call) and self._failures and self._clock() < self._retry_at:
-            return call.miss
-        return None
+        if not (self._fails_open(call) and self._failures):
+            return None
+        now = self._clock()
+        if now >= self._retry_at:
+            return None
+        self._tally.add("backoff")
+        FAILURE_LOG.note(self._shown_url, now, None)
+        return call.miss
 
     def _on_transport_error(self, call: _Call[_T], epoch: int, exc: httpx.HTTPError) -> _T:
-        """Map an httpx error to ServiceUnavailable, then fail open or raise."""
-        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        error = ServiceUnavailable(f"{call.method} {call.path}: {reason}")
+        """Map an httpx error to ServiceUnavailable naming the URL, then fail open or raise."""
+        text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        error = ServiceUnavailable(f"{call.method} {self._shown_url}{call.path}: {text}")
         error.__cause__ = exc
-        return self._on_error(call, epoch, error)
+        return self._on_error(call, epoch, error, transport_reason(exc), error.detail)
 
     def _on_response(self, call: _Call[_T], epoch: int, response: httpx.Response) -> _T:
         """Parse a 2xx answer, or fail open or raise on a problem."""
+        where = f"{call.method} {self._shown_url}{call.path}"
+        if not response.is_success:
+            error = _problem_error(response)
+            reason = "store_full" if error.status == INSUFFICIENT_STORAGE else "status"
+            said = f"{where} answered {error.status}: {error.detail}"
+            return self._on_error(call, epoch, error, reason, said)
         try:
-            if not response.is_success:
-                raise _problem_error(response)
             result = call.parse(response)
         except ServiceError as error:
-            return self._on_error(call, epoch, error)
+            said = f"{where} gave an invalid answer: {error.detail}"
+            return self._on_error(call, epoch, error, "invalid_answer", said)
         self._record(call, epoch, failed=False)
         return result
 
-    def _on_error(self, call: _Call[_T], epoch: int, error: ServiceError) -> _T:
+    def _on_error(
+        self, call: _Call[_T], epoch: int, error: ServiceError, reason: str, said: str
+    ) -> _T:
+        """Raise `error`, or with fail_open return the call's miss, counted and logged."""
         if not self._fail_open or call.miss is None or error.status < 500:
             self._record(call, epoch, failed=False)  # any 4xx answer shows the service is up
             raise error
         self._record(call, epoch, failed=error.status != INSUFFICIENT_STORAGE)
+        self._tally.add(reason)
+        FAILURE_LOG.note(self._shown_url, self._clock(), f"{said} [{reason}]")
         return call.miss()
 
     def _fails_open(self, call: _Call[Any]) -> bool:
@@ -231,6 +268,27 @@ class _BaseCacheClient:
         elif self._failures:
             self._failures = 0
             self._epoch += 1
+
+
+def checked_base_url(base_url: str | httpx.URL) -> httpx.URL:
+    """The base URL, or ValueError unless it is http(s)://host[:port][/path]."""
+    try:
+        url = httpx.URL(base_url)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"base_url {str(base_url)!r} is not a URL: {exc}") from None
+    text = str(base_url)
+    if "://" not in text:  # "localhost:8080" parses as scheme "localhost": name the fix
+        raise ValueError(
+            f"base_url {text!r} has no scheme: did you mean 'http://{text.lstrip('/')}'?"
+        )
+    if url.scheme not in SCHEMES:
+        shown = str(url.copy_with(userinfo=b""))
+        raise ValueError(
+            f"base_url {shown!r}: the scheme must be http or https, not {url.scheme!r}"
+        )
+    if not url.host:
+        raise ValueError(f"base_url {text!r} names no host")
+    return url
 
 
 # Request fields ---------------------------------------------------------------------------

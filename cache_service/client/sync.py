@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import httpx
 
@@ -14,6 +14,9 @@ from cache_service.client.answers import Match, Payload, StoreResult
 from cache_service.client.base import _T, Clock, Tokens, _BaseCacheClient, _Call
 from cache_service.client.transport import StdlibTransport
 from cache_service.errors import ServiceError
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 
 class CacheClient(_BaseCacheClient):
@@ -30,19 +33,22 @@ class CacheClient(_BaseCacheClient):
         backoff_initial_seconds: float = 0.5,
         backoff_max_seconds: float = 30.0,
         clock: Clock = time.monotonic,
+        metrics_registry: CollectorRegistry | None = None,
     ) -> None:
         super().__init__(
+            base_url,
             fail_open=fail_open,
             backoff_initial_seconds=backoff_initial_seconds,
             backoff_max_seconds=backoff_max_seconds,
             clock=clock,
+            metrics_registry=metrics_registry,
         )
         self._fast: StdlibTransport | None = None
-        if transport is None and httpx.URL(base_url).scheme == "http":
+        if transport is None and self._base_url.scheme == "http":
             transport = self._fast = StdlibTransport(timeout_seconds=timeout)  # see its doc
         self._base_headers = list(self._default_headers(api_key).items())
         self._http = httpx.Client(
-            base_url=base_url,
+            base_url=self._base_url,
             headers=self._default_headers(api_key),
             timeout=timeout,
             transport=transport,
@@ -174,7 +180,7 @@ class CacheClient(_BaseCacheClient):
         return self._send(self._build_get("/v1/stats"))
 
     def healthy(self, *, ready: bool = False) -> bool:
-        """Whether /healthz (the process is up) or, if ready, /readyz (the store is open) is 2xx."""
+        """The start-up check: /healthz (up) or with ready /readyz (store open) answers 2xx."""
         try:
             self._send(self._build_get("/readyz" if ready else "/healthz"))
         except ServiceError:
