@@ -4,8 +4,10 @@ fail-open and backoff. Every test runs against both twins (the `connect` fixture
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
+import pickle
 from array import array
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -321,6 +323,36 @@ def test_put_prefix_returns_the_newly_stored_block_count(connect: Any) -> None:
     header, frames = service.last_frames
     assert (header["start_block"], header["salt"], header["retention"]) == (0, "", None)
     assert frames == [array("I", TOKENS).tobytes(), b"kv-0"]
+
+
+def test_put_prefix_says_which_blocks_were_already_stored_with_other_bytes(connect: Any) -> None:
+    answer = {**STORE_ANSWER, "requested_blocks": 4, "stored_blocks": 1, "refreshed_blocks": 3}
+    service = Service(answer_json({**answer, "conflicts": 2}))
+    stored = connect(service).put_prefix("llama", TOKENS, [b"kv-0"])
+    assert stored == 1  # still the count newly stored, as an int
+    assert isinstance(stored, int)
+    assert (stored.stored_blocks, stored.identical_blocks, stored.conflicts) == (1, 1, 2)
+    assert stored.as_sent is False
+    assert stored.result == StoreResult(**{**answer, "conflicts": 2})
+    assert repr(stored) == "StoredBlocks(1, identical_blocks=1, conflicts=2, requested_blocks=4)"
+
+
+def test_put_prefix_is_as_sent_only_when_every_block_is_held_with_its_bytes(
+    connect: Any,
+) -> None:
+    held = {**STORE_ANSWER, "requested_blocks": 3, "stored_blocks": 1, "refreshed_blocks": 2}
+    assert connect(Service(answer_json(held))).put_prefix("llama", TOKENS, [b"x"]).as_sent
+    truncated = {**held, "stored_blocks": 0, "truncated_blocks": 1}
+    assert not connect(Service(answer_json(truncated))).put_prefix("llama", TOKENS, [b"x"]).as_sent
+    down = connect(Service(unreachable), fail_open=True).put_prefix("llama", TOKENS, [b"x", b"y"])
+    assert (down, down.as_sent, down.result.requested_blocks) == (0, False, 2)
+
+
+def test_put_prefix_answer_survives_copy_and_pickle(connect: Any) -> None:
+    answer = {**STORE_ANSWER, "refreshed_blocks": 1, "conflicts": 1}
+    stored = connect(Service(answer_json(answer))).put_prefix("llama", TOKENS, [b"x"])
+    for again in (copy.copy(stored), pickle.loads(pickle.dumps(stored))):
+        assert (again, again.conflicts, again.result) == (1, 1, stored.result)
 
 
 def test_get_blocks_posts_hex_keys_and_maps_absent_frames_to_none(connect: Any) -> None:

@@ -19,13 +19,17 @@ as a warning on the `cache_service.client` logger, at most one line per URL ever
 naming the URL and the error. A base URL without http:// or https:// is refused at once
 (ValueError), and `healthy()` (bool, never raises) is the check a worker makes at start-up.
 
+`put_prefix` answers a `StoredBlocks`: an int, the blocks newly stored, whose `conflicts`
+counts blocks another writer had stored first with different bytes (the cache keeps those),
+and whose `as_sent` says whether the cache now holds every block sent with the bytes sent.
+
 The blocking client talks plain http through `StdlibTransport` (http.client), which reads
 MiB-sized answers in one call; `copy=False` on lookup and get_blocks returns payloads as
 memoryviews into the answer, so fetching a prefix copies its bytes only off the socket.
 """
 
 from cache_service.client.aio import AsyncCacheClient
-from cache_service.client.answers import Match, Payload, StoreResult, Usage
+from cache_service.client.answers import Match, Payload, StoredBlocks, StoreResult, Usage
 from cache_service.client.base import Clock
 from cache_service.client.failures import FailOpenCounts
 from cache_service.client.sync import CacheClient
@@ -38,5 +42,6 @@ __all__ = [
     "Match",
     "Payload",
     "StoreResult",
+    "StoredBlocks",
     "Usage",
 ]

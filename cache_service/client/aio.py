@@ -11,7 +11,7 @@ import httpx
 
 from cache_service.blocks import BlockKey
 from cache_service.client.aio_transport import AsyncStreamTransport
-from cache_service.client.answers import Match, Payload, StoreResult
+from cache_service.client.answers import Match, Payload, StoredBlocks, StoreResult
 from cache_service.client.base import _T, Clock, Tokens, _BaseCacheClient, _Call
 from cache_service.errors import ServiceError
 
@@ -138,8 +138,8 @@ class AsyncCacheClient(_BaseCacheClient):
         salt: str | None = None,
         retention: str | None = None,
         block_size: int | None = None,
-    ) -> int:
-        """Store payloads of blocks start_block.. of `tokens`; how many were newly stored."""
+    ) -> StoredBlocks:
+        """Store blocks start_block.. of `tokens`; the count newly stored, and what of the rest."""
         result = await self.store(
             model,
             tokens,
@@ -150,7 +150,7 @@ class AsyncCacheClient(_BaseCacheClient):
             retention=retention,
             block_size=block_size,
         )
-        return result.stored_blocks
+        return StoredBlocks(result)
 
     async def get_blocks(
         self,

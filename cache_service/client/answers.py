@@ -1,4 +1,4 @@
-"""What the service answers: the Usage, Match and StoreResult dataclasses, and their parsers.
+"""What the service answers: Usage, Match, StoreResult (and put_prefix's StoredBlocks), parsers.
 
 A parser takes a 2xx `httpx.Response` and returns the typed answer, or raises
 `ServiceError(502, ...)` for an answer it cannot use; `_problem_error` turns a non-2xx answer
@@ -53,12 +53,69 @@ class StoreResult:
     block_size: int  # 0 in a fail-open miss when the caller did not name one
     start_block: int
     requested_blocks: int
-    stored_blocks: int
-    refreshed_blocks: int
-    conflicts: int
+    stored_blocks: int  # newly stored with the bytes sent
+    refreshed_blocks: int  # already stored (by anyone): kept as first written
+    conflicts: int  # of the refreshed, how many hold other bytes than the ones sent
     truncated_blocks: int
     collisions: int
     keys: list[str]
+
+    @property
+    def identical_blocks(self) -> int:
+        """Blocks already stored with the very bytes sent."""
+        return self.refreshed_blocks - self.conflicts
+
+    @property
+    def as_sent(self) -> bool:
+        """Whether the cache now holds every block sent, each with the bytes sent."""
+        held = self.stored_blocks + self.refreshed_blocks
+        return held == self.requested_blocks and not self.conflicts
+
+
+class StoredBlocks(int):
+    """put_prefix's answer: an int, the blocks newly stored; `.result` is the whole answer.
+
+    An int so that `put_prefix(...) == 16` and sums of it keep working; a block another writer
+    stored first with different bytes is not newly stored, and shows in `conflicts`.
+    """
+
+    result: StoreResult
+
+    def __new__(cls, result: StoreResult) -> StoredBlocks:
+        """Wrap a store answer."""
+        self = super().__new__(cls, result.stored_blocks)
+        self.result = result
+        return self
+
+    def __getnewargs__(self) -> tuple[StoreResult]:  # type: ignore[override]
+        return (self.result,)  # copy and pickle rebuild it from the answer, not from the int
+
+    def __repr__(self) -> str:
+        result = self.result
+        return (
+            f"StoredBlocks({int(self)}, identical_blocks={result.identical_blocks}, "
+            f"conflicts={result.conflicts}, requested_blocks={result.requested_blocks})"
+        )
+
+    @property
+    def stored_blocks(self) -> int:
+        """Blocks newly stored with the bytes sent (the int's value)."""
+        return self.result.stored_blocks
+
+    @property
+    def identical_blocks(self) -> int:
+        """Blocks already stored with the very bytes sent."""
+        return self.result.identical_blocks
+
+    @property
+    def conflicts(self) -> int:
+        """Blocks already stored with other bytes (another writer's), which the cache keeps."""
+        return self.result.conflicts
+
+    @property
+    def as_sent(self) -> bool:
+        """Whether the cache now holds every block sent, each with the bytes sent."""
+        return self.result.as_sent
 
 
 def _invalid_answer(detail: str) -> ServiceError:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Self
 import httpx
 
 from cache_service.blocks import BlockKey
-from cache_service.client.answers import Match, Payload, StoreResult
+from cache_service.client.answers import Match, Payload, StoredBlocks, StoreResult
 from cache_service.client.base import _T, Clock, Tokens, _BaseCacheClient, _Call
 from cache_service.client.transport import StdlibTransport
 from cache_service.errors import ServiceError
@@ -141,9 +141,9 @@ class CacheClient(_BaseCacheClient):
         salt: str | None = None,
         retention: str | None = None,
         block_size: int | None = None,
-    ) -> int:
-        """Store payloads of blocks start_block.. of `tokens`; how many were newly stored."""
-        return self.store(
+    ) -> StoredBlocks:
+        """Store blocks start_block.. of `tokens`; the count newly stored, and what of the rest."""
+        result = self.store(
             model,
             tokens,
             payloads,
@@ -152,7 +152,8 @@ class CacheClient(_BaseCacheClient):
             salt=salt,
             retention=retention,
             block_size=block_size,
-        ).stored_blocks
+        )
+        return StoredBlocks(result)
 
     def get_blocks(
         self,

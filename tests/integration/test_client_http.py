@@ -1,6 +1,6 @@
 """The client over real sockets: a closed port fails open visibly (a warning naming the URL,
-limited to one line, and counted misses), and healthy() as the start-up check of a real
-server."""
+limited to one line, and counted misses), healthy() as the start-up check of a real server,
+and two writers of different bytes for the same tokens, the second told of its conflicts."""
 
 from __future__ import annotations
 
@@ -94,3 +94,29 @@ def test_healthy_is_the_start_up_check_of_a_real_server(server: ServerProcess) -
             return await client.healthy(), await client.healthy(ready=True)
 
     assert asyncio.run(run()) == (True, True)
+
+
+def test_a_second_writer_of_other_bytes_is_told_of_its_conflicts(server: ServerProcess) -> None:
+    mine = [f"a{i}".encode() * 100 for i in range(4)]
+    theirs = [f"b{i}".encode() * 100 for i in range(4)]
+    with CacheClient(server.url) as first, CacheClient(server.url) as second:
+        stored = first.put_prefix("m", PROMPT, mine)
+        assert (stored, stored.conflicts, stored.as_sent) == (4, 0, True)
+
+        other = second.put_prefix("m", PROMPT, theirs)
+        assert (other, other.identical_blocks, other.conflicts, other.as_sent) == (0, 0, 4, False)
+
+        mixed = second.put_prefix("m", PROMPT, mine[:2] + theirs[2:])
+        assert (mixed, mixed.identical_blocks, mixed.conflicts) == (0, 2, 2)
+
+        same = second.put_prefix("m", PROMPT, mine)
+        assert (same, same.identical_blocks, same.conflicts, same.as_sent) == (0, 4, 0, True)
+
+        assert second.lookup("m", PROMPT, fetch=True).payloads == mine  # the first writer's
+
+    async def longer() -> Any:
+        async with AsyncCacheClient(server.url) as client:
+            return await client.put_prefix("m", [*PROMPT, *range(64)], [*theirs, b"new"])
+
+    grown = asyncio.run(longer())
+    assert (grown, grown.conflicts, grown.identical_blocks, grown.as_sent) == (1, 4, 0, False)
