@@ -11,8 +11,8 @@ fail-open state; a twin only sends. Errors:
 With `fail_open=True`, the data-path calls (lookup, get_blocks, store, put_prefix) turn
 `ServiceUnavailable` and 5xx answers into misses and back off: after a failure they return
 misses at once, without the network, for `backoff_initial_seconds`, doubling per consecutive
-failure up to `backoff_max_seconds`; one success resets it. A 507 (store full) is a miss but
-not a failure: the service is up. 4xx answers are the caller's bug and are always raised.
+failure up to `backoff_max_seconds`; one success resets it. A 507 (store full) is a miss that
+starts no backoff: the service is up. 4xx answers are the caller's bug and are always raised.
 Failing open is never silent: each miss is counted by reason in `client.failures` (and in
 `prompt_cache_client_fail_open_total{reason}` on a `metrics_registry` passed in), and logged
 as a warning on the `cache_service.client` logger, at most one line per URL every 30 s,

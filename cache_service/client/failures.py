@@ -127,8 +127,8 @@ class FailureLog:
         self._lock = threading.Lock()
 
     def note(self, url: str, now: float, error: str | None) -> None:
-        """Log `error` for `url` unless a line went out within the interval; count it if not.
-        An `error` of None (a miss that skipped the network) is only counted."""
+        """Log `error` for `url` unless a line went out within the interval, else count it."""
+        # An error of None is a miss that skipped the network while backing off: only counted.
         with self._lock:
             state = self._by_url.setdefault(url, _UrlLog())
             first = state.logged_at is None
