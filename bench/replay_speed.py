@@ -16,17 +16,15 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
+from bench import CONVERSATION_TRACE
 from cache_service.hashing import BlockHasher
 from cache_service.replay.accesses import build_accesses
 from cache_service.replay.command import ReplayConfig, load_traces, run_replay
 from cache_service.replay.mrc import lru_curve
 from cache_service.replay.units import plan_units, request_namespace, request_tokens
 
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[1].parent / "shared/traces/conversation_trace.jsonl"
-)
+DEFAULT_TRACE = CONVERSATION_TRACE
 
 
 def _median_seconds(runs: int, work: Callable[[], object]) -> float:

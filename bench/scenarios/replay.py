@@ -1,4 +1,4 @@
-"""Replay speed of the embedded replay on the shared conversation trace."""
+"""Replay speed of the embedded replay on the public conversation trace (bench/traces)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import CONVERSATION_TRACE
 from bench.report import Row, skipped
 from bench.scenarios.context import Context
 from cache_service.replay.command import ReplayConfig, run_replay
 
-TRACE = Path(__file__).resolve().parents[2].parent / "shared/traces/conversation_trace.jsonl"
+TRACE = CONVERSATION_TRACE
 
 
 def run(ctx: Context) -> list[Row]:

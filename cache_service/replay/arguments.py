@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from cache_service.client.base import checked_base_url
 from cache_service.eviction import POLICIES
 from cache_service.replay.command import ReplayConfig, run_replay
 from cache_service.replay.cost import Prices
@@ -98,6 +99,8 @@ def add_replay_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
 def run_replay_command(args: argparse.Namespace) -> int:
     """Run `replay` from parsed flags; the exit status."""
     try:
+        if args.url is not None:  # a typo fails now, not after reading the traces
+            checked_base_url(args.url)
         retention = RetentionPolicy(
             ttl_seconds=parse_retention_table(args.retention_map),
             default_class=args.default_retention,
@@ -123,12 +126,17 @@ def run_replay_command(args: argparse.Namespace) -> int:
             workdir=args.workdir,
         )
         report = run_replay(config)
+        written: list[tuple[str, Path]] = []
         if args.json_path:
-            Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+            json_path = Path(args.json_path).resolve()
+            json_path.write_text(json.dumps(report, indent=2) + "\n")
+            written.append(("the report (JSON)", json_path))
         if args.plot_path:
-            plot_report(report, args.plot_path)
+            plot_path = Path(args.plot_path).resolve()
+            plot_report(report, plot_path)
+            written.append(("the figures (PNG)", plot_path))
     except (ReplayError, TraceError, PlotUnavailable, ValueError, OSError) as exc:
         print(f"cache-service replay: {exc}", file=sys.stderr)
         return 2
-    print(format_summary(report))
+    print(format_summary(report, written))
     return 0

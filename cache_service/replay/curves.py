@@ -72,7 +72,8 @@ def capacity_curves(
     )
     whole = accesses.distinct * accesses.block_tokens
     rounds = [tokens for tokens in ROUND_CAPACITY_TOKENS if tokens < whole]
-    extra = [tokens // accesses.block_tokens for tokens in [*plan.extra_capacity_tokens, *rounds]]
+    requested = [tokens // accesses.block_tokens for tokens in plan.extra_capacity_tokens]
+    extra = [*requested, *(tokens // accesses.block_tokens for tokens in rounds)]
     belady_capacities = sorted(
         {max(1, int(accesses.distinct * f)) for f in BELADY_FRACTIONS} | {b for b in extra if b > 0}
     )
@@ -81,6 +82,8 @@ def capacity_curves(
         "method": "belady-min-with-bypass, per-block hits",
         "kv_bytes_per_token": plan.kv_bytes_per_token,
         "points": [scale.point(c, belady_hits(accesses, c, upcoming)) for c in belady_capacities],
+        # The capacities the user asked for (--capacities, --capacity-tokens): always summarised.
+        "requested_capacity_blocks": sorted({b for b in requested if b > 0}),
     }
     mrc: dict[str, Any] = {"kv_bytes_per_token": plan.kv_bytes_per_token}
     if plan.stack_distance:

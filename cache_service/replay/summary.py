@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from cache_service.replay.curves import capacity_for_share
@@ -14,8 +16,8 @@ def _ratio(figures: dict[str, Any]) -> str:
     return f"tokens {figures['token_hit_ratio']:.1%}, blocks {figures['block_hit_ratio']:.1%}"
 
 
-def format_summary(report: dict[str, Any]) -> str:
-    """Plain text, at most a screen."""
+def format_summary(report: dict[str, Any], written: Sequence[tuple[str, Path]] = ()) -> str:
+    """Plain text, at most a screen; `written` names the files the run wrote, (what, path)."""
     capacity = report["capacity_tokens"]
     lines = [
         f"Replayed {report['requests']:,} requests from {len(report['traces'])} trace(s) in "
@@ -29,7 +31,7 @@ def format_summary(report: dict[str, Any]) -> str:
     ]
     if len(report["by_retention"]) > 1:
         lines.append(
-            "By retention: "
+            "By retention (token hit ratio): "
             + "; ".join(
                 f"{k} {v['token_hit_ratio']:.1%}" for k, v in report["by_retention"].items()
             )
@@ -38,7 +40,7 @@ def format_summary(report: dict[str, Any]) -> str:
     if len(tenants) > 1:
         shown = list(tenants.items())[:6]
         lines.append(
-            "By tenant: "
+            "By tenant (token hit ratio): "
             + "; ".join(f"{k or '(none)'} {v['token_hit_ratio']:.1%}" for k, v in shown)
             + (" ..." if len(tenants) > len(shown) else "")
         )
@@ -55,21 +57,31 @@ def format_summary(report: dict[str, Any]) -> str:
             tokens = capacity_for_share(mrc, ceiling, share)
             if tokens is not None:
                 lines.append(
-                    f"{report['policy'].upper()} reaches {share:.0%} of the ceiling at "
+                    f"{report['policy'].upper()} reaches {share:.0%} of the token ceiling at "
                     f"{tokens:,} tokens ({tokens * mrc['kv_bytes_per_token'] / GIB:,.1f} GiB of KV)"
                 )
-        lru = {p["capacity_blocks"]: p["token_hit_ratio"] for p in mrc["points"]}
+        lru = {p["capacity_blocks"]: p for p in mrc["points"]}
         points = belady["points"]
-        shown = points[:: max(1, -(-len(points) // MAX_CURVE_ROWS))]
+        requested = set(belady.get("requested_capacity_blocks", ()))
+        sampled = points[:: max(1, -(-len(points) // MAX_CURVE_ROWS))]
+        shown = [p for p in points if p in sampled or p["capacity_blocks"] in requested]
         policy = report["policy"].upper()
-        lines.append(f"Token hit ratio by capacity: {'tokens':>15}  {policy:>6}  Belady")
+        lines.append(
+            f"Hit ratio by capacity:  {'tokens':>11} {'blocks':>7}  {policy + ' token':>9} "
+            f"{'block':>6}  {'Belady token':>12} {'block':>6}"
+        )
         for point in shown:
             ours = lru.get(point["capacity_blocks"])
             lines.append(
-                f"{'':28} {point['capacity_tokens']:>15,}  "
-                + (f"{ours:6.1%}" if ours is not None else "     -")
-                + f"  {point['token_hit_ratio']:6.1%}"
+                f"{'':23} {point['capacity_tokens']:>11,} {point['capacity_blocks']:>7,}  "
+                + (
+                    f"{ours['token_hit_ratio']:9.1%} {ours['block_hit_ratio']:6.1%}"
+                    if ours is not None
+                    else f"{'-':>9} {'-':>6}"
+                )
+                + f"  {point['token_hit_ratio']:12.1%} {point['block_hit_ratio']:6.1%}"
             )
     if report["skipped_lines"]:
         lines.append(f"Skipped {report['skipped_lines']:,} malformed lines (listed above)")
+    lines.extend(f"Wrote {what}: {path}" for what, path in written)
     return "\n".join(lines)

@@ -1,6 +1,6 @@
-"""`cache-service replay` as users run it: the console script on the shared Mooncake traces
-(the issue's table of figures, the plot, the time it takes) and over HTTP against a real
-`cache-service serve` process."""
+"""`cache-service replay` as users run it: the console script on the public Mooncake traces in
+bench/traces (the issue's table of figures, the plot, the time it takes) and over HTTP against
+a real `cache-service serve` process."""
 
 from __future__ import annotations
 
@@ -16,14 +16,13 @@ from typing import Any
 
 import pytest
 
+from bench import TRACES_DIR
 from tests.integration.conftest import ServerProcess, service_command
 
 pytestmark = pytest.mark.integration
 
 MakeServer = Callable[..., ServerProcess]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SHARED_TRACES = REPO_ROOT.parent / "shared" / "traces"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TOLERANCE = 0.005  # the issue's: results must agree with the table within 0.005
 CAPACITY_BLOCKS = 5859  # 3M tokens of 512-token blocks
@@ -103,13 +102,13 @@ def mooncake_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
     conversation trace's curve run is timed while the others share the machine with it, so
     its time is an upper bound of what it takes alone."""
     for name in TABLE:
-        assert (SHARED_TRACES / name).exists(), f"the shared trace {name} is not in {SHARED_TRACES}"
+        assert (TRACES_DIR / name).exists(), f"the trace {name} is not in {TRACES_DIR}"
     folder = tmp_path_factory.mktemp("mooncake")
 
     def curves_args(name: str) -> list[str | Path]:
         stem = Path(name).stem
         return [
-            SHARED_TRACES / name,
+            TRACES_DIR / name,
             "--mrc",
             "--capacities",
             "3M",
@@ -125,7 +124,7 @@ def mooncake_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
         # The memory store keeps CI quick; tests/test_replay.py shows LMDB replays the same.
         stem = Path(name).stem
         return [
-            SHARED_TRACES / name,
+            TRACES_DIR / name,
             "--capacity-tokens",
             str(CAPACITY_TOKENS),
             "--store",
@@ -223,6 +222,27 @@ def test_plot_is_a_real_png_and_summary_shows_requests_per_second(
     assert f"{runs.report['requests']:,} requests" in runs.summary
 
 
+@pytest.mark.parametrize("name", list(TABLE))
+def test_summary_labels_block_and_token_ratios_and_names_the_files_it_wrote(
+    mooncake_runs: dict[str, TraceRuns], name: str
+) -> None:
+    runs = mooncake_runs[name]
+    report, summary = runs.report, runs.summary
+    ceiling = report["ceiling"]
+    assert (
+        f"Ceiling (unbounded capacity): tokens {ceiling['token_hit_ratio']:.1%}, "
+        f"blocks {ceiling['block_hit_ratio']:.1%}"
+    ) in summary
+    # The README's table is in block ratios: the capacity rows show both, labelled.
+    assert "LRU token  block" in summary and "Belady token  block" in summary
+    lru = point_at(report["mrc"]["points"], CAPACITY_BLOCKS)
+    row = next(line for line in summary.splitlines() if f"{CAPACITY_TOKENS:,} " in line)
+    assert f"{lru['token_hit_ratio']:.1%} " in row and f"{lru['block_hit_ratio']:.1%}" in row
+    stem = Path(name).stem
+    assert f"Wrote the report (JSON): {runs.plot.with_name(stem + '.json')}" in summary
+    assert f"Wrote the figures (PNG): {runs.plot}" in summary
+
+
 def test_conversation_trace_with_curves_and_plot_finishes_well_under_a_minute(
     mooncake_runs: dict[str, TraceRuns],
 ) -> None:
@@ -308,6 +328,15 @@ def test_capacity_tokens_together_with_url_is_refused(tmp_path: Path) -> None:
     result = run_cli(trace, "--url", "http://127.0.0.1:9", "--capacity-tokens", "3M")
     assert result.returncode != 0
     assert "--capacity-tokens" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_url_without_a_scheme_is_refused_before_the_trace_is_read(tmp_path: Path) -> None:
+    missing = tmp_path / "not-there.jsonl"  # were it read first, the error would name the file
+    result = run_cli(missing, "--url", "localhost:8080")
+    assert result.returncode == 2
+    assert "did you mean 'http://localhost:8080'?" in result.stderr
+    assert "not-there" not in result.stderr
     assert "Traceback" not in result.stderr
 
 
