@@ -46,7 +46,11 @@ def parse_model_block_sizes(text: str) -> dict[str, int]:
 class Settings(BaseSettings):
     """Everything `cache-service serve` can be told; field names are the flags' names."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+    # `model_block_size` is a flag's name: pydantic before 2.10 reserves the whole "model_"
+    # namespace and warns on import, so only pydantic-settings' own prefix stays protected.
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="forbid", protected_namespaces=("settings_",)
+    )
 
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(8080, ge=0, le=65535, description="TCP port to bind.")
