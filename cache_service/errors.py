@@ -21,7 +21,8 @@ The hierarchy::
     │   └── NotStored                409  a prefix to pin is not (all) stored
     ├── StorageError                 5xx: the store could not do what was asked
     │   ├── InsufficientStorage      507  full, and nothing can be evicted
-    │   └── StoreFull                (internal) the backend ran out of room mid-write; retried
+    │   ├── StoreFull                (internal) the backend ran out of room mid-write; retried
+    │   └── SettingsMismatch         (start-up) the store's data was made with other settings
     └── ServiceError                 raised by the client: the service answered with a problem
         └── ServiceUnavailable       the service could not be reached or timed out
 
@@ -223,6 +224,14 @@ class StoreFull(StorageError):
     status = 507
     problem = "insufficient-storage"
     title = "Insufficient storage"
+
+
+class SettingsMismatch(StorageError):
+    """A store was opened with settings that define its data (seed, block size...) other
+    than the ones it records; `extensions["settings"]` names them."""
+
+    problem = "settings-mismatch"
+    title = "Store made with other settings"
 
 
 class ServiceError(PromptCacheError):

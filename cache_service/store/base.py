@@ -215,6 +215,16 @@ class BlockStore(Protocol):
         ...
 
 
+class IdentityCheck(Protocol):
+    """Judges a persistent store's record of the settings its data was made with (see
+    `cache_service.identity`); the store only keeps the bytes, in the transaction that opens
+    it, so that two processes opening a new store cannot both write a record."""
+
+    def settle(self, stored: bytes | None, *, where: str) -> bytes:
+        """The record to keep, given the one the store at `where` holds; raises to refuse."""
+        ...
+
+
 class BlockTxn(Protocol):
     """The primitive operations of one backend transaction (see `store.ops`)."""
 

@@ -30,7 +30,7 @@ from cache_service.blocks import (
 )
 from cache_service.errors import StorageError, StoreFull
 from cache_service.eviction import EvictionPolicy
-from cache_service.store.base import AUX_TABLES, EXPIRY, SORT_KEY_BYTES, VICTIMS
+from cache_service.store.base import AUX_TABLES, EXPIRY, SORT_KEY_BYTES, VICTIMS, IdentityCheck
 from cache_service.store.codec import (
     DEPTH,
     DEPTH_AT,
@@ -60,6 +60,7 @@ SYNC_MODES = {
 _SEQ = b"seq"
 _PAYLOAD_BYTES = b"payload_bytes"
 _FORMAT = b"format"
+_IDENTITY = b"identity"  # the settings the data was made with (see cache_service.identity)
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
 
@@ -269,6 +270,7 @@ class LmdbStore(TxnStore):
         sync_mode: str = "full",
         max_readers: int = 1024,
         policy: EvictionPolicy | None = None,
+        identity: IdentityCheck | None = None,
     ) -> None:
         super().__init__(policy=policy)
         if sync_mode not in SYNC_MODES:
@@ -293,16 +295,33 @@ class LmdbStore(TxnStore):
             name: self.env.open_db(name.encode())
             for name in ("blocks", "payloads", "namespaces", VICTIMS, EXPIRY, "meta", *AUX_TABLES)
         }
+        try:
+            self._check_record(identity)
+        except BaseException:
+            self.env.close()  # a refused opener leaves no environment open behind it
+            raise
+        self._psize = int(self.env.stat()["psize"])
+
+    def _check_record(self, identity: IdentityCheck | None) -> None:
+        """Check the format and the identity record, writing what a new store lacks, in one
+        write transaction: LMDB runs one writer at a time across processes, so of workers
+        opening a new folder together one records and the others check against it."""
+        meta = self.dbs["meta"]
         with self.env.begin(write=True) as txn:
-            found = txn.get(_FORMAT, db=self.dbs["meta"])
+            found = txn.get(_FORMAT, db=meta)
             if found is None:
-                txn.put(_FORMAT, FORMAT_VERSION, db=self.dbs["meta"])
+                txn.put(_FORMAT, FORMAT_VERSION, db=meta)
             elif bytes(found) != FORMAT_VERSION:
                 raise StorageError(
                     f"{self.path} holds store format {bytes(found)!r}; this build reads "
                     f"{FORMAT_VERSION!r}"
                 )
-        self._psize = int(self.env.stat()["psize"])
+            if identity is not None:
+                raw = txn.get(_IDENTITY, db=meta)
+                stored = bytes(raw) if raw is not None else None
+                record = identity.settle(stored, where=str(self.path))
+                if record != stored:
+                    txn.put(_IDENTITY, record, db=meta)
 
     @contextmanager
     def _begin_read(self, *, views: bool = False) -> Iterator[_LmdbTxn]:
