@@ -4,10 +4,14 @@ the defaults."""
 from __future__ import annotations
 
 import argparse
+import copy
+import logging
+import logging.config
 import os
 import sys
 import tempfile
 from collections.abc import Sequence
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -78,6 +82,33 @@ def load_settings(values: dict[str, str]) -> Settings:
         sys.exit("cache-service: invalid configuration:\n" + "\n".join(lines))
 
 
+def log_config(level: str) -> dict[str, Any]:
+    """uvicorn's logging, and the service's own lines (`cache_service`) through its handler."""
+    from uvicorn.config import LOG_LEVELS, LOGGING_CONFIG  # noqa: PLC0415
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["cache_service"] = {
+        "handlers": ["default"],
+        "level": LOG_LEVELS.get(level.lower(), logging.INFO),
+        "propagate": False,
+    }
+    return config
+
+
+def check_store(settings: Settings) -> None:
+    """Open the data folder once before any worker does: exit with the reason if its data was
+    made with other settings (a worker's failed start-up would print a traceback instead)."""
+    import lmdb  # noqa: PLC0415
+
+    from cache_service.api.startup import open_store  # noqa: PLC0415
+    from cache_service.errors import StorageError  # noqa: PLC0415
+
+    try:
+        open_store(settings).close()
+    except (StorageError, lmdb.Error, OSError) as exc:
+        sys.exit(f"cache-service: {exc}")
+
+
 def serve(settings: Settings) -> None:
     """Run uvicorn: the app in this process, or `--workers` processes sharing one LMDB."""
     # Imported here so that `--help` and configuration errors answer without loading the app.
@@ -91,6 +122,10 @@ def serve(settings: Settings) -> None:
         LimitedHttpToolsProtocol,
     )
 
+    logging_config = log_config(settings.log_level)
+    logging.config.dictConfig(logging_config)  # uvicorn applies it again, in every worker
+    check_store(settings)
+
     # Worker processes (and this one) read the header limit of the HTTP protocol from here.
     os.environ[HEADER_LIMIT_ENV] = str(settings.max_header_bytes)
     options = {
@@ -98,6 +133,7 @@ def serve(settings: Settings) -> None:
         "host": settings.host,
         "port": settings.port,
         "log_level": settings.log_level,
+        "log_config": logging_config,
         "access_log": settings.access_log,
         "timeout_graceful_shutdown": 10,
     }
