@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import tomllib
+from fnmatch import fnmatch
 from pathlib import Path
 
 from packaging.markers import default_environment
@@ -76,3 +77,22 @@ def test_deployment_lock_carries_a_hash_for_every_pin() -> None:
     for block in re.split(r"\n(?=[a-z0-9])", LOCK.read_text()):
         if block.strip() and not block.startswith("#"):
             assert "--hash=sha256:" in block, block.splitlines()[0]
+
+
+def test_every_data_file_of_the_package_is_declared_so_that_a_wheel_ships_it() -> None:
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    declared = {
+        REPO.joinpath(*package.split(".")): patterns
+        for package, patterns in tool.get("package-data", {}).items()
+    }
+
+    def shipped(path: Path) -> bool:
+        return any(
+            path.is_relative_to(folder)
+            and any(fnmatch(str(path.relative_to(folder)), pattern) for pattern in patterns)
+            for folder, patterns in declared.items()
+        )
+
+    data = [p for p in tracked_files() if p.is_relative_to(REPO / "cache_service")]
+    missing = [str(p.relative_to(REPO)) for p in data if p.suffix != ".py" and not shipped(p)]
+    assert missing == [], "declare these in pyproject.toml's [tool.setuptools.package-data]"
