@@ -22,11 +22,13 @@ from cache_service.api.background import (
     repeat,
     sweeper,
 )
+from cache_service.api.docs import install_docs
 from cache_service.api.limits import QuotaGate
 from cache_service.api.openapi import install_openapi
 from cache_service.api.operator_routes import router as operator_router
 from cache_service.api.problems import install_problem_handlers
 from cache_service.api.routes import router
+from cache_service.api.startup import open_store, serving_line
 from cache_service.api.state import ServiceState, WriteGate
 from cache_service.cache import Clock, PrefixCache
 from cache_service.hashing import BlockHasher
@@ -90,11 +92,9 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = store is None
-        the_store: BlockStore = store or LmdbStore(
-            settings.data_dir,
-            map_size_bytes=settings.map_size_bytes(),
-            sync_mode=settings.lmdb_sync,
-        )
+        # Refused if the folder's data was made with other settings (`cache-service serve`
+        # checks first, so that it exits with the message rather than a worker's traceback).
+        the_store: BlockStore = store or open_store(settings)
         the_store.removal_log_entries = settings.removal_log_entries
         cache = PrefixCache(
             the_store,
@@ -152,6 +152,7 @@ def create_app(
                     repeat(METRICS_RETRY_SECONDS, metrics_port.ensure_async, "metrics port")
                 )
             )
+        log.info("%s", serving_line(settings, the_store))
         try:
             yield
         finally:
@@ -176,12 +177,15 @@ def create_app(
         version=__version__,
         description=DESCRIPTION,
         lifespan=lifespan,
+        docs_url=None,  # install_docs: the same pages, with scripts served from the package
+        redoc_url=None,
     )
     app.state.service = None
     app.include_router(router)
     app.include_router(operator_router)
     install_problem_handlers(app)
     install_openapi(app, bearer_auth=keys is not None)
+    install_docs(app)
     app.add_middleware(QuotaGate)  # inside: it needs the key the Authenticator found
     app.add_middleware(Authenticator, keys=keys)
     app.add_middleware(RequestTimer, metrics=metrics)
