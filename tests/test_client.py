@@ -10,6 +10,7 @@ import json
 import pickle
 from array import array
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import httpx
@@ -136,24 +137,35 @@ def unreachable(request: httpx.Request) -> httpx.Response:
     raise httpx.ConnectError("connection refused", request=request)
 
 
-@pytest.fixture(params=["sync", "async"])
-def connect(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
-    """Open a CacheClient, or an AsyncCacheClient behind `Blocking`, over a MockTransport."""
+@contextmanager
+def twin_opener(twin: str, default_url: Callable[[], str]) -> Iterator[Callable[..., Any]]:
+    """Opens a CacheClient, or an AsyncCacheClient behind `Blocking`, over a MockTransport;
+    closes every one it opened on exit."""
     closers: list[Callable[[], None]] = []
 
-    def open_client(service: Handler, **options: Any) -> Any:
+    def open_client(service: Handler, base_url: str | None = None, **options: Any) -> Any:
         transport = httpx.MockTransport(service)
-        if request.param == "sync":
-            client = CacheClient(BASE_URL, transport=transport, **options)
+        url = base_url or default_url()
+        if twin == "sync":
+            client = CacheClient(url, transport=transport, **options)
             closers.append(client.close)
             return client
-        twin = AsyncCacheClient(BASE_URL, transport=transport, **options)
-        closers.append(lambda: asyncio.run(twin.aclose()))
-        return Blocking(twin)
+        aio = AsyncCacheClient(url, transport=transport, **options)
+        closers.append(lambda: asyncio.run(aio.aclose()))
+        return Blocking(aio)
 
-    yield open_client
-    for close in closers:
-        close()
+    try:
+        yield open_client
+    finally:
+        for close in closers:
+            close()
+
+
+@pytest.fixture(params=["sync", "async"])
+def connect(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
+    """Open a CacheClient, or an AsyncCacheClient behind `Blocking`, on BASE_URL."""
+    with twin_opener(request.param, lambda: BASE_URL) as open_client:
+        yield open_client
 
 
 # Requests and answers ---------------------------------------------------------------------

@@ -23,12 +23,12 @@ from tests.test_client import (
     LOOKUP_ANSWER,
     MISS,
     TOKENS,
-    Blocking,
     Clock,
     Handler,
     Service,
     answer_json,
     answer_problem,
+    twin_opener,
     unreachable,
 )
 
@@ -53,22 +53,8 @@ def failing(error: type[httpx.TransportError]) -> Handler:
 @pytest.fixture(params=["sync", "async"])
 def connect(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
     """Open a CacheClient, or an AsyncCacheClient behind `Blocking`, on a fresh URL."""
-    closers: list[Callable[[], None]] = []
-
-    def open_client(service: Handler, base_url: str | None = None, **options: Any) -> Any:
-        transport = httpx.MockTransport(service)
-        url = base_url or fresh_url()
-        if request.param == "sync":
-            client = CacheClient(url, transport=transport, **options)
-            closers.append(client.close)
-            return client
-        twin = AsyncCacheClient(url, transport=transport, **options)
-        closers.append(lambda: asyncio.run(twin.aclose()))
-        return Blocking(twin)
-
-    yield open_client
-    for close in closers:
-        close()
+    with twin_opener(request.param, fresh_url) as open_client:
+        yield open_client
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
