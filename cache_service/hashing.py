@@ -22,7 +22,14 @@ from functools import lru_cache
 
 import xxhash
 
-from cache_service.blocks import MAX_TOKEN_ID, BlockKey, Chain, Namespace, NamespaceId
+from cache_service.blocks import (
+    MAX_TOKEN_ID,
+    BlockKey,
+    Chain,
+    ChainLink,
+    Namespace,
+    NamespaceId,
+)
 
 HASH_SCHEME = "xxh3-128-chained"
 HASH_VERSION = 1
@@ -141,20 +148,42 @@ class BlockHasher:
 
     def chain(self, namespace: Namespace, token_bytes: bytes, *, block_size: int) -> Chain:
         """The chain of every full block of a prompt given as uint32 LE bytes."""
+        root = self.root(namespace)
+        return Chain(
+            root, self._keys_after(root, token_bytes, block_size), token_bytes, block_size * 4
+        )
+
+    def extend(
+        self, parent: BlockKey, token_bytes: bytes, *, block_size: int, start_depth: int
+    ) -> list[ChainLink]:
+        """The links of the full blocks that follow a known block: `parent` is its key (the
+        namespace root when `start_depth` is 0) and `start_depth` the depth of the first new
+        block. For a sender that knows only the new blocks and their parent (an engine's KV
+        events); equal to the same blocks of `chain` over the whole prompt."""
+        if start_depth < 0:
+            raise ValueError("start_depth must be 0 or more")
+        stride = block_size * 4
+        keys = self._keys_after(parent, token_bytes, block_size)
+        parents = [parent, *keys][: len(keys)]
+        return [
+            ChainLink(key, up, token_bytes[i * stride : (i + 1) * stride], start_depth + i)
+            for i, (key, up) in enumerate(zip(keys, parents, strict=True))
+        ]
+
+    def _keys_after(self, parent: BlockKey, token_bytes: bytes, block_size: int) -> list[BlockKey]:
+        """The chained keys of every full block of `token_bytes`, after `parent`."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         stride = block_size * 4
         end = len(token_bytes) // stride * stride
-        root = self.root(namespace)
         hash_fn = self._hash
         keys: list[BlockKey] = []
         append = keys.append
-        parent = root
         # The hot loop: one concatenation and one hash per block, nothing else.
         for offset in range(0, end, stride):
             parent = hash_fn(parent + token_bytes[offset : offset + stride])  # type: ignore[assignment]
             append(parent)
-        return Chain(root, keys, token_bytes, stride)
+        return keys
 
     def keys(
         self, namespace: Namespace, tokens: Sequence[int], *, block_size: int

@@ -289,3 +289,30 @@ def test_changing_one_token_changes_its_block_and_every_later_key_only(
     assert before[:block] == after[:block]
     for index in range(block, len(before)):
         assert before[index] != after[index]
+
+
+@given(
+    namespace=namespaces,
+    tokens=prompts,
+    blocks_known=st.integers(min_value=0, max_value=16),
+    block_size=block_sizes,
+)
+def test_extending_from_a_parent_key_gives_the_whole_prompts_links(
+    namespace: Namespace, tokens: list[int], blocks_known: int, block_size: int
+) -> None:
+    hasher = BlockHasher()
+    whole = hasher.chain(namespace, tokens_to_bytes(tokens), block_size=block_size)
+    known = min(blocks_known, len(whole))
+    parent = whole.keys[known - 1] if known else whole.root
+    rest = tokens_to_bytes(tokens[known * block_size :])
+    extended = hasher.extend(parent, rest, block_size=block_size, start_depth=known)
+    assert extended == list(whole[known:])
+
+
+def test_extend_refuses_a_negative_depth_and_a_non_positive_block_size() -> None:
+    hasher = BlockHasher()
+    root = hasher.root(LLAMA)
+    with pytest.raises(ValueError, match="start_depth"):
+        hasher.extend(root, tokens_to_bytes([1, 2]), block_size=2, start_depth=-1)
+    with pytest.raises(ValueError, match="block_size"):
+        hasher.extend(root, tokens_to_bytes([1, 2]), block_size=0, start_depth=0)
