@@ -8,12 +8,20 @@ from dataclasses import dataclass
 from typing import NewType, overload
 
 BlockKey = NewType("BlockKey", bytes)
-"""A 16-byte chained xxh3-128 block key (see `hashing`); in the store, prefixed with its
-tenant's partition (see `NamespaceId.partition`)."""
+"""A 16-byte chained xxh3-128 block key (see `hashing`)."""
+
+StoreKey = NewType("StoreKey", bytes)
+"""A block's key in the store: its tenant's partition (see `NamespaceId.partition`, empty
+for the default tenant), then its 16-byte `BlockKey`."""
 
 KEY_BYTES = 16
 PARTITION_BYTES = 8  # a tenant's prefix on its stored keys (none for the default tenant)
 MAX_TOKEN_ID = 2**32 - 1
+
+
+def store_key(partition: bytes, key: BlockKey) -> StoreKey:
+    """The store's key of block `key` of the tenant whose partition is `partition`."""
+    return StoreKey(partition + key)
 
 
 def key_hex(key: BlockKey) -> str:
@@ -52,9 +60,9 @@ class NamespaceId:
     partition: bytes = b""
 
     @property
-    def scope(self) -> BlockKey:
+    def scope(self) -> StoreKey:
         """The namespace's key in the store: its partition, then its root."""
-        return BlockKey(self.partition + self.root)
+        return store_key(self.partition, self.root)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +165,7 @@ class NewBlock:
 class BlockMeta:
     """Everything the store keeps about a block except its payload bytes."""
 
-    key: BlockKey  # in the store: the partition + the block's hash
+    key: StoreKey  # the partition + the block's hash
     namespace_root: BlockKey
     parent: BlockKey  # the parent's hash (the namespace root for block 0)
     depth: int
@@ -184,9 +192,14 @@ class BlockMeta:
         return self.expires_at == math.inf
 
     @property
-    def parent_key(self) -> BlockKey:
+    def partition(self) -> bytes:
+        """The block's tenant partition (empty for the default tenant)."""
+        return self.key[:-KEY_BYTES]
+
+    @property
+    def parent_key(self) -> StoreKey:
         """The parent's key in the store (this block's partition + its parent's hash)."""
-        return BlockKey(self.key[:-KEY_BYTES] + self.parent)
+        return store_key(self.partition, self.parent)
 
     def is_alive(self, now: float) -> bool:
         """A block is alive while now < expires_at."""
@@ -220,8 +233,8 @@ class Touch:
 class Evicted:
     """A block the store removed, and why."""
 
-    key: BlockKey
-    reason: str  # "expired" or "capacity"
+    key: StoreKey
+    reason: str  # "expired", "capacity", "tenant_quota" or "removed"
     retention: str
     expires_at: float
     payload_size: int
@@ -231,7 +244,7 @@ class Evicted:
 class InsertResult:
     """What an insert did: blocks newly stored, refreshed, or refused."""
 
-    stored: tuple[BlockKey, ...] = ()  # keys in the store (with the partition)
+    stored: tuple[StoreKey, ...] = ()  # keys in the store (with the partition)
     refreshed: int = 0
     conflicts: int = 0  # same block, different payload bytes: the first writer won
     collisions: int = 0  # same key, different parent or tokens: refused
@@ -286,7 +299,7 @@ class PrefixMatch:
 class Removal:
     """Why and when a block left the store, as the bounded removal log remembers it."""
 
-    reason: str  # "expired", "capacity" or "purged"
+    reason: str  # "expired", "capacity", "purged", "tenant_quota" or "removed"
     at: float
     retention: str
     expires_at: float
@@ -306,7 +319,7 @@ class BlockState:
 class PinRecord:
     """A pinned prefix: its namespace scope, deepest key, length, and who pinned it when."""
 
-    scope: BlockKey
+    scope: StoreKey
     key: BlockKey
     blocks: int
     pinned_at: float

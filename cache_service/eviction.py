@@ -2,7 +2,8 @@
 
 The store keeps its leaf blocks in an index ordered by `priority(meta)`, lowest first, and
 evicts from the front. A policy sees only a block's metadata, so any backend (memory, LMDB,
-Redis) and the replay tool share the same policy objects.
+Redis) and the replay tool share the same policy objects. Only leaves are listed: when a
+child is removed, the policy decides what of its record its parent takes over.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ class EvictionPolicy(Protocol):
         """An unsigned 64-bit sort key; it may change whenever the block is used."""
         ...
 
+    def child_removed(self, parent: BlockMeta, child: BlockMeta) -> None:
+        """Update `parent` (written by the store after) for the removal of `child`."""
+        ...
+
 
 class LruPolicy:
     """Least recently used first, by the store's use sequence number.
@@ -37,6 +42,14 @@ class LruPolicy:
     def priority(self, meta: BlockMeta) -> int:
         """The block's last-use sequence number."""
         return meta.lru_seq
+
+    def child_removed(self, parent: BlockMeta, child: BlockMeta) -> None:
+        """The parent takes over its child's record of use (sequence, last use, hits)."""
+        # Uses are recorded on a hit's deepest block only: when the parent becomes a leaf it
+        # then ranks as if every use had marked it too.
+        parent.lru_seq = max(parent.lru_seq, child.lru_seq)
+        parent.last_used_at = max(parent.last_used_at, child.last_used_at)
+        parent.hits += child.hits
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LruPolicy}

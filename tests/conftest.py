@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import pytest
 
-from cache_service.blocks import BlockKey, BlockMeta
+from cache_service.blocks import BlockMeta, StoreKey
 from cache_service.store.base import BlockStore
 from cache_service.store.codec import decode_meta
 from cache_service.store.lmdb import LmdbStore
@@ -73,11 +73,11 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlockStore
 class RawAccess(Protocol):
     """What a test may do to a backend below the BlockStore protocol."""
 
-    def blocks(self) -> dict[BlockKey, BlockMeta]:
+    def blocks(self) -> dict[StoreKey, BlockMeta]:
         """Every stored block's metadata, expired or not."""
         ...
 
-    def overwrite_payload(self, key: BlockKey, payload: bytes) -> None:
+    def overwrite_payload(self, key: StoreKey, payload: bytes) -> None:
         """Replace a block's payload bytes without updating its checksum."""
         ...
 
@@ -86,31 +86,31 @@ class MemoryRawAccess:
     """Raw access to a MemoryStore's dicts."""
 
     def __init__(self, store: MemoryStore) -> None:
-        self.store = store
+        self.backend = store.backend
 
-    def blocks(self) -> dict[BlockKey, BlockMeta]:
-        return dict(self.store.metas)
+    def blocks(self) -> dict[StoreKey, BlockMeta]:
+        return dict(self.backend.metas)
 
-    def overwrite_payload(self, key: BlockKey, payload: bytes) -> None:
-        self.store.payloads[key] = payload
+    def overwrite_payload(self, key: StoreKey, payload: bytes) -> None:
+        self.backend.payloads[key] = payload
 
 
 class LmdbRawAccess:
     """Raw access to an LmdbStore's named databases."""
 
     def __init__(self, store: LmdbStore) -> None:
-        self.store = store
+        self.backend = store.backend
 
-    def blocks(self) -> dict[BlockKey, BlockMeta]:
-        with self.store.env.begin() as txn:
+    def blocks(self) -> dict[StoreKey, BlockMeta]:
+        with self.backend.env.begin() as txn:
             return {
-                BlockKey(bytes(key)): decode_meta(BlockKey(bytes(key)), bytes(record))
-                for key, record in txn.cursor(db=self.store.dbs["blocks"])
+                StoreKey(bytes(key)): decode_meta(StoreKey(bytes(key)), bytes(record))
+                for key, record in txn.cursor(db=self.backend.dbs["blocks"])
             }
 
-    def overwrite_payload(self, key: BlockKey, payload: bytes) -> None:
-        with self.store.env.begin(write=True) as txn:
-            txn.put(key, payload, db=self.store.dbs["payloads"])
+    def overwrite_payload(self, key: StoreKey, payload: bytes) -> None:
+        with self.backend.env.begin(write=True) as txn:
+            txn.put(key, payload, db=self.backend.dbs["payloads"])
 
 
 RAW_ACCESS: dict[type, Callable[[Any], RawAccess]] = {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -11,6 +11,7 @@ from cache_service.cache import PrefixCache
 from cache_service.errors import Forbidden, InvalidField, NotStored, QuotaExceeded
 from cache_service.hashing import BlockHasher
 from cache_service.operators import Operators
+from cache_service.store import subtrees
 from cache_service.store.base import BlockStore
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ def blocks_of(*labels: int) -> list[int]:
 
 
 def make(store: BlockStore, clock: VirtualClock, **kwargs: object) -> tuple[PrefixCache, Operators]:
-    store.removal_log_entries = 1000  # type: ignore[attr-defined]
+    store.removal_log_entries = 1000
     kwargs.setdefault("default_block_size", BLOCK)
     cache = PrefixCache(store, clock=clock, **kwargs)  # type: ignore[arg-type]
     return cache, Operators(cache)
@@ -209,14 +210,14 @@ def test_a_purge_racing_a_store_leaves_no_block_pinned_for_ever(
     prompt = blocks_of(1, 2)
     put(cache, prompt)
     ops.pin(NS, prompt, by="ops")
-    scan = store._purge_targets  # type: ignore[attr-defined]
+    scan = subtrees.find
 
-    def scan_then_store(*args: object) -> object:
-        targets = scan(*args)
+    def scan_then_store(*args: Any, **kwargs: Any) -> list[subtrees.Target]:
+        targets = scan(*args, **kwargs)
         put(cache, blocks_of(1, 9))  # a sibling under the pinned root lands mid-purge
         return targets
 
-    monkeypatch.setattr(store, "_purge_targets", scan_then_store)
+    monkeypatch.setattr(subtrees, "find", scan_then_store)
     result = ops.purge("team-a", namespace=NS)
     assert (result.blocks, result.pins) == (1, 1)  # the root stays: it has a new child
     assert ops.pins("team-a") == []

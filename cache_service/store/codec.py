@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 
-from cache_service.blocks import BlockKey, BlockMeta
+from cache_service.blocks import BlockKey, BlockMeta, StoreKey
 
 RECORD_VERSION = 3
 # version, depth, children, created, last_used, expires, lru_seq, hits, payload_size,
@@ -38,7 +38,7 @@ def encode_meta(meta: BlockMeta) -> bytes:
     )
 
 
-def decode_meta(key: BlockKey, record: bytes | memoryview) -> BlockMeta:
+def decode_meta(key: StoreKey, record: bytes | memoryview) -> BlockMeta:
     """Unpack what `encode_meta` wrote; ValueError for an unknown record version."""
     (
         version,

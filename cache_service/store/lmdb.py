@@ -21,16 +21,18 @@ import lmdb
 
 from cache_service.blocks import (
     KEY_BYTES,
-    BlockKey,
     BlockMeta,
     Chain,
     ChainLink,
     NamespaceId,
+    StoreKey,
     StoreUsage,
 )
 from cache_service.errors import StorageError, StoreFull
 from cache_service.eviction import EvictionPolicy
-from cache_service.store.base import AUX_TABLES, EXPIRY, SORT_KEY_BYTES, VICTIMS, IdentityCheck
+from cache_service.store import generic
+from cache_service.store.backend import AUX_TABLES, INDEXES, SORT_KEY_BYTES
+from cache_service.store.base import IdentityCheck
 from cache_service.store.codec import (
     DEPTH,
     DEPTH_AT,
@@ -48,8 +50,8 @@ from cache_service.store.codec import (
     encode_meta,
     record_size,
 )
-from cache_service.store.ops import TxnStore
-from cache_service.store.ops import count_hits_by_check as _count_hits_generic
+from cache_service.store.composed import ComposedStore
+from cache_service.store.removals import DEFAULT_REMOVAL_LOG_ENTRIES
 
 FORMAT_VERSION = b"3"
 SYNC_MODES = {
@@ -66,21 +68,21 @@ _I64 = struct.Struct("<q")
 
 
 class _LmdbTxn:
-    """BlockTxn primitives over one LMDB transaction."""
+    """The data-path primitives over one LMDB transaction; the hot paths read raw records."""
 
-    def __init__(self, store: LmdbStore, txn: Any) -> None:
-        self._store = store
+    def __init__(self, backend: LmdbBackend, txn: Any) -> None:
+        self._backend = backend
         self._txn = txn
-        self._dbs = store.dbs
-        self._blocks = store.dbs["blocks"]
+        self._dbs = backend.dbs
+        self._blocks = backend.dbs["blocks"]
         self._payload_delta = 0
 
-    def get(self, key: BlockKey) -> BlockMeta | None:
+    def get(self, key: StoreKey) -> BlockMeta | None:
         record = self._txn.get(key, db=self._dbs["blocks"])
         return decode_meta(key, record) if record is not None else None
 
     def check(
-        self, key: BlockKey, root_and_parent: bytes, tokens: bytes, depth: int, now: float
+        self, key: StoreKey, root_and_parent: bytes, tokens: bytes, depth: int, now: float
     ) -> int:
         return check_record(
             self._txn.get(key, db=self._blocks),
@@ -96,7 +98,7 @@ class _LmdbTxn:
         # check_record, unrolled over the chain's own arrays: a 32k-token lookup runs this
         # body 512 times, so it builds no tuples, links or concatenations.
         if not isinstance(links, Chain):
-            return _count_hits_generic(self, namespace, links, start, now)
+            return generic.count_hits(self, namespace, links, start, now)
         get, blocks = self._txn.get, self._blocks
         keys, tokens, stride = links.keys, links.token_bytes, links.stride
         partition, root = namespace.partition, namespace.root
@@ -118,12 +120,12 @@ class _LmdbTxn:
             parent = key
         return len(keys) - start, 0
 
-    def lift_expiry(self, key: BlockKey, expires_at: float, retention: str) -> BlockKey | None:
+    def lift_expiry(self, key: StoreKey, expires_at: float, retention: str) -> StoreKey | None:
         raw = self._txn.get(key, db=self._blocks)
         if raw is None or EXPIRES.unpack_from(raw, EXPIRES_AT)[0] >= expires_at:
             return None
         depth = DEPTH.unpack_from(raw, DEPTH_AT)[0]
-        parent = BlockKey(key[:-KEY_BYTES] + raw[PARENT_AT:PARENT_END]) if depth else None
+        parent = StoreKey(key[:-KEY_BYTES] + raw[PARENT_AT:PARENT_END]) if depth else None
         if raw[TOKENS_AT : TOKENS_AT + raw[RETENTION_LEN_AT]] == retention.encode():
             record = bytearray(raw)  # the same class: patch the expiry in place
             EXPIRES.pack_into(record, EXPIRES_AT, expires_at)
@@ -134,7 +136,7 @@ class _LmdbTxn:
             self.put(meta)
         return parent
 
-    def incarnation(self, key: BlockKey, now: float) -> bytes | None:
+    def incarnation(self, key: StoreKey, now: float) -> bytes | None:
         raw = self._txn.get(key, db=self._blocks)
         if raw is None or now >= EXPIRES.unpack_from(raw, EXPIRES_AT)[0]:
             return None
@@ -143,41 +145,41 @@ class _LmdbTxn:
     def put(self, meta: BlockMeta) -> None:
         self._txn.put(meta.key, encode_meta(meta), db=self._dbs["blocks"])
 
-    def delete(self, key: BlockKey) -> None:
+    def delete(self, key: StoreKey) -> None:
         self._txn.delete(key, db=self._dbs["blocks"])
         self._txn.delete(key, db=self._dbs["payloads"])
 
-    def get_payload(self, key: BlockKey) -> bytes | memoryview | None:
+    def get_payload(self, key: StoreKey) -> bytes | memoryview | None:
         payload: bytes | memoryview | None = self._txn.get(key, db=self._dbs["payloads"])
         return payload
 
-    def put_payload(self, key: BlockKey, payload: bytes | memoryview) -> None:
+    def put_payload(self, key: StoreKey, payload: bytes | memoryview) -> None:
         self._txn.put(key, payload, db=self._dbs["payloads"])
 
-    def get_namespace(self, root: BlockKey) -> bytes | None:
-        found = self._txn.get(root, db=self._dbs["namespaces"])
+    def get_namespace(self, scope: StoreKey) -> bytes | None:
+        found = self._txn.get(scope, db=self._dbs["namespaces"])
         return bytes(found) if found is not None else None
 
-    def put_namespace(self, root: BlockKey, encoded: bytes) -> None:
-        self._txn.put(root, encoded, db=self._dbs["namespaces"])
+    def put_namespace(self, scope: StoreKey, encoded: bytes) -> None:
+        self._txn.put(scope, encoded, db=self._dbs["namespaces"])
 
-    def index_add(self, index: str, sort_key: bytes, key: BlockKey) -> None:
+    def index_add(self, index: str, sort_key: bytes, key: StoreKey) -> None:
         self._txn.put(sort_key + key, b"", db=self._dbs[index])
 
-    def index_remove(self, index: str, sort_key: bytes, key: BlockKey) -> None:
+    def index_remove(self, index: str, sort_key: bytes, key: StoreKey) -> None:
         self._txn.delete(sort_key + key, db=self._dbs[index])
 
     def index_scan(
         self, index: str, *, after: bytes | None, upto: bytes | None, limit: int
-    ) -> Iterable[tuple[bytes, BlockKey]]:
-        out: list[tuple[bytes, BlockKey]] = []
+    ) -> Iterable[tuple[bytes, StoreKey]]:
+        out: list[tuple[bytes, StoreKey]] = []
         with self._txn.cursor(db=self._dbs[index]) as cursor:
             positioned = cursor.set_range(after) if after is not None else cursor.first()
             if positioned and after is not None and bytes(cursor.key()) == after:
                 positioned = cursor.next()
             while positioned and len(out) < limit:
                 entry = bytes(cursor.key())
-                sort_key, key = entry[:SORT_KEY_BYTES], BlockKey(entry[SORT_KEY_BYTES:])
+                sort_key, key = entry[:SORT_KEY_BYTES], StoreKey(entry[SORT_KEY_BYTES:])
                 if upto is not None and sort_key > upto:
                     break
                 out.append((sort_key, key))
@@ -220,7 +222,7 @@ class _LmdbTxn:
                 if not key.startswith(prefix):
                     break
                 if prefix or len(key) == KEY_BYTES:  # the default tenant's keys have no prefix
-                    out.append(decode_meta(BlockKey(key), cursor.value()))
+                    out.append(decode_meta(StoreKey(key), cursor.value()))
                 positioned = cursor.next()
         return out
 
@@ -247,7 +249,7 @@ class _LmdbTxn:
     def usage(self) -> StoreUsage:
         pages = 2  # the two LMDB meta pages
         psize = 4096
-        for db in (*self._dbs.values(), self._store.main_db):
+        for db in (*self._dbs.values(), self._backend.main_db):
             stat = self._txn.stat(db)
             psize = stat["psize"]
             pages += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
@@ -259,8 +261,36 @@ class _LmdbTxn:
         )
 
 
-class LmdbStore(TxnStore):
-    """A BlockStore in an LMDB environment on disk; safe to share between processes."""
+class LmdbSpace:
+    """The LMDB backend's capacity report: the pages blocks take, and the data file."""
+
+    def __init__(self, path: Path, psize: int, tables: int) -> None:
+        self._path = path
+        self._psize = psize
+        self._tables = tables
+
+    def estimate_bytes(self, payload_size: int, token_bytes: int) -> int:
+        """Pages one block takes: overflow pages for a large payload, leaf space for the rest."""
+        psize = self._psize
+        if payload_size > psize // 2 - 64:
+            payload = math.ceil((payload_size + 16) / psize) * psize
+        else:
+            payload = 2 * (payload_size + 32)  # B-tree leaves run about half full
+        record = 2 * (record_size(token_bytes) + 32)
+        indexes = 2 * 2 * (8 + 16 + 16)
+        return payload + record + indexes
+
+    def reserved_bytes(self) -> int:
+        """Two meta pages, and a root page for the main table and each named one."""
+        return (2 + 1 + self._tables) * self._psize
+
+    def file_bytes(self) -> int:
+        """The size of the data file on disk (live pages plus LMDB's free list)."""
+        return (self._path / "data.mdb").stat().st_size
+
+
+class LmdbBackend:
+    """Block records, payloads, namespaces, indexes and small tables in one LMDB environment."""
 
     def __init__(
         self,
@@ -269,10 +299,8 @@ class LmdbStore(TxnStore):
         map_size_bytes: int,
         sync_mode: str = "full",
         max_readers: int = 1024,
-        policy: EvictionPolicy | None = None,
         identity: IdentityCheck | None = None,
     ) -> None:
-        super().__init__(policy=policy)
         if sync_mode not in SYNC_MODES:
             raise ValueError(
                 f"unknown LMDB sync mode {sync_mode!r} (known: {', '.join(SYNC_MODES)})"
@@ -293,14 +321,14 @@ class LmdbStore(TxnStore):
         self.main_db = self.env.open_db(None)
         self.dbs = {
             name: self.env.open_db(name.encode())
-            for name in ("blocks", "payloads", "namespaces", VICTIMS, EXPIRY, "meta", *AUX_TABLES)
+            for name in ("blocks", "payloads", "namespaces", *INDEXES, "meta", *AUX_TABLES)
         }
         try:
             self._check_record(identity)
         except BaseException:
             self.env.close()  # a refused opener leaves no environment open behind it
             raise
-        self._psize = int(self.env.stat()["psize"])
+        self.space = LmdbSpace(self.path, int(self.env.stat()["psize"]), len(self.dbs))
 
     def _check_record(self, identity: IdentityCheck | None) -> None:
         """Check the format and the identity record, writing what a new store lacks, in one
@@ -324,12 +352,14 @@ class LmdbStore(TxnStore):
                     txn.put(_IDENTITY, record, db=meta)
 
     @contextmanager
-    def _begin_read(self, *, views: bool = False) -> Iterator[_LmdbTxn]:
+    def read(self, *, views: bool = False) -> Iterator[_LmdbTxn]:
+        """A read transaction; with `views`, payloads are read as buffers (no copy)."""
         with self.env.begin(buffers=True) if views else self.env.begin() as txn:
             yield _LmdbTxn(self, txn)
 
     @contextmanager
-    def _begin_write(self) -> Iterator[_LmdbTxn]:
+    def write(self) -> Iterator[_LmdbTxn]:
+        """A write transaction; its counters are written once, just before it commits."""
         try:
             with self.env.begin(write=True) as txn:
                 wrapped = _LmdbTxn(self, txn)
@@ -338,25 +368,32 @@ class LmdbStore(TxnStore):
         except lmdb.MapFullError as exc:
             raise StoreFull("the LMDB map is full") from exc
 
-    def estimate_bytes(self, payload_size: int, token_bytes: int) -> int:
-        """Pages one block takes: overflow pages for a large payload, leaf space for the rest."""
-        psize = self._psize
-        if payload_size > psize // 2 - 64:
-            payload = math.ceil((payload_size + 16) / psize) * psize
-        else:
-            payload = 2 * (payload_size + 32)  # B-tree leaves run about half full
-        record = 2 * (record_size(token_bytes) + 32)
-        indexes = 2 * 2 * (8 + 16 + 16)
-        return payload + record + indexes
-
-    def reserved_bytes(self) -> int:
-        """Two meta pages, and a root page for the main table and each named one."""
-        return (2 + 1 + len(self.dbs)) * self._psize
-
-    def file_bytes(self) -> int:
-        """The size of the data file on disk (live pages plus LMDB's free list)."""
-        return (self.path / "data.mdb").stat().st_size
-
     def close(self) -> None:
         """Close the environment."""
         self.env.close()
+
+
+class LmdbStore(ComposedStore[LmdbBackend]):
+    """A BlockStore in an LMDB environment on disk; safe to share between processes."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        map_size_bytes: int,
+        sync_mode: str = "full",
+        max_readers: int = 1024,
+        policy: EvictionPolicy | None = None,
+        identity: IdentityCheck | None = None,
+        removal_log_entries: int = DEFAULT_REMOVAL_LOG_ENTRIES,
+    ) -> None:
+        backend = LmdbBackend(
+            path,
+            map_size_bytes=map_size_bytes,
+            sync_mode=sync_mode,
+            max_readers=max_readers,
+            identity=identity,
+        )
+        super().__init__(backend, policy=policy, removal_log_entries=removal_log_entries)
+        self.path = backend.path
+        self.env = backend.env

@@ -12,43 +12,50 @@ import struct
 
 import xxhash
 
-from cache_service.blocks import KEY_BYTES, BlockKey, BlockMeta, Removal
-from cache_service.store.base import FIRSTS, REMOVAL_ORDER, REMOVALS, BlockTxn
+from cache_service.blocks import KEY_BYTES, BlockKey, BlockMeta, Removal, StoreKey
+from cache_service.store.backend import FIRSTS, REMOVAL_ORDER, REMOVALS, Txn
 
 DEFAULT_REMOVAL_LOG_ENTRIES = 0  # off unless the owner turns it on (the service does)
 HINT_TOKENS = 16  # a first-block hint fingerprints this many leading tokens (or the block)
-REASONS = ("expired", "capacity", "purged", "tenant_quota")
+# Stored by index: a new reason goes at the end.
+REASONS = ("expired", "capacity", "purged", "tenant_quota", "removed")
 _REMOVAL = struct.Struct("<QBdd")  # removal sequence, reason, at, expires_at; then retention
 _SEQ = struct.Struct(">Q")
 _SIZE = struct.Struct("<I")
 
 
-def remember_removal(txn: BlockTxn, meta: BlockMeta, *, reason: str, at: float, limit: int) -> None:
-    """Log a block's removal, dropping the oldest entries beyond `limit`."""
-    if limit <= 0:
-        return
-    earlier = txn.aux_get(REMOVALS, meta.key)
-    if earlier is not None:
-        txn.aux_delete(REMOVAL_ORDER, _SEQ.pack(_REMOVAL.unpack_from(earlier)[0]))
-    seq = txn.next_seq(1)
-    record = _REMOVAL.pack(seq, REASONS.index(reason), at, meta.expires_at)
-    txn.aux_put(REMOVALS, meta.key, record + meta.retention.encode())
-    txn.aux_put(REMOVAL_ORDER, _SEQ.pack(seq), meta.key)
-    excess = txn.aux_count(REMOVAL_ORDER) - limit
-    if excess > 0:
-        for order_key, key in txn.aux_scan(REMOVAL_ORDER, b"", excess):
-            txn.aux_delete(REMOVAL_ORDER, order_key)
-            txn.aux_delete(REMOVALS, key)
+class RemovalLog:
+    """The most recent `entries` removals (0: none are kept)."""
 
+    def __init__(self, entries: int = DEFAULT_REMOVAL_LOG_ENTRIES) -> None:
+        self.entries = entries
 
-def recall_removal(txn: BlockTxn, key: BlockKey) -> Removal | None:
-    """Why and when the block under `key` was removed, if the log still says."""
-    record = txn.aux_get(REMOVALS, key)
-    if record is None:
-        return None
-    _, reason, at, expires_at = _REMOVAL.unpack_from(record)
-    retention = record[_REMOVAL.size :].decode()
-    return Removal(REASONS[reason], at, retention, expires_at)
+    def remember(self, txn: Txn, meta: BlockMeta, *, reason: str, at: float) -> None:
+        """Log a block's removal, dropping the oldest entries beyond the limit."""
+        if self.entries <= 0:
+            return
+        earlier = txn.aux_get(REMOVALS, meta.key)
+        if earlier is not None:
+            txn.aux_delete(REMOVAL_ORDER, _SEQ.pack(_REMOVAL.unpack_from(earlier)[0]))
+        seq = txn.next_seq(1)
+        record = _REMOVAL.pack(seq, REASONS.index(reason), at, meta.expires_at)
+        txn.aux_put(REMOVALS, meta.key, record + meta.retention.encode())
+        txn.aux_put(REMOVAL_ORDER, _SEQ.pack(seq), meta.key)
+        excess = txn.aux_count(REMOVAL_ORDER) - self.entries
+        if excess > 0:
+            for order_key, key in txn.aux_scan(REMOVAL_ORDER, b"", excess):
+                txn.aux_delete(REMOVAL_ORDER, order_key)
+                txn.aux_delete(REMOVALS, key)
+
+    @staticmethod
+    def recall(txn: Txn, key: StoreKey) -> Removal | None:
+        """Why and when the block under `key` was removed, if the log still says."""
+        record = txn.aux_get(REMOVALS, key)
+        if record is None:
+            return None
+        _, reason, at, expires_at = _REMOVAL.unpack_from(record)
+        retention = record[_REMOVAL.size :].decode()
+        return Removal(REASONS[reason], at, retention, expires_at)
 
 
 def fingerprint(token_bytes: bytes) -> bytes:
@@ -59,9 +66,8 @@ def fingerprint(token_bytes: bytes) -> bytes:
 def first_hint_key(meta: BlockMeta) -> bytes:
     """The hint of a first block: its partition, the fingerprint of its leading tokens,
     its namespace root and its block size."""
-    partition = meta.key[:-KEY_BYTES]
     size = _SIZE.pack(len(meta.tokens) // 4)
-    return partition + fingerprint(meta.tokens) + meta.namespace_root + size
+    return meta.partition + fingerprint(meta.tokens) + meta.namespace_root + size
 
 
 def hint_prefix(partition: bytes, token_bytes: bytes) -> bytes:
@@ -75,6 +81,11 @@ def parse_hint(key: bytes, prefix: bytes) -> tuple[BlockKey, int]:
     return root, _SIZE.unpack_from(key, len(prefix) + KEY_BYTES)[0]
 
 
-def record_first_block(txn: BlockTxn, meta: BlockMeta) -> None:
+def record_first_block(txn: Txn, meta: BlockMeta) -> None:
     """Note where a newly stored first block is, for explanations."""
     txn.aux_put(FIRSTS, first_hint_key(meta), b"")
+
+
+def forget_first_block(txn: Txn, meta: BlockMeta) -> None:
+    """Drop the hint of a first block that leaves the store."""
+    txn.aux_delete(FIRSTS, first_hint_key(meta))
