@@ -1,15 +1,22 @@
-"""LMDB specifics: a full map never fails a write while something is evictable."""
+"""LMDB only: a full map, page accounting, reader slots, and data that outlives the process."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from cache_service.blocks import Namespace
 from cache_service.cache import PrefixCache
 from cache_service.errors import InsufficientStorage
+from cache_service.store.base import BlockStore
 from cache_service.store.lmdb import LmdbStore
+from tests.store.chains import LMDB_MAP_SIZE_BYTES, NSID, T0, chain, put
+
+if TYPE_CHECKING:
+    from conftest import RawAccess
 
 
 class Clock:
@@ -71,3 +78,29 @@ def test_reopen_with_a_stale_reader_slot_clears_it(tmp_path: Path) -> None:
     again = LmdbStore(tmp_path, map_size_bytes=8 * 2**20)
     assert again.env.reader_check() == 0
     again.close()
+
+
+def test_lmdb_data_survives_close_and_reopen(
+    tmp_path: Path, raw_of: Callable[[BlockStore], RawAccess]
+) -> None:
+    path = tmp_path / "reopen"
+    links = chain([1, 2, 3])
+    first = LmdbStore(path, map_size_bytes=LMDB_MAP_SIZE_BYTES)
+    put(first, links, payloads=[b"zero", b"one", b"two"])
+    usage = first.usage()
+    first.close()
+
+    again = LmdbStore(path, map_size_bytes=LMDB_MAP_SIZE_BYTES)
+    try:
+        answer = again.match(NSID, links, now=T0, with_payloads=True)
+        assert (answer.matched, answer.payloads) == (3, (b"zero", b"one", b"two"))
+        assert again.usage().blocks == usage.blocks
+        assert again.usage().payload_bytes == usage.payload_bytes
+        # The use sequence carries on: a block stored now is newer than every old one.
+        newer = chain([7])
+        put(again, newer, now=T0 + 1)
+        metas = raw_of(again).blocks()
+        assert metas[newer[0].key].lru_seq > max(metas[link.key].lru_seq for link in links)
+        assert [e.key for e in again.evict(now=T0 + 1, max_blocks=1)] == [links[2].key]
+    finally:
+        again.close()
