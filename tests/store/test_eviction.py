@@ -3,13 +3,19 @@ policy's record of use."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
-from cache_service.blocks import BlockKey, Touch
+from cache_service.blocks import BlockKey, BlockMeta, Touch
+from cache_service.eviction import LruPolicy
 from cache_service.store.base import BlockStore
+from cache_service.store.lmdb import LmdbStore
+from cache_service.store.memory import MemoryStore
 from tests.store.chains import (
+    LMDB_MAP_SIZE_BYTES,
     T0,
     TTL,
     assert_prefix_closed,
@@ -192,3 +198,35 @@ def test_leaf_lru_ranks_a_prefix_by_the_last_use_of_any_block_under_it(
     assert [e.key for e in swept] == [p[1].key]
     order = [e.key for e in store.evict(now=T0 + 150, max_blocks=2)]
     assert order == [q[0].key, p[0].key]
+
+
+class _Forgetful(LruPolicy):
+    """LRU whose parents take nothing over from a removed child."""
+
+    name = "forgetful"
+
+    def child_removed(self, parent: BlockMeta, child: BlockMeta) -> None:
+        """Nothing passes."""
+
+
+@pytest.mark.parametrize("backend", ["memory", "lmdb"])
+def test_what_a_parent_takes_over_from_a_removed_child_is_the_policys(
+    backend: str, tmp_path: Path, raw_of: Callable[[BlockStore], RawAccess]
+) -> None:
+    policy = _Forgetful()
+    store: BlockStore = (
+        MemoryStore(policy=policy)
+        if backend == "memory"
+        else LmdbStore(tmp_path, map_size_bytes=LMDB_MAP_SIZE_BYTES, policy=policy)
+    )
+    try:
+        assert (store.policy.name, LruPolicy().name) == ("forgetful", "lru")
+        links = chain([1, 2])
+        put(store, links)
+        store.touch([Touch(keys=(links[1].key,), at=T0 + 10, retention="chat", ttl_seconds=TTL)])
+        before = raw_of(store).blocks()[links[0].key]
+        store.evict(now=T0 + 20, max_blocks=1)
+        after = raw_of(store).blocks()[links[0].key]
+        assert (after.lru_seq, after.hits, after.children) == (before.lru_seq, 0, 0)
+    finally:
+        store.close()
