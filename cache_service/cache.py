@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from cache_service.blocks import (
     BlockKey,
@@ -14,57 +13,23 @@ from cache_service.blocks import (
     Namespace,
     NewBlock,
     PrefixMatch,
-    StoreUsage,
     Touch,
 )
-from cache_service.capacity import EVICT_BATCH_BLOCKS, Capacity
-from cache_service.errors import (
-    BlockSizeMismatch,
-    InsufficientStorage,
-    InvalidField,
-    StoreFull,
-    UnknownRetention,
-)
+from cache_service.capacity import Capacity
+from cache_service.config import DEFAULT_BLOCK_SIZE, CacheConfig
+from cache_service.errors import InsufficientStorage, InvalidField, StoreFull
+from cache_service.events import CacheEvents
 from cache_service.hashing import BlockHasher, tokens_to_bytes
 from cache_service.recent import RecentMatch, RecentMatches
 from cache_service.retention import RetentionPolicy
 from cache_service.store.base import BlockStore
+from cache_service.touches import TouchBuffer
 
 Clock = Callable[[], float]
 PayloadSink = Callable[[int, bytes | memoryview | None], None]
 TokenInput = bytes | Sequence[int]
 
-DEFAULT_BLOCK_SIZE = 64
 STORE_FULL_RETRIES = 3
-MAX_PENDING_TOUCHES = 100_000  # lookups whose refresh waits; past this the oldest are dropped
-
-
-class CacheEvents:
-    """What the cache reports as it works: every method does nothing here; metrics and the
-    replay override what they count."""
-
-    def on_lookup(
-        self,
-        *,
-        retention: str,
-        hit_tokens: int,
-        miss_tokens: int,
-        complete: bool,
-        tenant: str = "",
-    ) -> None:
-        """A lookup finished; `complete` when every full block of the prompt hit."""
-
-    def on_insert(self, *, stored: int, refreshed: int, conflicts: int) -> None:
-        """An insert finished."""
-
-    def on_collision(self, count: int) -> None:
-        """Stored blocks whose key matched but namespace, depth, parent or tokens did not."""
-
-    def on_corrupt(self, count: int) -> None:
-        """Payloads that failed their checksum and were not served."""
-
-    def on_evicted(self, evicted: Sequence[Evicted], *, now: float) -> None:
-        """Blocks removed for expiry or capacity."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +47,9 @@ class InsertOutcome:
 
 
 class PrefixCache:
-    """A prefix cache of KV blocks: hashing + retention + capacity over one BlockStore."""
+    """A prefix cache of KV blocks: chained keys matched in one BlockStore. Its collaborators:
+    `config` (block sizes, retention), `capacity` (limits, eviction, expiry, usage),
+    `touches` (hits on their way to the store) and `events` (what it reports)."""
 
     def __init__(
         self,
@@ -103,16 +70,12 @@ class PrefixCache:
         tenant_capacity_bytes: Mapping[str, int] | None = None,
         events: CacheEvents | None = None,
     ) -> None:
-        if capacity_bytes is not None and capacity_blocks is not None:
-            raise ValueError("give capacity_bytes or capacity_blocks, not both")
-        if not 0 < low_water <= high_water <= 1:
-            raise ValueError("need 0 < low_water <= high_water <= 1")
         self.store = store
         self.hasher = hasher or BlockHasher()
-        self.retention = retention or RetentionPolicy()
         self.clock = clock
-        self.default_block_size = default_block_size
-        self.model_block_sizes = dict(model_block_sizes or {})
+        self.config = CacheConfig(
+            default_block_size, dict(model_block_sizes or {}), retention or RetentionPolicy()
+        )
         self.events = events or CacheEvents()
         self.capacity = Capacity(
             store,
@@ -120,51 +83,26 @@ class PrefixCache:
             capacity_blocks=capacity_blocks,
             high_water=high_water,
             low_water=low_water,
+            tenant_capacity_bytes=tenant_capacity_bytes,
+            clock=clock,
             events=self.events,
         )
-        self.defer_touches = defer_touches
-        # Deferred (server) touches refresh a block at most once a second: LRU order and
-        # sliding TTLs are exact to that resolution. Immediate touches (replay) are exact.
-        self.touch_resolution_seconds = touch_resolution_seconds
-        # Deferred touches slide a prefix's TTL only once it would move by more than this
-        # share of the class TTL: a long prefix is then rewritten once per slide period,
-        # not on every first hit. Its expiry may thereby fall short by up to that share.
-        self.ttl_slide_fraction = ttl_slide_fraction
-        # A tenant over its quota evicts its own least recently used blocks, first.
-        self.tenant_capacity_bytes = dict(tenant_capacity_bytes or {})
-        self._pending: list[Touch] = []
+        self.touches = TouchBuffer(
+            store,
+            defer=defer_touches,
+            resolution_seconds=touch_resolution_seconds,
+            slide_fraction=ttl_slide_fraction,
+        )
         self._recent = RecentMatches()
-        self._pending_lock = threading.Lock()
 
-    # -- configuration lookups ----------------------------------------------------------------
-
-    def block_size_for(self, model: str, expected: int | None = None) -> int:
-        """The block size of a model; BlockSizeMismatch if the caller expects another."""
-        size = self.model_block_sizes.get(model, self.default_block_size)
-        if expected is not None and expected != size:
-            raise BlockSizeMismatch(
-                "block_size",
-                f"the service cuts model {model!r} into blocks of {size} tokens, not {expected}",
-                expected=size,
-            )
-        return size
-
-    def resolve_retention(self, name: str | None) -> tuple[str, float]:
-        """The retention class and TTL for a request; UnknownRetention if not configured."""
-        try:
-            return self.retention.resolve(name)
-        except KeyError:
-            known = ", ".join(self.retention.classes)
-            raise UnknownRetention(
-                "retention", f"unknown retention class {name!r}; configured: {known}"
-            ) from None
+    # -- hashing --------------------------------------------------------------------------------
 
     def chain(
         self, namespace: Namespace, tokens: TokenInput, *, block_size: int | None = None
     ) -> Chain:
         """The chain links of every full block of a prompt."""
-        size = self.block_size_for(namespace.model, block_size)
-        return self.hasher.chain(namespace, _as_bytes(tokens), block_size=size)
+        size = self.config.block_size_for(namespace.model, block_size)
+        return self.hasher.chain(namespace, as_token_bytes(tokens), block_size=size)
 
     # -- lookups ------------------------------------------------------------------------------
 
@@ -181,9 +119,9 @@ class PrefixCache:
     ) -> PrefixMatch:
         """The longest stored, alive and verified prefix of a prompt (a miss is empty); with
         payloads, each goes to `sink(index, view)` if given, else into the match."""
-        retention_class, ttl = self.resolve_retention(retention)
-        size = self.block_size_for(namespace.model, block_size)
-        token_bytes = _as_bytes(tokens)
+        retention_class, ttl = self.config.resolve_retention(retention)
+        size = self.config.block_size_for(namespace.model, block_size)
+        token_bytes = as_token_bytes(tokens)
         scope = self.hasher.namespace_id(namespace).scope
         recent = None if with_payloads else self._recent.get(scope, size, token_bytes)
         links = (
@@ -267,9 +205,9 @@ class PrefixCache:
     ) -> tuple[PrefixMatch, InsertOutcome]:
         """Serve one request as a worker would: look up, store the blocks that missed (each
         with `payload`), then mark the hit prefix used, so the head is the most recent."""
-        retention_class, ttl = self.resolve_retention(retention)
-        size = self.block_size_for(namespace.model)
-        token_bytes = _as_bytes(tokens)
+        retention_class, ttl = self.config.resolve_retention(retention)
+        size = self.config.block_size_for(namespace.model)
+        token_bytes = as_token_bytes(tokens)
         links = self.hasher.chain(namespace, token_bytes, block_size=size)
         with self.store.batch():  # one transaction: a replay commits once per request
             found = self._match_links(
@@ -309,37 +247,7 @@ class PrefixCache:
             ttl_seconds=ttl_seconds,
             partition=partition,
         )
-        if not self.defer_touches:
-            self.store.touch([hit])
-            return
-        with self._pending_lock:
-            self._pending.append(hit)
-            if len(self._pending) > MAX_PENDING_TOUCHES:
-                del self._pending[0]
-
-    def flush_touches(self) -> int:
-        """Apply deferred touches in one write; returns how many lookups were applied."""
-        with self._pending_lock:
-            pending, self._pending = self._pending, []
-        if not pending:
-            return 0
-        try:
-            self.store.touch(
-                _coalesce(pending),
-                resolution_seconds=self.touch_resolution_seconds,
-                slide_fraction=self.ttl_slide_fraction,
-            )
-        except Exception:
-            with self._pending_lock:  # keep them for the next flush, within a bound
-                self._pending[:0] = pending[-MAX_PENDING_TOUCHES:]
-                del self._pending[MAX_PENDING_TOUCHES:]
-            raise
-        return len(pending)
-
-    @property
-    def pending_touches(self) -> int:
-        """Deferred touches waiting for the next flush."""
-        return len(self._pending)
+        self.touches.add(hit)
 
     def read_payloads(
         self, namespace: Namespace, keys: Sequence[BlockKey], sink: PayloadSink
@@ -371,7 +279,7 @@ class PrefixCache:
         block_size: int | None = None,
     ) -> InsertOutcome:
         """Store blocks start_block.. of a prompt; their parent must be stored or sent."""
-        retention_class, ttl = self.resolve_retention(retention)
+        retention_class, ttl = self.config.resolve_retention(retention)
         links = self.chain(namespace, tokens, block_size=block_size)
         return self._store_links(
             namespace,
@@ -408,11 +316,11 @@ class PrefixCache:
         fitting = self.capacity.fit(blocks, start_block)
         keys = tuple(block.link.key for block in blocks)
         if blocks and not fitting:
-            if self.capacity_blocks is not None:  # the prefix before start_block fills the cache
+            if self.capacity.capacity_blocks is not None:  # the prefix before start_block fills it
                 return InsertOutcome(keys, len(blocks), 0, 0, 0, len(blocks), 0)
             raise InsufficientStorage(
                 "the first block alone is larger than the cache's capacity",
-                capacity_bytes=self.capacity_bytes,
+                capacity_bytes=self.capacity.capacity_bytes,
             )
         parent = links[start_block - 1] if start_block > 0 else None
         namespace_id = self.hasher.namespace_id(namespace)
@@ -436,12 +344,9 @@ class PrefixCache:
                     break
         if result is None:
             raise InsufficientStorage("the store is full and nothing in it can be evicted")
-        evicted = {e.key for e in self.enforce_capacity(set(result.stored))}
-        quota = self.tenant_capacity_bytes.get(namespace.tenant)
-        if quota is not None:
-            evicted |= {e.key for e in self.capacity.enforce_tenant(
-                namespace_id.partition, quota, now=self.clock(),
-                protected=frozenset(result.stored))}  # fmt: skip
+        evicted = {e.key for e in self.capacity.enforce(set(result.stored))}
+        evicted |= {e.key for e in self.capacity.enforce_tenant(
+            namespace.tenant, protected=frozenset(result.stored))}  # fmt: skip
         kept = set(result.stored) - evicted
         # The request's own blocks go only when they alone overflow the cache: truncated too.
         own_evicted = len(result.stored) - len(kept)
@@ -471,68 +376,20 @@ class PrefixCache:
             prefix_touched=result.prefix_touched,
         )
 
-    # -- capacity and expiry ------------------------------------------------------------------
+    # -- removal on request -------------------------------------------------------------------
 
-    @property
-    def capacity_bytes(self) -> int | None:
-        """The capacity in bytes of the backend's own measure, if set."""
-        return self.capacity.capacity_bytes
-
-    @capacity_bytes.setter
-    def capacity_bytes(self, value: int | None) -> None:
-        self.capacity.capacity_bytes = value
-
-    @property
-    def capacity_blocks(self) -> int | None:
-        """The capacity in blocks (evicting to exactly it), if set."""
-        return self.capacity.capacity_blocks
-
-    @capacity_blocks.setter
-    def capacity_blocks(self, value: int | None) -> None:
-        self.capacity.capacity_blocks = value
-
-    @property
-    def high_water(self) -> float:
-        """Share of the byte capacity above which eviction starts."""
-        return self.capacity.high_water
-
-    @property
-    def low_water(self) -> float:
-        """Share of the byte capacity eviction goes down to."""
-        return self.capacity.low_water
-
-    def enforce_capacity(self, protected: set[BlockKey] | None = None) -> list[Evicted]:
-        """Evict down to the capacity: to the low-water mark once above the high-water mark."""
-        return self.capacity.enforce(now=self.clock(), protected=protected)
-
-    def sweep_expired(self, *, max_blocks: int = EVICT_BATCH_BLOCKS) -> int:
-        """Delete up to `max_blocks` expired blocks, leaf first, in one short transaction."""
-        return self.capacity.sweep_expired(now=self.clock(), max_blocks=max_blocks)
-
-    def usage(self) -> StoreUsage:
-        """What the store holds now."""
-        return self.store.usage()
+    def remove_block(self, namespace: Namespace, key: BlockKey) -> list[Evicted]:
+        """Remove the block of chain key `key` and every block stored under it (an engine
+        dropped it); each is reported to the events as "removed". Unknown key: nothing."""
+        now = self.clock()
+        removed = self.store.remove_subtree(self.hasher.namespace_id(namespace), key, now=now)
+        if removed:
+            self.events.on_evicted(removed, now=now)
+        return removed
 
 
-def _coalesce(touches: list[Touch]) -> list[Touch]:
-    """One touch per hit prefix and class, the latest, in order of last use: a hot prompt hit
-    a hundred times between flushes is refreshed once (its `uses` keep the count). A prefix
-    is known by its deepest key and length: hashing every key of every touch would cost more
-    than the merge saves."""
-    latest: dict[tuple[bytes, BlockKey, int, str], Touch] = {}
-    for touch in touches:
-        if not touch.keys:
-            continue
-        identity = (touch.partition, touch.keys[-1], len(touch.keys), touch.retention)
-        earlier = latest.pop(identity, None)
-        merged = touch
-        if earlier is not None:
-            merged = replace(touch, at=max(touch.at, earlier.at), uses=touch.uses + earlier.uses)
-        latest[identity] = merged
-    return list(latest.values())
-
-
-def _as_bytes(tokens: TokenInput) -> bytes:
+def as_token_bytes(tokens: TokenInput) -> bytes:
+    """Token ids as uint32 little-endian bytes; InvalidField for ids out of range."""
     if isinstance(tokens, bytes):
         if len(tokens) % 4:
             raise InvalidField("tokens", "binary tokens must be a multiple of 4 bytes long")

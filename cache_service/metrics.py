@@ -17,8 +17,11 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from cache_service.blocks import Evicted, StoreUsage
-from cache_service.cache import CacheEvents
+from cache_service.events import CacheEvents
 
+EVICTION_REASONS = ("expired", "capacity", "tenant_quota", "removed")
+# Reasons that take a block before its TTL to make room: counted in evicted_before_ttl.
+ROOM_REASONS = frozenset({"capacity", "tenant_quota"})
 LATENCY_BUCKETS = (
     0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
@@ -79,8 +82,8 @@ class CacheMetrics(CacheEvents):
         )
         self.evicted_blocks = Counter(
             "prompt_cache_evicted_blocks",
-            "Blocks removed, by reason: expired, capacity, or tenant_quota (a tenant over "
-            "its quota evicting its own).",
+            "Blocks removed, by reason: expired, capacity, tenant_quota (a tenant over "
+            "its quota evicting its own), or removed (on request, with the blocks under it).",
             ["reason"],
             registry=registry,
         )
@@ -110,7 +113,7 @@ class CacheMetrics(CacheEvents):
             registry=registry,
         )
         self._by_tenant: dict[str, tuple[Any, Any]] = {}
-        for reason in ("expired", "capacity", "tenant_quota"):
+        for reason in EVICTION_REASONS:
             self.evicted_blocks.labels(reason=reason)
         self._outcomes = {o: self.lookups.labels(outcome=o) for o in ("full", "partial", "miss")}
         self._by_class: dict[str, tuple[Any, Any]] = {}
@@ -177,7 +180,7 @@ class CacheMetrics(CacheEvents):
         """Count evictions by reason, and capacity evictions that came before the TTL."""
         for block in evicted:
             self.evicted_blocks.labels(reason=block.reason).inc()
-            if block.reason != "expired" and now < block.expires_at:
+            if block.reason in ROOM_REASONS and now < block.expires_at:
                 self.evicted_before_ttl.labels(retention=block.retention).inc()
 
     @property

@@ -1,4 +1,4 @@
-"""Operator controls over a PrefixCache: pin and unpin prefixes, purge, explain a miss."""
+"""Operator controls over a cache's store: pin and unpin prefixes, purge, explain a miss."""
 
 from __future__ import annotations
 
@@ -14,10 +14,15 @@ from cache_service.blocks import (
     PinLimits,
     PinRecord,
     PurgeResult,
+    StoreKey,
+    store_key,
 )
-from cache_service.cache import PrefixCache, TokenInput
+from cache_service.cache import Clock, PrefixCache, TokenInput, as_token_bytes
+from cache_service.capacity import Capacity
+from cache_service.config import CacheConfig
 from cache_service.errors import InvalidField
-from cache_service.hashing import decode_namespace, tenant_partition
+from cache_service.hashing import BlockHasher, decode_namespace, tenant_partition
+from cache_service.store.base import BlockStore
 from cache_service.store.removals import HINT_TOKENS
 
 REASONS = {
@@ -55,10 +60,37 @@ class Explanation:
 
 
 class Operators:
-    """Pins, purges and explanations for one PrefixCache."""
+    """Pins, purges and explanations over one store, resolving requests as its cache does."""
 
-    def __init__(self, cache: PrefixCache) -> None:
-        self.cache = cache
+    def __init__(
+        self,
+        store: BlockStore,
+        *,
+        hasher: BlockHasher,
+        clock: Clock,
+        config: CacheConfig,
+        capacity: Capacity,
+    ) -> None:
+        self.store = store
+        self.hasher = hasher
+        self.clock = clock
+        self.config = config
+        self.capacity = capacity
+
+    @classmethod
+    def for_cache(cls, cache: PrefixCache) -> Operators:
+        """The operators of a cache: its store, hasher, clock, configuration and capacity."""
+        return cls(
+            cache.store,
+            hasher=cache.hasher,
+            clock=cache.clock,
+            config=cache.config,
+            capacity=cache.capacity,
+        )
+
+    def _chain(self, namespace: Namespace, tokens: TokenInput, block_size: int | None) -> Chain:
+        size = self.config.block_size_for(namespace.model, block_size)
+        return self.hasher.chain(namespace, as_token_bytes(tokens), block_size=size)
 
     def pin(
         self,
@@ -74,10 +106,10 @@ class Operators:
         """Pin every full block of `tokens` (or the chain of `keys`, from block 0), as
         `by` of `rank`, within `limits`."""
         chain = self._prefix(namespace, tokens, keys, block_size)
-        return self.cache.store.pin(
-            self.cache.hasher.namespace_id(namespace),
+        return self.store.pin(
+            self.hasher.namespace_id(namespace),
             chain,
-            now=self.cache.clock(),
+            now=self.clock(),
             by=by,
             rank=rank,
             limits=limits,
@@ -90,8 +122,8 @@ class Operators:
         capacity quota, or without one its even part (of `tenants`) of the cache's pinned
         share; and the cache's pinned share for all pins together (pins are never evicted,
         so they must not crowd out everything else, nor one tenant's pins everyone's)."""
-        quota = self.cache.tenant_capacity_bytes.get(tenant)
-        capacity = self.cache.capacity_bytes
+        quota = self.capacity.tenant_capacity_bytes.get(tenant)
+        capacity = self.capacity.capacity_bytes
         total = int(capacity * pinned_share) if capacity is not None else None
         own: int | None
         if quota is not None:
@@ -113,12 +145,11 @@ class Operators:
         its blocks then expire as if just used under the longest retention class. How many
         blocks the pin held (0: no such pin)."""
         chain = self._prefix(namespace, tokens, keys, block_size)
-        longest_ttl = max(self.cache.retention.ttl_seconds.values())
-        return self.cache.store.unpin(
-            self.cache.hasher.namespace_id(namespace),
+        return self.store.unpin(
+            self.hasher.namespace_id(namespace),
             chain[-1].key,
-            now=self.cache.clock(),
-            ttl_seconds=longest_ttl,
+            now=self.clock(),
+            ttl_seconds=self.config.longest_ttl_seconds,
             rank=rank,
         )
 
@@ -127,7 +158,7 @@ class Operators:
         `reveal_salts`: a salt keeps users of one tenant apart, so only admins see them)."""
         partition = tenant_partition(tenant)
         out = []
-        for record in self.cache.store.pins(partition):
+        for record in self.store.pins(partition):
             namespace = self._namespace_of(record.scope)
             out.append(
                 {
@@ -154,21 +185,21 @@ class Operators:
         """Delete every block of a tenant; of one namespace; or, with tokens, the prompt's
         last full block and everything stored under it."""
         partition = tenant_partition(tenant)
-        now = self.cache.clock()
+        now = self.clock()
         if namespace is None:
-            return self.cache.store.purge(partition, now=now)
-        root = self.cache.hasher.namespace_id(namespace).root
+            return self.store.purge(partition, now=now)
+        root = self.hasher.namespace_id(namespace).root
         if tokens is None:
-            return self.cache.store.purge(partition, root=root, now=now)
-        chain = self.cache.chain(namespace, tokens, block_size=block_size)
+            return self.store.purge(partition, root=root, now=now)
+        chain = self._chain(namespace, tokens, block_size)
         if not len(chain):
             raise InvalidField("tokens", "a prefix purge needs at least one full block")
-        return self.cache.store.purge(
+        return self.store.purge(
             partition,
             root=root,
-            under=BlockKey(partition + chain[-1].key),
+            under=store_key(partition, chain[-1].key),
             now=now,
-            ttl_seconds=max(self.cache.retention.ttl_seconds.values()),
+            ttl_seconds=self.config.longest_ttl_seconds,
         )
 
     def explain(
@@ -184,20 +215,19 @@ class Operators:
         named by its model and layout; one under another salt is considered, and its salt
         named, only when `reveal_salts` (for admins: a salt is what keeps users of one
         tenant apart, so even that such a block exists is not for them to learn)."""
-        cache = self.cache
-        size = cache.model_block_sizes.get(namespace.model, cache.default_block_size)
-        links = cache.chain(namespace, tokens)
+        size = self.config.block_size_for(namespace.model)
+        links = self._chain(namespace, tokens, None)
         prompt_tokens = len(links.token_bytes) // 4
         if block_size is not None and block_size != size:
             return Explanation(block_size, prompt_tokens, 0, "block_size_differs", 0,
                                {"service_block_size": size})  # fmt: skip
-        namespace_id = cache.hasher.namespace_id(namespace)
-        now = cache.clock()
-        matched = cache.store.match(namespace_id, links, now=now).matched
+        namespace_id = self.hasher.namespace_id(namespace)
+        now = self.clock()
+        matched = self.store.match(namespace_id, links, now=now).matched
         if matched == len(links):
             reason = "complete" if prompt_tokens % size == 0 else "partial_block"
             return Explanation(size, prompt_tokens, matched, reason, None)
-        state = cache.store.inspect(namespace_id, links[matched], now=now)
+        state = self.store.inspect(namespace_id, links[matched], now=now)
         facts: dict[str, Any] = {}
         if state.status == "collision":
             reason = "collision_rejected"
@@ -228,33 +258,32 @@ class Operators:
     ) -> tuple[str, dict[str, Any]]:
         """Whether the prompt's first block is stored (alive, verified) under another
         namespace or block size of the same tenant."""
-        cache = self.cache
-        own_root = cache.hasher.namespace_id(namespace).root
+        own_root = self.hasher.namespace_id(namespace).root
         partition = tenant_partition(namespace.tenant)
-        now = cache.clock()
+        now = self.clock()
         # A first block's hint fingerprints its first 16 tokens, or all of a shorter block:
         # look under each length a configured block size gives.
-        sizes = {size, cache.default_block_size, *cache.model_block_sizes.values()}
+        sizes = {size, *self.config.block_sizes()}
         lengths = sorted({HINT_TOKENS, *(min(HINT_TOKENS, s) for s in sizes)})
         homes = [
             home
             for length in lengths
             if len(links.token_bytes) >= 4 * length
-            for home in cache.store.first_block_homes(partition, links.token_bytes[: 4 * length])
+            for home in self.store.first_block_homes(partition, links.token_bytes[: 4 * length])
         ]
         homes.sort(key=lambda home: home[0] != own_root)  # its own namespace first
         for root, block_size, encoded in homes:
             if (root, block_size) == (own_root, size) or encoded is None:
                 continue
             seed, other = decode_namespace(encoded)
-            if seed != cache.hasher.seed or other.tenant != namespace.tenant:
+            if seed != self.hasher.seed or other.tenant != namespace.tenant:
                 continue
             if not reveal_salts and other.salt != namespace.salt:
                 continue  # a salt keeps users apart: that one exists is for admins alone
-            other_links = cache.hasher.chain(other, links.token_bytes, block_size=block_size)
-            other_id = cache.hasher.namespace_id(other)
+            other_links = self.hasher.chain(other, links.token_bytes, block_size=block_size)
+            other_id = self.hasher.namespace_id(other)
             first = other_links[:1]
-            if not first or not cache.store.match(other_id, first, now=now).matched:
+            if not first or not self.store.match(other_id, first, now=now).matched:
                 continue  # the hint outlived the block's life (expired, not yet swept)
             if root == own_root:
                 return "block_size_differs", {"stored_block_size": block_size}
@@ -267,8 +296,8 @@ class Operators:
             }
         return "never_stored", {}
 
-    def _namespace_of(self, scope: BlockKey) -> Namespace | None:
-        encoded = self.cache.store.encoded_namespace(scope)
+    def _namespace_of(self, scope: StoreKey) -> Namespace | None:
+        encoded = self.store.encoded_namespace(scope)
         return decode_namespace(encoded)[1] if encoded is not None else None
 
     def _prefix(
@@ -282,13 +311,10 @@ class Operators:
         if keys is not None:
             if not keys:
                 raise InvalidField("keys", "a pin needs at least one block")
-            cache = self.cache
-            return cache.store.links_of(
-                cache.hasher.namespace_id(namespace), keys, now=cache.clock()
-            )
+            return self.store.links_of(self.hasher.namespace_id(namespace), keys, now=self.clock())
         if tokens is None:
             raise InvalidField("tokens", "give the prefix's tokens or its keys")
-        chain = self.cache.chain(namespace, tokens, block_size=block_size)
+        chain = self._chain(namespace, tokens, block_size)
         if not len(chain):
             raise InvalidField("tokens", "a pin needs at least one full block of tokens")
         return chain

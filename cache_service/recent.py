@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from cache_service.blocks import BlockKey, Chain
+from cache_service.blocks import Chain, StoreKey
 
 DEFAULT_MAX_BYTES = 64 * 2**20
 DEFAULT_MAX_ENTRIES = 4096
@@ -38,17 +38,17 @@ class RecentMatches:
     def __init__(
         self, *, max_bytes: int = DEFAULT_MAX_BYTES, max_entries: int = DEFAULT_MAX_ENTRIES
     ) -> None:
-        self._entries: OrderedDict[tuple[BlockKey, int, int], RecentMatch] = OrderedDict()
+        self._entries: OrderedDict[tuple[StoreKey, int, int], RecentMatch] = OrderedDict()
         self._bytes = 0
         self._max_bytes = max_bytes
         self._max_entries = max_entries
         self._lock = threading.Lock()
 
     @staticmethod
-    def _key(scope: BlockKey, block_size: int, token_bytes: bytes) -> tuple[BlockKey, int, int]:
+    def _key(scope: StoreKey, block_size: int, token_bytes: bytes) -> tuple[StoreKey, int, int]:
         return scope, block_size, xxhash.xxh3_64_intdigest(token_bytes)
 
-    def get(self, scope: BlockKey, block_size: int, token_bytes: bytes) -> RecentMatch | None:
+    def get(self, scope: StoreKey, block_size: int, token_bytes: bytes) -> RecentMatch | None:
         """The memo of exactly this prompt, if any."""
         key = self._key(scope, block_size, token_bytes)
         with self._lock:
@@ -58,7 +58,7 @@ class RecentMatches:
             self._entries.move_to_end(key)
             return found
 
-    def put(self, scope: BlockKey, block_size: int, match: RecentMatch) -> None:
+    def put(self, scope: StoreKey, block_size: int, match: RecentMatch) -> None:
         """Remember a verified match (of at least one block)."""
         size = len(match.chain.token_bytes) + 16 * len(match.chain.keys)
         if size > self._max_bytes:

@@ -17,6 +17,7 @@ from cache_service.errors import (
     MissingParent,
     UnknownRetention,
 )
+from cache_service.events import CacheEvents
 from cache_service.hashing import BlockHasher, tokens_to_bytes, xxh3_128
 from cache_service.retention import RetentionPolicy
 from cache_service.store.base import BlockStore
@@ -30,7 +31,7 @@ CHAT_TTL = 7 * DAY
 NS = Namespace(model="llama-3-8b")
 
 
-class RecordingEvents:
+class RecordingEvents(CacheEvents):
     """A CacheEvents implementation that keeps every call."""
 
     def __init__(self) -> None:
@@ -87,7 +88,7 @@ def store_prompt(
     namespace: Namespace = NS,
     payload_size: int = 32,
 ) -> InsertOutcome:
-    size = cache.block_size_for(namespace.model)
+    size = cache.config.block_size_for(namespace.model)
     return cache.insert(
         namespace,
         tokens,
@@ -283,18 +284,18 @@ def test_sweep_expired_deletes_only_expired_blocks_in_batches(
     chat = blocks_of(6, 7)
     store_prompt(cache, chat, retention="chat")
     clock.advance(AGENT_TTL - 1)
-    assert cache.sweep_expired() == 0
+    assert cache.capacity.sweep_expired() == 0
     clock.advance(1)
-    assert cache.sweep_expired() == 5
+    assert cache.capacity.sweep_expired() == 5
     assert {e.reason for e in events.evicted} == {"expired"}
     assert {e.retention for e in events.evicted} == {"agent"}
     assert cache.match_prefix(NS, chat, touch=False).matched_blocks == 2
-    assert cache.sweep_expired() == 0
+    assert cache.capacity.sweep_expired() == 0
     clock.advance(CHAT_TTL)
-    assert cache.sweep_expired(max_blocks=1) == 1
+    assert cache.capacity.sweep_expired(max_blocks=1) == 1
     assert_no_block_outlives_its_parent(raw)
-    assert cache.sweep_expired(max_blocks=1) == 1
-    assert cache.usage().blocks == 0
+    assert cache.capacity.sweep_expired(max_blocks=1) == 1
+    assert cache.capacity.usage().blocks == 0
 
 
 def test_sweep_expired_never_leaves_an_orphan(
@@ -306,7 +307,7 @@ def test_sweep_expired_never_leaves_an_orphan(
     store_prompt(cache, blocks_of(1, 2, 5), retention="agent")
     parents = {meta.key: meta.parent for meta in raw.blocks().values() if meta.depth > 0}
     clock.advance(AGENT_TTL)
-    while cache.sweep_expired(max_blocks=1):
+    while cache.capacity.sweep_expired(max_blocks=1):
         assert_no_block_outlives_its_parent(raw)
     order = [e.key for e in events.evicted]
     assert len(order) == 5
@@ -324,18 +325,18 @@ def test_deferred_touches_apply_only_at_flush(
     clock.advance(DAY)
     found = cache.match_prefix(NS, prompt, retention="chat")
     cache.match_prefix(NS, prompt, retention="agent")
-    assert cache.pending_touches == 2
+    assert cache.touches.pending == 2
     assert raw.blocks() == before
     hit_at = clock()
     clock.advance(60)
-    assert cache.flush_touches() == 2
-    assert cache.pending_touches == 0
+    assert cache.touches.flush() == 2
+    assert cache.touches.pending == 0
     metas = raw.blocks()
     assert [metas[k].expires_at for k in found.keys] == [hit_at + CHAT_TTL] * 2
     # A use is recorded on the deepest block it reached (its ancestors take it over later).
     assert [metas[k].hits for k in found.keys] == [0, 2]
     assert metas[found.keys[-1]].last_used_at == hit_at
-    assert cache.flush_touches() == 0
+    assert cache.touches.flush() == 0
 
 
 def test_lookup_with_touch_false_changes_nothing(
@@ -360,7 +361,7 @@ def test_capacity_blocks_evicts_down_to_exactly_the_capacity(
     for label in range(8):
         clock.advance(1)
         store_prompt(cache, blocks_of(100 + label, label, label))
-        assert cache.usage().blocks == min(3 * (label + 1), 10)
+        assert cache.capacity.usage().blocks == min(3 * (label + 1), 10)
     assert {e.reason for e in events.evicted} == {"capacity"}
     last = blocks_of(107, 7, 7)
     assert cache.match_prefix(NS, last).matched_blocks == 3
@@ -375,7 +376,7 @@ def test_request_larger_than_the_cache_keeps_its_first_blocks(
     prompt = blocks_of(1, 2, 3, 4, 5, 6)
     outcome = store_prompt(cache, prompt)
     assert (outcome.requested, outcome.stored, outcome.truncated) == (6, 4, 2)
-    assert cache.usage().blocks == 4
+    assert cache.capacity.usage().blocks == 4
     assert cache.match_prefix(NS, prompt).matched_blocks == 4
     assert cache.match_prefix(NS, blocks_of(9, 9)).matched_blocks == 0
 
@@ -407,7 +408,7 @@ def test_capacity_bytes_stays_under_capacity_and_keeps_the_newest_prefix(
     cache = make_cache(store, clock, capacity_bytes=capacity, default_block_size=64, events=events)
     payload_size = 16 << 10
     one_block = store.estimate_bytes(payload_size, 64 * 4)
-    low_water = capacity * cache.low_water
+    low_water = capacity * cache.capacity.low_water
     rng = random.Random(3)
     evictions_seen = 0
     for _ in range(120):
@@ -417,7 +418,7 @@ def test_capacity_bytes_stays_under_capacity_and_keeps_the_newest_prefix(
         ]
         events.evicted.clear()
         outcome = store_prompt(cache, prompt, payload_size=payload_size)
-        usage = cache.usage()
+        usage = cache.capacity.usage()
         assert usage.used_bytes <= capacity
         assert outcome.stored + outcome.refreshed == 4
         assert cache.match_prefix(NS, prompt, touch=False).matched_blocks == 4
@@ -433,7 +434,7 @@ def test_a_block_larger_than_the_whole_cache_is_refused(
     cache = make_cache(store, clock, capacity_bytes=10_000)
     with pytest.raises(InsufficientStorage):
         cache.insert(NS, blocks_of(1), [b"x" * 20_000])
-    assert cache.usage().blocks == 0
+    assert cache.capacity.usage().blocks == 0
 
 
 def test_capacity_settings_are_validated(store: BlockStore, clock: VirtualClock) -> None:
@@ -469,7 +470,7 @@ def test_unknown_retention_is_raised_naming_the_configured_classes(
         cache.match_prefix(NS, blocks_of(1), retention="batch")
     with pytest.raises(UnknownRetention):
         cache.insert(NS, blocks_of(1), [b"a"], retention="batch")
-    assert cache.usage().blocks == 0
+    assert cache.capacity.usage().blocks == 0
 
 
 def test_custom_retention_table_is_used(store: BlockStore, clock: VirtualClock) -> None:
@@ -483,8 +484,8 @@ def test_custom_retention_table_is_used(store: BlockStore, clock: VirtualClock) 
 def test_per_model_block_size_override(store: BlockStore, clock: VirtualClock) -> None:
     cache = make_cache(store, clock, default_block_size=4, model_block_sizes={"big": 16})
     big = Namespace(model="big")
-    assert cache.block_size_for("big") == 16
-    assert cache.block_size_for("llama-3-8b") == 4
+    assert cache.config.block_size_for("big") == 16
+    assert cache.config.block_size_for("llama-3-8b") == 4
     prompt = list(range(40))
     assert len(cache.chain(big, prompt)) == 2
     assert len(cache.chain(NS, prompt)) == 10
@@ -671,15 +672,15 @@ def test_deferred_touches_rewrite_a_hot_prefix_at_most_once_per_resolution(
     prompt = blocks_of(1, 2)
     store_prompt(cache, prompt, retention="chat")
     cache.match_prefix(NS, prompt, retention="chat")
-    cache.flush_touches()
+    cache.touches.flush()
     written = raw.blocks()
     clock.advance(0.5)  # within the resolution: nothing is rewritten
     cache.match_prefix(NS, prompt, retention="chat")
-    cache.flush_touches()
+    cache.touches.flush()
     assert raw.blocks() == written
     clock.advance(1.0)  # past it: the prefix is used (and its TTL slides) again
     found = cache.match_prefix(NS, prompt, retention="chat")
-    cache.flush_touches()
+    cache.touches.flush()
     metas = raw.blocks()
     assert metas[found.keys[-1]].last_used_at == clock()
     assert [metas[k].expires_at for k in found.keys] == [clock() + CHAT_TTL] * 2
@@ -694,13 +695,13 @@ def test_deferred_touches_slide_a_ttl_only_past_the_slide_fraction(
     stored_until = [meta.expires_at for meta in raw.blocks().values()]
     clock.advance(CHAT_TTL * 0.005)  # half the slide period: used, not slid
     found = cache.match_prefix(NS, prompt, retention="chat")
-    cache.flush_touches()
+    cache.touches.flush()
     metas = raw.blocks()
     assert [meta.expires_at for meta in metas.values()] == stored_until
     assert metas[found.keys[-1]].last_used_at == clock()
     clock.advance(CHAT_TTL * 0.01)  # past it: the whole prefix slides
     cache.match_prefix(NS, prompt, retention="chat")
-    cache.flush_touches()
+    cache.touches.flush()
     assert [raw.blocks()[k].expires_at for k in found.keys] == [clock() + CHAT_TTL] * 3
     assert_no_block_outlives_its_parent(raw)
 
@@ -730,3 +731,37 @@ def test_memo_of_a_verified_prompt_never_survives_a_colliding_rewrite_at_the_sam
     cache.insert(NS, other, [b"kv of other"])  # capacity 1: a's block is evicted
     assert cache.insert(NS, b, [b"kv of b"]).stored == 1  # b takes a's key
     assert cache.match_prefix(NS, a).matched_blocks == 0
+
+
+# -- removal on request ----------------------------------------------------------------------
+
+
+def test_remove_block_takes_the_block_and_everything_under_it(
+    store: BlockStore, clock: VirtualClock, raw: RawAccess
+) -> None:
+    events = RecordingEvents()
+    cache = make_cache(store, clock, events=events)
+    store_prompt(cache, blocks_of(1, 2, 3, 4))
+    store_prompt(cache, blocks_of(1, 2, 5))  # a branch under block 1
+    keys = cache.match_prefix(NS, blocks_of(1, 2, 3, 4)).keys  # remembered by the memo too
+
+    removed = cache.remove_block(NS, keys[1])
+
+    assert len(removed) == 4  # blocks 2, 3, 4 of the first prompt and 5 of the branch
+    assert [e.reason for e in events.evicted] == ["removed"] * 4
+    assert cache.match_prefix(NS, blocks_of(1, 2, 3, 4)).matched_blocks == 1
+    assert cache.match_prefix(NS, blocks_of(1, 2, 5)).matched_blocks == 1
+    assert cache.capacity.usage().blocks == 1
+    assert_no_block_outlives_its_parent(raw)
+
+
+def test_remove_block_of_an_unknown_key_removes_nothing(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    events = RecordingEvents()
+    cache = make_cache(store, clock, events=events)
+    store_prompt(cache, blocks_of(1, 2))
+    other = cache.chain(NS, blocks_of(7)).keys[0]
+    assert cache.remove_block(NS, other) == []
+    assert events.evicted == []
+    assert cache.capacity.usage().blocks == 2

@@ -204,13 +204,13 @@ class CacheMachine(RuleBasedStateMachine):
     @rule()
     def sweep(self) -> None:
         expired = sum(not self.alive(self.held, chain) for chain in self.held)
-        assert self.cache.sweep_expired() == expired
+        assert self.cache.capacity.sweep_expired() == expired
         self.apply_evictions()
 
     @precondition(lambda self: self.capacity is not None)
     @rule()
     def enforce_capacity(self) -> None:
-        self.cache.enforce_capacity()
+        self.cache.capacity.enforce()
         self.apply_evictions()
 
     # -- invariants ------------------------------------------------------------------------
@@ -233,7 +233,7 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def store_is_within_capacity(self) -> None:
         if self.capacity is not None:
-            assert self.cache.usage().blocks <= self.capacity
+            assert self.cache.capacity.usage().blocks <= self.capacity
 
 
 def test_prefix_cache_over_lmdb_agrees_with_the_model(

@@ -31,11 +31,11 @@ def make(store: BlockStore, clock: VirtualClock, **kwargs: object) -> tuple[Pref
     store.removal_log_entries = 1000
     kwargs.setdefault("default_block_size", BLOCK)
     cache = PrefixCache(store, clock=clock, **kwargs)  # type: ignore[arg-type]
-    return cache, Operators(cache)
+    return cache, Operators.for_cache(cache)
 
 
 def put(cache: PrefixCache, tokens: list[int], namespace: Namespace = NS, **kw: object) -> None:
-    count = len(tokens) // cache.block_size_for(namespace.model)
+    count = len(tokens) // cache.config.block_size_for(namespace.model)
     cache.insert(namespace, tokens, [b"kv%d" % i for i in range(count)], **kw)  # type: ignore[arg-type]
 
 
@@ -59,10 +59,10 @@ def test_a_pinned_prefix_survives_an_eviction_storm_and_eight_days(
         put(cache, blocks_of(label, label + 1))
     assert matched(cache, system) == 3
     clock.advance(8 * DAY)  # past every retention class
-    while cache.sweep_expired():
+    while cache.capacity.sweep_expired():
         pass
     assert matched(cache, system) == 3
-    assert cache.usage().blocks == 3  # everything else expired and was swept
+    assert cache.capacity.usage().blocks == 3  # everything else expired and was swept
     again, new = ops.pin(NS, system, by="ops")
     assert (again, new) == (record, False)  # pinning again changes nothing
 
@@ -76,7 +76,7 @@ def test_unpinning_lets_a_prefix_expire_and_be_evicted_again(
     ops.pin(NS, system, by="ops")
     assert ops.unpin(NS, system) == 2
     assert ops.unpin(NS, system) == 0  # no such pin any more
-    longest = max(cache.retention.ttl_seconds.values())
+    longest = cache.config.longest_ttl_seconds
     clock.advance(longest - 1)
     assert matched(cache, system) == 2
     clock.advance(2)
@@ -143,13 +143,13 @@ def test_an_unpinned_prefix_expires_and_is_swept_like_any_other(
     put(cache, prompt, retention="agent")
     ops.pin(NS, prompt, by="ops")
     clock.advance(4 * DAY)  # past the class TTL: the sweeper finds the entries, keeps them
-    cache.sweep_expired()
+    cache.capacity.sweep_expired()
     assert matched(cache, prompt) == 2
     ops.unpin(NS, prompt)
-    clock.advance(max(cache.retention.ttl_seconds.values()) + 1)
-    while cache.sweep_expired():
+    clock.advance(cache.config.longest_ttl_seconds + 1)
+    while cache.capacity.sweep_expired():
         pass
-    assert cache.usage().blocks == 0  # swept: the expiry entries came back from "never"
+    assert cache.capacity.usage().blocks == 0  # swept: the expiry entries came back from "never"
 
 
 def test_only_as_high_a_role_may_release_a_pin(store: BlockStore, clock: VirtualClock) -> None:
@@ -222,9 +222,9 @@ def test_a_purge_racing_a_store_leaves_no_block_pinned_for_ever(
     assert (result.blocks, result.pins) == (1, 1)  # the root stays: it has a new child
     assert ops.pins("team-a") == []
     clock.advance(400 * DAY)
-    while cache.sweep_expired():
+    while cache.capacity.sweep_expired():
         pass
-    assert cache.usage().blocks == 0  # the root was let go of, so it expired like the rest
+    assert cache.capacity.usage().blocks == 0  # the root was let go of, so it expired like the rest
 
 
 # -- purge -------------------------------------------------------------------------------------
@@ -258,7 +258,7 @@ def test_purge_a_tenant_a_namespace_or_what_is_under_a_prefix(
     assert tenant.blocks == 2
     assert matched(cache, blocks_of(1, 2), salted) == 0
     assert matched(cache, blocks_of(1, 2), other_tenant) == 2  # another tenant is untouched
-    assert cache.usage().blocks == 2
+    assert cache.capacity.usage().blocks == 2
 
 
 # -- explanations ------------------------------------------------------------------------------
@@ -292,7 +292,7 @@ def test_explain_tells_expired_blocks_before_and_after_the_sweep(
     clock.advance(3 * DAY + 1)
     before = ops.explain(NS, blocks_of(1))
     assert (before.reason, before.facts["retention"]) == ("expired", "agent")
-    cache.sweep_expired()
+    cache.capacity.sweep_expired()
     after = ops.explain(NS, blocks_of(1))
     assert after.reason == "expired"
     assert after.facts["expired_at"] == before.facts["expired_at"]

@@ -98,7 +98,7 @@ def test_no_tenant_hits_fetches_or_learns_of_anothers_blocks(
                         stored[which].add(tuple(tokens[: depth * BLOCK]))
                     continue
                 # An explanation names only this tenant's own namespaces.
-                why = Operators(cache).explain(namespace, tokens)
+                why = Operators.for_cache(cache).explain(namespace, tokens)
                 if why.reason == "other_namespace":
                     assert any(
                         (n.tenant, n.model, n.salt)

@@ -111,7 +111,7 @@ def create_app(
             tenant_capacity_bytes=keys.tenant_capacity if keys is not None else None,
             events=metrics,
         )
-        collector = StoreCollector(cache.usage, settings.capacity)
+        collector = StoreCollector(cache.capacity.usage, settings.capacity)
         metrics.scrape_registry.register(collector)
         folder = settings.data_dir if owned else None
         sweeper_lock = ElectionLock(folder, "sweeper.lock")
@@ -123,7 +123,7 @@ def create_app(
         )
         metrics_port.ensure()
         # The capacity may have been lowered since the data was written.
-        await run_in_threadpool(cache.enforce_capacity)
+        await run_in_threadpool(cache.capacity.enforce)
         kind = "lmdb" if isinstance(the_store, LmdbStore) else type(the_store).__name__
         usage_log = (
             UsageLog(settings.usage_log, max_bytes=settings.usage_log_max_bytes, clock=clock)
@@ -135,8 +135,8 @@ def create_app(
         app.state.service = ServiceState(cache, metrics, settings, kind, writes, usage_log, quotas)
 
         async def flush() -> None:
-            if cache.pending_touches:
-                await run_in_threadpool(cache.flush_touches)
+            if cache.touches.pending:
+                await run_in_threadpool(cache.touches.flush)
             if usage_log is not None:
                 await run_in_threadpool(usage_log.flush)
 
@@ -160,7 +160,7 @@ def create_app(
             for task in workers:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
-            cache.flush_touches()
+            cache.touches.flush()
             if usage_log is not None:
                 usage_log.flush()
             sweeper_lock.release()

@@ -68,7 +68,7 @@ def sweeper(cache: PrefixCache, lock: ElectionLock) -> Callable[[], Awaitable[No
         if not lock.held():
             return  # another worker sweeps: deleting the same blocks twice would only contend
         # Short batches, each its own transaction, so writers never wait long for the lock.
-        while await run_in_threadpool(cache.sweep_expired) >= EVICT_BATCH_BLOCKS:
+        while await run_in_threadpool(cache.capacity.sweep_expired) >= EVICT_BATCH_BLOCKS:
             await asyncio.sleep(0)
 
     return sweep

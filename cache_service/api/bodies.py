@@ -1,4 +1,5 @@
-"""Reading request bodies: size limits as bytes arrive, media types, and validation to 4xx."""
+"""Reading request bodies: size limits as bytes arrive, media types, validation to 4xx, and
+the shapes the routes share (a lookup-shaped body, the namespace a body names)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
+from cache_service.api.schemas import LookupHeader, LookupRequest, NamespaceFields
+from cache_service.blocks import Namespace
 from cache_service.errors import (
     InvalidField,
     MalformedBody,
@@ -16,6 +20,8 @@ from cache_service.errors import (
     RequestTimeout,
     UnsupportedMediaType,
 )
+from cache_service.framing import MEDIA_TYPE, decode_frames, frame_header_length
+from cache_service.settings import Settings
 
 Model = TypeVar("Model", bound=BaseModel)
 MIN_BODY_RATE = 2**20  # bytes a second a body must keep up beyond body_timeout
@@ -163,3 +169,60 @@ def check_count(field: str, count: int, limit: int, setting: str) -> None:
             limit=setting,
             limit_value=limit,
         )
+
+
+def namespace_of(body: NamespaceFields, tenant: str) -> Namespace:
+    """The namespace a request names, in the tenant its key acts for."""
+    # The tenant comes from the API key, never from the body.
+    return Namespace(model=body.model, kv_layout=body.kv_layout, tenant=tenant, salt=body.salt)
+
+
+async def read_limited_body(request: Request, settings: Settings) -> bytes:
+    """The body within the service's size and time limits."""
+    return await read_body(
+        request, limit_bytes=settings.max_body_size, timeout_seconds=settings.body_timeout
+    )
+
+
+async def read_prompt_body(request: Request, settings: Settings) -> tuple[bytes, bool]:
+    """A lookup-shaped body (JSON, or frames) within the limits, and whether it is frames."""
+    require_media_type(request, JSON, MEDIA_TYPE)
+    binary = media_type(request) == MEDIA_TYPE
+    raw = await read_limited_body(request, settings)
+    check_token_room(
+        frame_header_length(raw) if binary else len(raw), settings.max_tokens_per_request
+    )
+    return raw, binary
+
+
+async def read_request_json(request: Request, settings: Settings, model: type[Model]) -> Model:
+    """A JSON body of `model` within the service's body and token limits; a long one is
+    parsed in a worker thread, never on the event loop."""
+    require_media_type(request, JSON)
+    raw = await read_limited_body(request, settings)
+    limit = settings.max_tokens_per_request
+    check_token_room(len(raw), limit)
+    if len(raw) >= INLINE_BODY_BYTES:
+        body = await run_in_threadpool(parse_json, model, raw)
+    else:
+        body = parse_json(model, raw)
+    tokens = getattr(body, "tokens", None)
+    if tokens is not None:
+        check_count("tokens", len(tokens), limit, "max_tokens_per_request")
+    return body
+
+
+def parse_lookup(
+    raw: bytes,
+    binary: bool,
+    json_model: type[LookupRequest] = LookupRequest,
+    header_model: type[LookupHeader] = LookupHeader,
+) -> tuple[LookupHeader, list[int] | bytes]:
+    """The options and tokens of a lookup-shaped body (JSON, or a frame body)."""
+    if not binary:
+        body = parse_json(json_model, raw)
+        return body, body.tokens
+    header, frames = decode_frames(raw)
+    if len(frames) != 1:
+        raise InvalidField("frames", f"a lookup carries one frame (its tokens), not {len(frames)}")
+    return parse_object(header_model, header), tokens_frame(frames[0], "frames[0]")

@@ -14,14 +14,12 @@ from cache_service.api.auth import principal
 from cache_service.api.bodies import (
     JSON,
     check_count,
-)
-from cache_service.api.openapi import json_body, lookup_body, responses
-from cache_service.api.routes import (
     namespace_of,
     parse_lookup,
     read_prompt_body,
     read_request_json,
 )
+from cache_service.api.openapi import json_body, lookup_body, responses
 from cache_service.api.schemas import (
     ExplainHeader,
     ExplainRequest,
@@ -61,7 +59,7 @@ def tenant_for(caller: ApiKey, requested: str | None) -> str:
 async def explain(request: Request) -> Response:
     """The same body as a lookup; answers the first unmatched block and the reason."""
     state = service_state(request)
-    raw, binary = await read_prompt_body(request, state)
+    raw, binary = await read_prompt_body(request, state.settings)
     options, tokens = await run_in_threadpool(
         parse_lookup, raw, binary, ExplainRequest, ExplainHeader
     )
@@ -106,7 +104,7 @@ class _PinCall:
 
 async def _pin_request(request: Request) -> _PinCall:
     state = service_state(request)
-    body = await read_request_json(request, state, PinRequest)
+    body = await read_request_json(request, state.settings, PinRequest)
     if (body.tokens is None) == (body.keys is None):
         raise InvalidField("tokens", "give the prefix's `tokens` or its `keys`, not both")
     caller = principal(request)
@@ -186,7 +184,7 @@ async def pins(request: Request, tenant: str | None = None) -> dict[str, Any]:
 async def purge(request: Request) -> Response:
     """Remove blocks for good (durable once answered) and say how many and how many bytes."""
     state = service_state(request)
-    body = await read_request_json(request, state, PurgeRequest)
+    body = await read_request_json(request, state.settings, PurgeRequest)
     tenant = tenant_for(principal(request), body.tenant)
     namespace = None
     if body.model is not None:

@@ -16,13 +16,14 @@ from cache_service.api.auth import principal
 from cache_service.api.bodies import (
     INLINE_BODY_BYTES,
     JSON,
-    Model,
     check_count,
     check_token_room,
-    media_type,
-    parse_json,
+    namespace_of,
+    parse_lookup,
     parse_object,
-    read_body,
+    read_limited_body,
+    read_prompt_body,
+    read_request_json,
     require_media_type,
     tokens_frame,
 )
@@ -31,25 +32,17 @@ from cache_service.api.responses import FramesResponse
 from cache_service.api.schemas import (
     FetchRequest,
     LookupHeader,
-    LookupRequest,
     LookupResponse,
-    NamespaceFields,
     StoreHeader,
 )
 from cache_service.api.state import ServiceState, service_state
-from cache_service.blocks import KEY_BYTES, Namespace, PrefixMatch, key_from_hex, key_hex
+from cache_service.blocks import KEY_BYTES, PrefixMatch, key_from_hex, key_hex
 from cache_service.errors import InvalidField
 from cache_service.framing import MEDIA_TYPE, FrameWriter, decode_frames, frame_header_length
-from cache_service.hashing import HASH_SCHEME, HASH_VERSION, tenant_partition
+from cache_service.hashing import HASH_SCHEME, HASH_VERSION
 from cache_service.keys import ApiKey
 
 router = APIRouter()
-
-
-def namespace_of(body: NamespaceFields, tenant: str) -> Namespace:
-    """The namespace a request names, in the tenant its key acts for."""
-    # The tenant comes from the API key, never from the body.
-    return Namespace(model=body.model, kv_layout=body.kv_layout, tenant=tenant, salt=body.salt)
 
 
 def lookup_answer(model: str, found: PrefixMatch) -> dict[str, Any]:
@@ -86,66 +79,13 @@ async def lookup(request: Request) -> Response:
     """Find the longest stored, verified prefix; optionally return its payloads too."""
     state = service_state(request)
     caller = principal(request)
-    raw, binary = await read_prompt_body(request, state)
+    raw, binary = await read_prompt_body(request, state.settings)
     if not binary and len(raw) >= INLINE_BODY_BYTES:  # parsing a long JSON array takes a while
         return await run_in_threadpool(lambda: _lookup(state, caller, *parse_lookup(raw, binary)))
     options, tokens = parse_lookup(raw, binary)
     if options.fetch:  # copies payloads: never on the event loop
         return await run_in_threadpool(_lookup, state, caller, options, tokens)
     return _lookup(state, caller, options, tokens)
-
-
-async def read_limited_body(request: Request, state: ServiceState) -> bytes:
-    """The body within the service's size and time limits."""
-    return await read_body(
-        request,
-        limit_bytes=state.settings.max_body_size,
-        timeout_seconds=state.settings.body_timeout,
-    )
-
-
-async def read_prompt_body(request: Request, state: ServiceState) -> tuple[bytes, bool]:
-    """A lookup-shaped body (JSON, or frames) within the limits, and whether it is frames."""
-    require_media_type(request, JSON, MEDIA_TYPE)
-    binary = media_type(request) == MEDIA_TYPE
-    raw = await read_limited_body(request, state)
-    check_token_room(
-        frame_header_length(raw) if binary else len(raw), state.settings.max_tokens_per_request
-    )
-    return raw, binary
-
-
-async def read_request_json(request: Request, state: ServiceState, model: type[Model]) -> Model:
-    """A JSON body of `model` within the service's body and token limits; a long one is
-    parsed in a worker thread, never on the event loop."""
-    require_media_type(request, JSON)
-    raw = await read_limited_body(request, state)
-    check_token_room(len(raw), state.settings.max_tokens_per_request)
-    if len(raw) >= INLINE_BODY_BYTES:
-        body = await run_in_threadpool(parse_json, model, raw)
-    else:
-        body = parse_json(model, raw)
-    tokens = getattr(body, "tokens", None)
-    if tokens is not None:
-        limit = state.settings.max_tokens_per_request
-        check_count("tokens", len(tokens), limit, "max_tokens_per_request")
-    return body
-
-
-def parse_lookup(
-    raw: bytes,
-    binary: bool,
-    json_model: type[LookupRequest] = LookupRequest,
-    header_model: type[LookupHeader] = LookupHeader,
-) -> tuple[LookupHeader, list[int] | bytes]:
-    """The options and tokens of a lookup-shaped body (JSON, or a frame body)."""
-    if not binary:
-        body = parse_json(json_model, raw)
-        return body, body.tokens
-    header, frames = decode_frames(raw)
-    if len(frames) != 1:
-        raise InvalidField("frames", f"a lookup carries one frame (its tokens), not {len(frames)}")
-    return parse_object(header_model, header), tokens_frame(frames[0], "frames[0]")
 
 
 def _lookup(
@@ -187,7 +127,7 @@ async def store_blocks(request: Request) -> Response:
     """Store payloads for blocks start_block.. of a prompt; the parent must be stored."""
     state = service_state(request)
     require_media_type(request, MEDIA_TYPE)
-    raw = await read_limited_body(request, state)
+    raw = await read_limited_body(request, state.settings)
     check_token_room(frame_header_length(raw), state.settings.max_tokens_per_request)
     # The queue is of writes waiting for the store, not of uploads: a slow upload holds no
     # place, so a trickling client cannot shut others' writes out.
@@ -227,7 +167,7 @@ def _store(state: ServiceState, tenant: str, raw: bytes) -> Response:
     return JSONResponse(
         {
             "model": body.model,
-            "block_size": state.cache.block_size_for(body.model),
+            "block_size": state.cache.config.block_size_for(body.model),
             "start_block": body.start_block,
             "requested_blocks": outcome.requested,
             "stored_blocks": outcome.stored,
@@ -250,7 +190,7 @@ def _store(state: ServiceState, tenant: str, raw: bytes) -> Response:
 async def fetch_blocks(request: Request) -> Response:
     """Payloads of blocks of the caller's namespace, checked against their checksums."""
     state = service_state(request)
-    body = await read_request_json(request, state, FetchRequest)
+    body = await read_request_json(request, state.settings, FetchRequest)
     limit = state.settings.max_blocks_per_request
     check_count("keys", len(body.keys), limit, "max_blocks_per_request")
     keys = [key_from_hex(text) for text in body.keys]
@@ -272,6 +212,7 @@ async def info(request: Request) -> dict[str, Any]:
     """What a worker must agree with to share this cache."""
     state = service_state(request)
     cache, settings = state.cache, state.settings
+    config = cache.config
     return {
         "service": "prompt-cache-service",
         "version": __version__,
@@ -282,13 +223,16 @@ async def info(request: Request) -> dict[str, Any]:
             "token_encoding": "uint32-le",
             "key_bytes": KEY_BYTES,
         },
-        "block_size": {"default": cache.default_block_size, "models": cache.model_block_sizes},
+        "block_size": {
+            "default": config.default_block_size,
+            "models": dict(config.model_block_sizes),
+        },
         "retention": {
-            "classes": dict(cache.retention.ttl_seconds),
-            "default": cache.retention.default_class,
+            "classes": dict(config.retention.ttl_seconds),
+            "default": config.retention.default_class,
         },
         "store": state.store_kind,
-        "capacity_bytes": cache.capacity_bytes,
+        "capacity_bytes": cache.capacity.capacity_bytes,
         "limits": {
             "max_body_size": settings.max_body_size,
             "max_blocks_per_request": settings.max_blocks_per_request,
@@ -302,9 +246,10 @@ async def info(request: Request) -> dict[str, Any]:
 async def stats(request: Request) -> dict[str, Any]:
     """The store's size, hit and miss tokens by retention class, and by tenant (admin)."""
     state = service_state(request)
-    usage = await run_in_threadpool(state.cache.usage)
+    capacity = state.cache.capacity
+    usage = await run_in_threadpool(capacity.usage)
     by_class = {}
-    for name in state.cache.retention.classes:
+    for name in state.cache.config.retention.classes:
         hits, misses = state.metrics.token_totals(name)
         by_class[name] = {"hit_tokens": hits, "miss_tokens": misses}
     by_tenant = {}
@@ -313,17 +258,15 @@ async def stats(request: Request) -> dict[str, Any]:
         by_tenant[tenant] = {
             "hit_tokens": hits,
             "miss_tokens": misses,
-            "estimated_bytes": await run_in_threadpool(
-                state.cache.store.tenant_bytes, tenant_partition(tenant)
-            ),
-            "capacity_bytes": state.cache.tenant_capacity_bytes.get(tenant),
+            "estimated_bytes": await run_in_threadpool(capacity.tenant_bytes, tenant),
+            "capacity_bytes": capacity.tenant_capacity_bytes.get(tenant),
         }
     return {
         "blocks": usage.blocks,
         "payload_bytes": usage.payload_bytes,
         "used_bytes": usage.used_bytes,
-        "capacity_bytes": state.cache.capacity_bytes,
-        "pending_touches": state.cache.pending_touches,
+        "capacity_bytes": capacity.capacity_bytes,
+        "pending_touches": state.cache.touches.pending,
         "retention": by_class,
         "tenants": by_tenant,
     }
@@ -339,7 +282,7 @@ async def healthz() -> dict[str, str]:
 async def readyz(request: Request) -> Response:
     """Readiness: the store is open and a read succeeds."""
     state = service_state(request)  # 503 problem while starting or stopping
-    await run_in_threadpool(state.cache.usage)  # a store error becomes a problem answer
+    await run_in_threadpool(state.cache.capacity.usage)  # a store error becomes a problem answer
     return JSONResponse({"status": "ready"})
 
 

@@ -57,7 +57,7 @@ class ServiceState:
     operators: Operators = field(init=False)
 
     def __post_init__(self) -> None:
-        self.operators = Operators(self.cache)
+        self.operators = Operators.for_cache(self.cache)
 
 
 class NotReady(StorageError):

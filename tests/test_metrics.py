@@ -1,0 +1,145 @@
+"""CacheMetrics and StoreCollector, read through a fresh registry's samples."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+
+from cache_service.blocks import Namespace
+from cache_service.cache import PrefixCache
+from cache_service.metrics import EVICTION_REASONS, CacheMetrics, StoreCollector
+from cache_service.store.base import BlockStore
+
+if TYPE_CHECKING:
+    from conftest import VirtualClock
+
+NS = Namespace(model="m")
+BLOCK = 4
+CHAT_TTL = 7 * 86400.0
+
+
+def blocks_of(*labels: int) -> list[int]:
+    """A prompt with one block per label."""
+    return [label for label in labels for _ in range(BLOCK)]
+
+
+def counted(
+    store: BlockStore, clock: VirtualClock, **kwargs: object
+) -> tuple[PrefixCache, CollectorRegistry]:
+    registry = CollectorRegistry()
+    metrics = CacheMetrics(registry)
+    metrics.declare_retention(["agent", "chat"])
+    cache = PrefixCache(
+        store,
+        clock=clock,
+        default_block_size=BLOCK,
+        events=metrics,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    return cache, registry
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, labels)
+
+
+def test_every_eviction_reason_and_class_starts_at_zero(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    _, registry = counted(store, clock)
+    for reason in EVICTION_REASONS:
+        assert sample(registry, "prompt_cache_evicted_blocks_total", reason=reason) == 0
+    for name in ("agent", "chat"):
+        assert sample(registry, "prompt_cache_hit_tokens_total", retention=name) == 0
+        assert sample(registry, "prompt_cache_evicted_before_ttl_total", retention=name) == 0
+    for outcome in ("full", "partial", "miss"):
+        assert sample(registry, "prompt_cache_lookups_total", outcome=outcome) == 0
+
+
+def test_lookups_count_tokens_by_class_and_outcome(store: BlockStore, clock: VirtualClock) -> None:
+    cache, registry = counted(store, clock)
+    prompt = blocks_of(1, 2, 3)
+    cache.match_prefix(NS, prompt)
+    cache.insert(NS, prompt[: 2 * BLOCK], [b"a", b"b"])
+    cache.match_prefix(NS, prompt)
+    cache.match_prefix(NS, prompt[: 2 * BLOCK], retention="agent")
+
+    assert sample(registry, "prompt_cache_lookups_total", outcome="miss") == 1
+    assert sample(registry, "prompt_cache_lookups_total", outcome="partial") == 1
+    assert sample(registry, "prompt_cache_lookups_total", outcome="full") == 1
+    assert sample(registry, "prompt_cache_hit_tokens_total", retention="chat") == 2 * BLOCK
+    assert sample(registry, "prompt_cache_miss_tokens_total", retention="chat") == 4 * BLOCK
+    assert sample(registry, "prompt_cache_hit_tokens_total", retention="agent") == 2 * BLOCK
+    assert sample(registry, "prompt_cache_stored_blocks_total") == 2
+
+
+def test_refreshed_and_conflicting_blocks_are_counted(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    cache, registry = counted(store, clock)
+    cache.insert(NS, blocks_of(1, 2), [b"a", b"b"])
+    cache.insert(NS, blocks_of(1, 2), [b"a", b"other"])
+    assert sample(registry, "prompt_cache_stored_blocks_total") == 2
+    assert sample(registry, "prompt_cache_refreshed_blocks_total") == 2
+    assert sample(registry, "prompt_cache_payload_conflicts_total") == 1
+
+
+def test_capacity_evictions_before_the_ttl_are_counted(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    cache, registry = counted(store, clock, capacity_blocks=2)
+    cache.insert(NS, blocks_of(1, 2), [b"a", b"b"])
+    clock.advance(1)
+    cache.insert(NS, blocks_of(3, 4), [b"c", b"d"])
+    assert sample(registry, "prompt_cache_evicted_blocks_total", reason="capacity") == 2
+    assert sample(registry, "prompt_cache_evicted_before_ttl_total", retention="chat") == 2
+
+
+def test_expired_blocks_are_counted_as_expired_not_before_their_ttl(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    cache, registry = counted(store, clock)
+    cache.insert(NS, blocks_of(1, 2), [b"a", b"b"])
+    clock.advance(CHAT_TTL + 1)
+    assert cache.capacity.sweep_expired() == 2
+    assert sample(registry, "prompt_cache_evicted_blocks_total", reason="expired") == 2
+    assert sample(registry, "prompt_cache_evicted_before_ttl_total", retention="chat") == 0
+
+
+def test_removed_blocks_are_counted_as_removed(store: BlockStore, clock: VirtualClock) -> None:
+    cache, registry = counted(store, clock)
+    cache.insert(NS, blocks_of(1, 2, 3), [b"a", b"b", b"c"])
+    key = cache.chain(NS, blocks_of(1, 2)).keys[1]
+    assert len(cache.remove_block(NS, key)) == 2
+    assert sample(registry, "prompt_cache_evicted_blocks_total", reason="removed") == 2
+    assert sample(registry, "prompt_cache_evicted_blocks_total", reason="capacity") == 0
+    # Removed on request, not to make room: not an eviction before the TTL.
+    assert sample(registry, "prompt_cache_evicted_before_ttl_total", retention="chat") == 0
+
+
+def test_tenants_are_counted_by_name_only_when_declared(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    registry = CollectorRegistry()
+    metrics = CacheMetrics(registry)
+    metrics.declare_tenants(["team-a"])
+    cache = PrefixCache(store, clock=clock, default_block_size=BLOCK, events=metrics)
+    cache.match_prefix(Namespace("m", tenant="team-a"), blocks_of(1))
+    cache.match_prefix(Namespace("m", tenant="team-b"), blocks_of(1))
+    assert sample(registry, "prompt_cache_tenant_miss_tokens_total", tenant="team-a") == BLOCK
+    assert sample(registry, "prompt_cache_tenant_miss_tokens_total", tenant="team-b") is None
+    assert metrics.tenant_token_totals("team-a") == (0, BLOCK)
+
+
+def test_store_collector_reports_usage_and_capacity_at_scrape_time(
+    store: BlockStore, clock: VirtualClock
+) -> None:
+    cache, _ = counted(store, clock)
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(cache.capacity.usage, 10_000))
+    assert sample(registry, "prompt_cache_blocks") == 0
+    cache.insert(NS, blocks_of(1, 2), [b"aa", b"bbb"])
+    assert sample(registry, "prompt_cache_blocks") == 2
+    assert sample(registry, "prompt_cache_payload_bytes") == 5
+    assert sample(registry, "prompt_cache_capacity_bytes") == 10_000
