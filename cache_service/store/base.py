@@ -36,7 +36,11 @@ class BlockStore(OperatorControls, Protocol):
 
     removal_log_entries: int  # recent removals remembered for explanations (0: none)
     policy: EvictionPolicy  # which leaf goes first
-    space: Space  # the backend's capacity report
+
+    @property
+    def space(self) -> Space:
+        """The backend's capacity report (estimate_bytes, reserved_bytes)."""
+        ...
 
     def match(
         self,

@@ -395,5 +395,6 @@ class LmdbStore(ComposedStore[LmdbBackend]):
             identity=identity,
         )
         super().__init__(backend, policy=policy, removal_log_entries=removal_log_entries)
+        self.space: LmdbSpace = backend.space  # with the data file's size
         self.path = backend.path
         self.env = backend.env
