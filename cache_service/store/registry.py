@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cache_service.eviction import EvictionPolicy, LruPolicy
+from cache_service.eviction import EvictionPolicy
 from cache_service.store.base import BlockStore, IdentityCheck
 from cache_service.store.lmdb import LmdbStore
 from cache_service.store.memory import MemoryStore
@@ -61,10 +61,9 @@ def _open_lmdb(location: str, options: StoreOptions) -> OpenedStore:
         map_size_bytes=options.map_size_bytes,
         sync_mode=options.sync_mode,
         identity=options.identity,
-        policy=options.policy or LruPolicy(),
+        policy=options.policy,
+        removal_log_entries=options.removal_log_entries,
     )
-    # Set here, not by the service, until the store takes it as a constructor argument.
-    store.removal_log_entries = options.removal_log_entries
     return OpenedStore(store, "lmdb", store.path, f"data folder {store.path.resolve()}")
 
 
@@ -72,8 +71,7 @@ def _open_memory(location: str, options: StoreOptions) -> OpenedStore:
     if location:
         raise ValueError(f"memory:// takes no path (got memory://{location})")
     # No identity record: the data lives as long as the process that chose the settings.
-    store = MemoryStore(policy=options.policy or LruPolicy())
-    store.removal_log_entries = options.removal_log_entries
+    store = MemoryStore(policy=options.policy, removal_log_entries=options.removal_log_entries)
     return OpenedStore(store, "memory", None, "memory://")
 
 
