@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
-        help="run the HTTP service on an LMDB store in a local folder",
+        help="run the HTTP service on a store (by default the LMDB store in --data-dir)",
         description="Run the HTTP service. Every flag can also be set as an environment "
         f"variable {ENV_PREFIX}<FLAG> (upper case, '_' for '-').",
     )
@@ -104,7 +104,7 @@ def check_store(settings: Settings) -> None:
     from cache_service.errors import StorageError  # noqa: PLC0415
 
     try:
-        open_store(settings).close()
+        open_store(settings).store.close()
     except (StorageError, lmdb.Error, OSError) as exc:
         sys.exit(f"cache-service: {exc}")
 

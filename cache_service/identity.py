@@ -7,8 +7,11 @@ only steer what is kept: capacity and water marks, and retention TTLs (a block k
 absolute expiry and the class name it was stored with; no stored class is looked up again).
 They may change between runs, and each change is logged.
 
-The record is a JSON object of named fields, so a new field (an eviction policy) is one more
-entry in `FIELDS` and one more value in `identity_of`. A field the record lacks (a store made
+The eviction policy must match too: a store's eviction index is ordered by its policy's
+priorities, and entries written under one policy are in the wrong order for another.
+
+The record is a JSON object of named fields, so a new field is one more entry in `FIELDS`
+and one more value in `identity_of`. A field the record lacks (a store made
 before the field existed) is adopted from the opening process; a field this build does not
 know is kept as it is. The store only keeps the bytes (`store.base.IdentityCheck`).
 """
@@ -84,6 +87,12 @@ def _capacity_consequence(old: int, new: int) -> str:
     return "blocks over it will be evicted" if new < old else ""
 
 
+_KEYS_DIFFER = "Keys made with other values would find none of its blocks."
+_ORDER_DIFFERS = (
+    "Its eviction index is ordered by the stored policy; another would evict in the wrong order."
+)
+
+
 @dataclass(frozen=True)
 class RecordField:
     """One recorded setting: its rule, the flag that sets it, and how it is shown."""
@@ -95,6 +104,7 @@ class RecordField:
     consequence: Callable[[Any, Any], str] | None = None  # said after a logged change
     # Whether the stored and the requested record differ in this field (default: unequal).
     differs: Callable[[Mapping[str, Any], Mapping[str, Any]], bool] | None = None
+    why: str = _KEYS_DIFFER  # why a difference is refused (MUST_MATCH fields)
 
     def differ(self, name: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
         """Whether records `old` and `new` differ in this field (both have it)."""
@@ -121,6 +131,7 @@ FIELDS: dict[str, RecordField] = {
     ),
     "high_water": RecordField(Rule.MAY_CHANGE, "--high-water"),
     "low_water": RecordField(Rule.MAY_CHANGE, "--low-water"),
+    "eviction_policy": RecordField(Rule.MUST_MATCH, "--eviction-policy", why=_ORDER_DIFFERS),
 }
 
 
@@ -206,9 +217,10 @@ class StoreIdentity:
         build = (
             " (for the hash scheme, a build that computes it)" if "hash_scheme" in differing else ""
         )
+        whys = dict.fromkeys(self.fields[name].why for name in differing)  # once each, in order
         lines.append(
-            "Keys made with other values would find none of its blocks. Start with the stored "
-            f"values{build}, or use another --data-dir for these settings."
+            " ".join(whys) + f" Start with the stored values{build}, or use another --data-dir "
+            "for these settings."
         )
         return "\n".join(lines)
 
@@ -222,6 +234,7 @@ def identity_of(
     capacity_bytes: int,
     high_water: float,
     low_water: float,
+    eviction_policy: str,
 ) -> StoreIdentity:
     """The identity a process with these settings records in a store it opens."""
     return StoreIdentity(
@@ -234,5 +247,6 @@ def identity_of(
             "capacity": capacity_bytes,
             "high_water": high_water,
             "low_water": low_water,
+            "eviction_policy": eviction_policy,
         }
     )

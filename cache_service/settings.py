@@ -13,10 +13,12 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cache_service.eviction import make_policy
 from cache_service.hashing import DEFAULT_SEED
 from cache_service.keys import KeyFileError, KeyRing, load_key_ring
 from cache_service.retention import RetentionPolicy, parse_retention_table, parse_size
 from cache_service.store.lmdb import SYNC_MODES
+from cache_service.store.registry import parse_store_url
 
 ENV_PREFIX = "CACHE_SERVICE_"
 AUTH_MODES = ("none", "keys")
@@ -58,6 +60,17 @@ class Settings(BaseSettings):
         1, ge=1, le=64, description="Worker processes sharing the one LMDB data folder."
     )
     data_dir: Path = Field(Path("./cache-data"), description="Folder of the LMDB store.")
+    store: str | None = Field(
+        None,
+        description="The store, as a URL: lmdb:///abs/path, lmdb://relative/path, a plain "
+        "folder (LMDB), or memory:// (one worker, gone on exit). Wins over --data-dir, "
+        "which is its shorthand for a folder.",
+    )
+    eviction_policy: str = Field(
+        "lru",
+        description="Which evictable block goes first (recorded in the store: another "
+        "policy is refused on a store made with this one).",
+    )
     capacity: int = Field(
         10 * 2**30,
         gt=0,
@@ -107,6 +120,11 @@ class Settings(BaseSettings):
         description="Recent removals remembered for /v1/explain (shared by all workers).",
     )
     sweep_interval: float = Field(30.0, gt=0, description="Seconds between expiry sweeps.")
+    shutdown_timeout: float = Field(
+        5.0,
+        gt=0,
+        description="Seconds stopping waits for store requests in progress before it closes.",
+    )
     touch_flush_interval: float = Field(
         0.2, gt=0, description="Seconds between batched TTL/LRU refreshes of lookups."
     )
@@ -164,6 +182,19 @@ class Settings(BaseSettings):
         parse_retention_table(value)
         return value
 
+    @field_validator("store")
+    @classmethod
+    def _check_store(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_store_url(value)
+        return value
+
+    @field_validator("eviction_policy")
+    @classmethod
+    def _check_eviction_policy(cls, value: str) -> str:
+        make_policy(value)  # ValueError naming the known ones
+        return value
+
     @field_validator("auth")
     @classmethod
     def _check_auth(cls, value: str) -> str:
@@ -183,6 +214,8 @@ class Settings(BaseSettings):
         if self.low_water > self.high_water:
             raise ValueError("low_water must not be above high_water")
         self.retention_policy()  # the default class must be in the table
+        if self.workers > 1 and parse_store_url(self.store_url())[0] == "memory":
+            raise ValueError("a memory:// store lives in one process: use --workers 1")
         keys = self.key_ring()
         if self.auth == "keys" and not len(keys):
             raise ValueError("--auth keys needs keys: --api-keys-file or --api-keys")
@@ -222,6 +255,10 @@ class Settings(BaseSettings):
     def model_block_sizes(self) -> dict[str, int]:
         """The per-model block size overrides."""
         return parse_model_block_sizes(self.model_block_size)
+
+    def store_url(self) -> str:
+        """The store to open: --store if given, else the --data-dir folder."""
+        return self.store if self.store is not None else str(self.data_dir)
 
     def map_size_bytes(self) -> int:
         """LMDB's map: room for the capacity, eviction's slack and free pages not yet reused."""

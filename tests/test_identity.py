@@ -37,6 +37,7 @@ def identity(**changes: Any) -> StoreIdentity:
         "capacity_bytes": 20 * 2**30,
         "high_water": 0.95,
         "low_water": 0.85,
+        "eviction_policy": "lru",
     }
     values.update(changes)
     return identity_of(**values)
@@ -62,6 +63,7 @@ def test_new_store_records_every_setting_and_says_so_without_the_seed() -> None:
         "capacity": 20 * 2**30,
         "high_water": 0.95,
         "low_water": 0.85,
+        "eviction_policy": "lru",
     }
     [note] = fresh.notes
     assert note.startswith(f"data folder {WHERE} had no record of the settings")
@@ -95,6 +97,36 @@ def test_a_setting_that_defines_the_data_refuses_naming_both_values(
     assert f"  {label}: stored {stored}, requested {requested}" in message.splitlines()
     assert WHERE in message and "another --data-dir" in message
     assert len(refused.value.extensions["settings"]) == 1
+
+
+def test_another_eviction_policy_refuses_naming_both_and_why() -> None:
+    with pytest.raises(SettingsMismatch) as refused:
+        identity().settle(recorded(eviction_policy="lfu"), where=WHERE)
+    lines = str(refused.value).splitlines()
+    assert "  --eviction-policy: stored lfu, requested lru" in lines
+    assert "ordered by the stored policy" in lines[-1]
+    assert "Keys made with other values" not in lines[-1]  # the keys are not the trouble
+    assert refused.value.extensions["settings"] == ["eviction_policy"]
+
+
+def test_a_policy_and_a_key_setting_that_differ_give_both_reasons() -> None:
+    with pytest.raises(SettingsMismatch) as refused:
+        identity(seed="other").settle(recorded(eviction_policy="lfu"), where=WHERE)
+    last = str(refused.value).splitlines()[-1]
+    assert "Keys made with other values" in last and "ordered by the stored policy" in last
+    assert last.endswith("or use another --data-dir for these settings.")
+
+
+def test_a_record_made_before_the_policy_was_recorded_adopts_the_current_one() -> None:
+    record = json.loads(recorded())
+    del record["eviction_policy"]
+    opener = identity()
+    kept = json.loads(opener.settle(json.dumps(record).encode(), where=WHERE))
+    assert kept["eviction_policy"] == "lru"
+    assert opener.notes == [
+        f"data folder {WHERE} had no record of some settings: recorded this process's: "
+        "--eviction-policy lru"
+    ]
 
 
 def test_another_hash_scheme_refuses_and_says_a_build_must_compute_it() -> None:
@@ -160,11 +192,11 @@ def test_retention_changes_are_logged_not_refused() -> None:
 def test_a_record_lacking_a_field_adopts_it_and_keeps_fields_it_does_not_know() -> None:
     record = json.loads(recorded())
     del record["low_water"]
-    record["eviction_policy"] = "written by a later build"
+    record["compression"] = "written by a later build"
     opener = identity()
     kept = json.loads(opener.settle(json.dumps(record).encode(), where=WHERE))
     assert kept["low_water"] == 0.85
-    assert kept["eviction_policy"] == "written by a later build"
+    assert kept["compression"] == "written by a later build"
     assert opener.notes == [
         f"data folder {WHERE} had no record of some settings: recorded this process's: "
         "--low-water 0.85"

@@ -126,3 +126,34 @@ def test_a_true_false_setting_is_also_a_bare_switch() -> None:
     args.pop("command")
     settings = load_settings(args)
     assert (settings.allow_unauthenticated, settings.access_log) == (True, False)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"eviction_policy": "fifo"}, "unknown eviction policy 'fifo' \\(known: lru\\)"),
+        ({"store": "redis://cache:6379"}, "unknown store scheme 'redis'.*lmdb://, memory://"),
+        ({"store": "memory://", "workers": 2}, "memory:// store lives in one process"),
+    ],
+)
+def test_store_and_eviction_policy_settings_are_checked(
+    overrides: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValidationError, match=message):
+        Settings(**overrides)  # type: ignore[arg-type]
+
+
+def test_the_store_is_the_data_dir_folder_unless_a_store_url_is_given() -> None:
+    assert Settings(data_dir="/srv/cache").store_url() == "/srv/cache"  # type: ignore[arg-type]
+    assert Settings(data_dir="/srv/cache", store="memory://").store_url() == "memory://"  # type: ignore[arg-type]
+    assert Settings().eviction_policy == "lru"
+
+
+def test_cli_names_the_known_eviction_policies_for_an_unknown_one() -> None:
+    args = vars(build_parser().parse_args(["serve", "--eviction-policy", "lfu"]))
+    args.pop("command")
+    with pytest.raises(SystemExit) as exited:
+        load_settings(args)
+    assert "--eviction-policy: Value error, unknown eviction policy 'lfu' (known: lru)" in str(
+        exited.value
+    )

@@ -1,45 +1,29 @@
-"""The application factory: its lifespan opens the store and runs the background workers."""
+"""The application factory: routes, middleware and a lifespan that starts and stops the
+Service (the store, the cache and the background workers)."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, disable_created_metrics
-from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cache_service import __version__
 from cache_service.api.auth import Authenticator
-from cache_service.api.background import (
-    METRICS_RETRY_SECONDS,
-    ElectionLock,
-    MetricsPort,
-    repeat,
-    sweeper,
-)
 from cache_service.api.docs import install_docs
 from cache_service.api.limits import QuotaGate
 from cache_service.api.openapi import install_openapi
 from cache_service.api.operator_routes import router as operator_router
 from cache_service.api.problems import install_problem_handlers
 from cache_service.api.routes import router
-from cache_service.api.startup import open_store, serving_line
-from cache_service.api.state import ServiceState, WriteGate
-from cache_service.cache import Clock, PrefixCache
-from cache_service.hashing import BlockHasher
-from cache_service.metrics import CacheMetrics, StoreCollector
-from cache_service.quotas import QuotaBook
+from cache_service.api.service import Service
+from cache_service.cache import Clock
+from cache_service.metrics import CacheMetrics
 from cache_service.settings import Settings
 from cache_service.store.base import BlockStore
-from cache_service.store.lmdb import LmdbStore
-from cache_service.usage import UsageLog
-
-log = logging.getLogger("cache_service")
 
 DESCRIPTION = """A prefix-aware prompt cache of KV blocks. Prefill workers look up the longest
 cached prefix of a prompt, fetch its KV payloads, and store the blocks they computed."""
@@ -84,93 +68,19 @@ def create_app(
     disable_created_metrics()  # type: ignore[no-untyped-call]
     registry = registry or CollectorRegistry()
     metrics = CacheMetrics(registry)
-    retention = settings.retention_policy()
-    metrics.declare_retention(retention.classes)
+    metrics.declare_retention(settings.retention_policy().classes)
     keys = settings.key_ring() if settings.auth == "keys" else None
     metrics.declare_tenants(sorted(keys.tenants) if keys is not None else [])
+    service = Service(settings, metrics=metrics, keys=keys, store=store, clock=clock)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        owned = store is None
-        # Refused if the folder's data was made with other settings (`cache-service serve`
-        # checks first, so that it exits with the message rather than a worker's traceback).
-        the_store: BlockStore = store or open_store(settings)
-        the_store.removal_log_entries = settings.removal_log_entries
-        cache = PrefixCache(
-            the_store,
-            hasher=BlockHasher(seed=settings.seed),
-            retention=retention,
-            clock=clock,
-            default_block_size=settings.block_size,
-            model_block_sizes=settings.model_block_sizes(),
-            capacity_bytes=settings.capacity,
-            high_water=settings.high_water,
-            low_water=settings.low_water,
-            defer_touches=True,
-            ttl_slide_fraction=settings.ttl_slide_fraction,
-            tenant_capacity_bytes=keys.tenant_capacity if keys is not None else None,
-            events=metrics,
-        )
-        collector = StoreCollector(cache.capacity.usage, settings.capacity)
-        metrics.scrape_registry.register(collector)
-        folder = settings.data_dir if owned else None
-        sweeper_lock = ElectionLock(folder, "sweeper.lock")
-        metrics_port = MetricsPort(
-            settings.metrics_host,
-            settings.metrics_port,
-            metrics.scrape_registry,
-            ElectionLock(folder, "metrics.lock"),
-        )
-        metrics_port.ensure()
-        # The capacity may have been lowered since the data was written.
-        await run_in_threadpool(cache.capacity.enforce)
-        kind = "lmdb" if isinstance(the_store, LmdbStore) else type(the_store).__name__
-        usage_log = (
-            UsageLog(settings.usage_log, max_bytes=settings.usage_log_max_bytes, clock=clock)
-            if settings.usage_log is not None
-            else None
-        )
-        writes = WriteGate(settings.max_pending_writes)
-        quotas = QuotaBook(list(keys), folder) if keys is not None else None
-        app.state.service = ServiceState(cache, metrics, settings, kind, writes, usage_log, quotas)
-
-        async def flush() -> None:
-            if cache.touches.pending:
-                await run_in_threadpool(cache.touches.flush)
-            if usage_log is not None:
-                await run_in_threadpool(usage_log.flush)
-
-        workers = [
-            asyncio.create_task(repeat(settings.touch_flush_interval, flush, "touch flush")),
-            asyncio.create_task(
-                repeat(settings.sweep_interval, sweeper(cache, sweeper_lock), "sweeper")
-            ),
-        ]
-        if settings.metrics_port is not None:  # a worker that did not get the port retries
-            workers.append(
-                asyncio.create_task(
-                    repeat(METRICS_RETRY_SECONDS, metrics_port.ensure_async, "metrics port")
-                )
-            )
-        log.info("%s", serving_line(settings, the_store))
+        app.state.service = await service.start()
         try:
             yield
         finally:
-            app.state.service = None
-            for task in workers:
-                task.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
-            cache.touches.flush()
-            if usage_log is not None:
-                usage_log.flush()
-            sweeper_lock.release()
-            metrics_port.close()
-            if quotas is not None:
-                quotas.close()
-            metrics.scrape_registry.unregister(collector)
-            metrics.close()
-            if owned:
-                the_store.close()
+            app.state.service = None  # new requests get 503 while in-flight writes finish
+            await service.stop()
 
     app = FastAPI(
         title="Prompt cache service",

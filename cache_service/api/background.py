@@ -15,7 +15,6 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, start_http_server
 from starlette.concurrency import run_in_threadpool
 
-from cache_service.cache import PrefixCache
 from cache_service.capacity import EVICT_BATCH_BLOCKS
 
 log = logging.getLogger("cache_service")
@@ -61,14 +60,15 @@ class ElectionLock:
             self._file = None
 
 
-def sweeper(cache: PrefixCache, lock: ElectionLock) -> Callable[[], Awaitable[None]]:
-    """The expiry sweep job: run by the worker holding `lock` only."""
+def sweeper(sweep_batch: Callable[[], int], lock: ElectionLock) -> Callable[[], Awaitable[None]]:
+    """The expiry sweep job: `sweep_batch` (one batch, returning the blocks it removed) run
+    by the worker holding `lock` only."""
 
     async def sweep() -> None:
         if not lock.held():
             return  # another worker sweeps: deleting the same blocks twice would only contend
         # Short batches, each its own transaction, so writers never wait long for the lock.
-        while await run_in_threadpool(cache.capacity.sweep_expired) >= EVICT_BATCH_BLOCKS:
+        while await run_in_threadpool(sweep_batch) >= EVICT_BATCH_BLOCKS:
             await asyncio.sleep(0)
 
     return sweep

@@ -7,10 +7,11 @@ from __future__ import annotations
 import logging
 import os
 
+from cache_service.eviction import make_policy
 from cache_service.identity import StoreIdentity, identity_of, show_size
 from cache_service.settings import Settings
-from cache_service.store.base import BlockStore
-from cache_service.store.lmdb import LmdbStore
+from cache_service.store import registry
+from cache_service.store.registry import OpenedStore
 
 log = logging.getLogger("cache_service")
 
@@ -25,31 +26,29 @@ def store_identity(settings: Settings) -> StoreIdentity:
         capacity_bytes=settings.capacity,
         high_water=settings.high_water,
         low_water=settings.low_water,
+        eviction_policy=settings.eviction_policy,
     )
 
 
-def open_store(settings: Settings) -> LmdbStore:
-    """The LMDB store of the data folder; SettingsMismatch if its data was made with other
-    settings. Logs what changed since the last run."""
+def open_store(settings: Settings) -> OpenedStore:
+    """The store --store (or --data-dir) names; SettingsMismatch if its data was made with
+    other settings. Logs what changed since the last run."""
     identity = store_identity(settings)
-    store = LmdbStore(
-        settings.data_dir,
+    opened = registry.open_store(
+        settings.store_url(),
         map_size_bytes=settings.map_size_bytes(),
         sync_mode=settings.lmdb_sync,
         identity=identity,
+        policy=make_policy(settings.eviction_policy),
+        removal_log_entries=settings.removal_log_entries,
     )
     for note in identity.notes:
         log.info("%s", note)
-    return store
+    return opened
 
 
-def serving_line(settings: Settings, store: BlockStore) -> str:
+def serving_line(settings: Settings, where: str) -> str:
     """The start-up line: which process serves which data, how much, to whom, where."""
-    where = (
-        f"data folder {store.path.resolve()}"
-        if isinstance(store, LmdbStore)
-        else f"a {type(store).__name__}"
-    )
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     return (
         f"process {os.getpid()} serves {where} (capacity {show_size(settings.capacity)}, "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -15,6 +17,8 @@ from cache_service.operators import Operators
 from cache_service.quotas import QuotaBook
 from cache_service.settings import Settings
 from cache_service.usage import UsageLog
+
+_IDLE_POLL_SECONDS = 0.01
 
 
 class WriteGate:
@@ -41,6 +45,14 @@ class WriteGate:
             yield
         finally:
             self.pending -= 1
+
+    async def wait_idle(self, timeout_seconds: float) -> bool:
+        """Wait until no store request holds a place, at most `timeout_seconds`; whether
+        none does. Polled: a place is taken and given back on the event loop's thread."""
+        deadline = time.monotonic() + timeout_seconds
+        while self.pending and time.monotonic() < deadline:
+            await asyncio.sleep(min(_IDLE_POLL_SECONDS, max(deadline - time.monotonic(), 0)))
+        return not self.pending
 
 
 @dataclass

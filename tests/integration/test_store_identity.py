@@ -1,6 +1,6 @@
-"""Real `cache-service serve` processes on one data folder: another seed or block size is
-refused with a message, another capacity starts and says what changed, every process says
-what it serves."""
+"""Real `cache-service serve` processes on one data folder: another seed, block size or
+eviction policy is refused with a message, another capacity starts and says what changed,
+every process says what it serves."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from cache_service.api.startup import store_identity
+from cache_service.identity import StoreIdentity
+from cache_service.settings import Settings
+from cache_service.store.lmdb import LmdbStore
 from tests.integration.conftest import ServerProcess, free_port, service_command
 
 MakeServer = Callable[..., ServerProcess]
@@ -47,6 +51,17 @@ def test_serve_refuses_a_folder_made_with_another_setting_that_defines_its_data(
     assert "another --data-dir" in refused.stderr
     assert "Traceback" not in refused.stderr
     first.start()  # the folder still serves its own settings
+
+
+def test_serve_refuses_a_folder_recorded_with_another_eviction_policy(tmp_path: Path) -> None:
+    # Only "lru" exists: record another policy's name as a build that had one would.
+    values = {**store_identity(Settings()).values, "eviction_policy": "lfu"}
+    LmdbStore(tmp_path / "data", map_size_bytes=2**26, identity=StoreIdentity(values)).close()
+    refused = serve_once(tmp_path / "data", eviction_policy="lru")
+    assert refused.returncode != 0
+    assert "  --eviction-policy: stored lfu, requested lru" in refused.stderr.splitlines()
+    assert "ordered by the stored policy" in refused.stderr
+    assert "Traceback" not in refused.stderr
 
 
 def test_serve_with_another_capacity_starts_and_logs_the_change(make_server: MakeServer) -> None:
