@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
 from cache_service.api.startup import store_identity
@@ -88,3 +89,11 @@ def test_every_worker_says_what_it_serves_with_its_pid(make_server: MakeServer) 
     while len(set(line.findall(server.log_path.read_text()))) < 2:  # two pids
         assert time.monotonic() < deadline, server.log_path.read_text()
         time.sleep(0.1)
+
+
+def test_serve_on_a_memory_store_keeps_no_data_folder(make_server: MakeServer) -> None:
+    server = make_server(store="memory://")  # --store wins over the fixture's --data-dir
+    info = httpx.get(server.url + "/v1/info", timeout=5.0).json()
+    assert info["store"] == "memory"
+    assert not server.data_dir.exists()
+    assert "serves memory:// (capacity" in server.log_path.read_text()
