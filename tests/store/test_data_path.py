@@ -323,7 +323,12 @@ def test_usage_counts_blocks_and_payload_bytes(store: BlockStore) -> None:
 
 
 def test_estimate_bytes_grows_with_the_payload(store: BlockStore) -> None:
-    small = store.estimate_bytes(100, 4 * 64)
-    large = store.estimate_bytes(1 << 20, 4 * 64)
+    small = store.space.estimate_bytes(100, 4 * 64)
+    large = store.space.estimate_bytes(1 << 20, 4 * 64)
     assert 100 < small < large
     assert large >= 1 << 20
+
+
+def test_the_old_page_accounting_names_are_the_space_reports(store: BlockStore) -> None:
+    assert store.estimate_bytes(100, 4 * 64) == store.space.estimate_bytes(100, 4 * 64)
+    assert store.reserved_bytes() == store.space.reserved_bytes() >= 0
