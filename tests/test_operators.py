@@ -109,7 +109,7 @@ def test_pins_name_the_block_that_is_not_stored_and_keep_to_the_quota(
     ops.pin(NS, blocks_of(1), by="a", limits=PinLimits(blocks=2))
     with pytest.raises(QuotaExceeded, match="pin quota of 2 blocks"):
         ops.pin(NS, blocks_of(1, 2), by="a", limits=PinLimits(blocks=2))
-    block = store.estimate_bytes(len(b"kv0"), 4 * BLOCK)
+    block = store.space.estimate_bytes(len(b"kv0"), 4 * BLOCK)
     with pytest.raises(QuotaExceeded, match="pinned_share"):  # the bytes all pins may take
         ops.pin(NS, blocks_of(1, 2), by="a", limits=PinLimits(total_bytes=block + 1))
     with pytest.raises(QuotaExceeded, match="the tenant's pins hold"):
@@ -346,7 +346,7 @@ def test_explain_reports_a_rejected_collision(store: BlockStore, clock: VirtualC
 def test_a_tenant_over_its_quota_evicts_its_own_blocks_first(
     store: BlockStore, clock: VirtualClock
 ) -> None:
-    block_bytes = store.estimate_bytes(100, 4 * BLOCK)
+    block_bytes = store.space.estimate_bytes(100, 4 * BLOCK)
     cache, ops = make(store, clock, tenant_capacity_bytes={"team-a": 10 * block_bytes})
     other = Namespace(model="m", tenant="team-b")
     for label in range(5):
