@@ -407,7 +407,7 @@ def test_capacity_bytes_stays_under_capacity_and_keeps_the_newest_prefix(
     capacity = 2 << 20
     cache = make_cache(store, clock, capacity_bytes=capacity, default_block_size=64, events=events)
     payload_size = 16 << 10
-    one_block = store.estimate_bytes(payload_size, 64 * 4)
+    one_block = store.space.estimate_bytes(payload_size, 64 * 4)
     low_water = capacity * cache.capacity.low_water
     rng = random.Random(3)
     evictions_seen = 0

@@ -142,14 +142,6 @@ class BlockStore(OperatorControls, Protocol):
         """Group this thread's calls into one transaction (all or nothing)."""
         ...
 
-    def estimate_bytes(self, payload_size: int, token_bytes: int) -> int:
-        """`space.estimate_bytes`, until its callers read it there."""
-        ...
-
-    def reserved_bytes(self) -> int:
-        """`space.reserved_bytes`, until its callers read it there."""
-        ...
-
     def close(self) -> None:
         """Release the backend's resources."""
         ...

@@ -68,9 +68,6 @@ class ComposedStore(Generic[B]):
         self.purge = controls.purge
         self.inspect = controls.inspect
         self.first_block_homes = controls.first_block_homes
-        # Until capacity reads them from `space`:
-        self.estimate_bytes = self.space.estimate_bytes
-        self.reserved_bytes = self.space.reserved_bytes
 
     @property
     def removal_log_entries(self) -> int:
