@@ -17,7 +17,7 @@ from pathlib import Path
 from bench.peers.harness import time_calls
 from bench.services import our_service
 from cache_service.client import CacheClient
-from cache_service.hashing import tokens_to_bytes
+from cache_service.core.hashing import tokens_to_bytes
 
 MODEL = "bench"
 BLOCKS = 512  # 32k tokens in blocks of 64

@@ -14,9 +14,14 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from cache_service.api.bodies import parse_object, read_body, require_media_type, tokens_frame
-from cache_service.api.schemas import LookupHeader
-from cache_service.framing import MEDIA_TYPE, decode_frames
+from cache_service.core.framing import MEDIA_TYPE, decode_frames
+from cache_service.service.api.bodies import (
+    parse_object,
+    read_body,
+    require_media_type,
+    tokens_frame,
+)
+from cache_service.service.api.schemas import LookupHeader
 
 CONSTANT = {
     "model": "floor",

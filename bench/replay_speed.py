@@ -18,11 +18,11 @@ from collections.abc import Callable
 from functools import partial
 
 from bench import CONVERSATION_TRACE
-from cache_service.hashing import BlockHasher
-from cache_service.replay.accesses import build_accesses
-from cache_service.replay.command import ReplayConfig, load_traces, run_replay
-from cache_service.replay.mrc import lru_curve
-from cache_service.replay.units import plan_units, request_namespace, request_tokens
+from cache_service.core.hashing import BlockHasher
+from cache_service.tools.replay.accesses import build_accesses
+from cache_service.tools.replay.block_units import plan_units, request_namespace, request_tokens
+from cache_service.tools.replay.command import ReplayConfig, load_traces, run_replay
+from cache_service.tools.replay.mrc import lru_curve
 
 DEFAULT_TRACE = CONVERSATION_TRACE
 

@@ -16,9 +16,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from cache_service import __version__
-from cache_service.admin import add_admin_parser, run_admin_command
-from cache_service.replay.arguments import add_replay_parser, run_replay_command
-from cache_service.settings import ENV_PREFIX, Settings, settings_environment
+from cache_service.service.settings import ENV_PREFIX, Settings, settings_environment
+from cache_service.tools.admin import add_admin_parser, run_admin_command
+from cache_service.tools.replay.arguments import add_replay_parser, run_replay_command
 
 _FLAG_EXAMPLES = {
     "capacity": "20GiB",
@@ -100,8 +100,8 @@ def check_store(settings: Settings) -> None:
     made with other settings (a worker's failed start-up would print a traceback instead)."""
     import lmdb  # noqa: PLC0415
 
-    from cache_service.api.startup import open_store  # noqa: PLC0415
-    from cache_service.errors import StorageError  # noqa: PLC0415
+    from cache_service.core.errors import StorageError  # noqa: PLC0415
+    from cache_service.service.api.startup import open_store  # noqa: PLC0415
 
     try:
         open_store(settings).store.close()
@@ -114,11 +114,11 @@ def serve(settings: Settings) -> None:
     # Imported here so that `--help` and configuration errors answer without loading the app.
     import uvicorn  # noqa: PLC0415
 
-    from cache_service.api import create_app  # noqa: PLC0415
-    from cache_service.api.protocol import (  # noqa: PLC0415
+    from cache_service.service.api import create_app  # noqa: PLC0415
+    from cache_service.service.api.protocol import (  # noqa: PLC0415
         ENV_NAME as HEADER_LIMIT_ENV,
     )
-    from cache_service.api.protocol import (  # noqa: PLC0415
+    from cache_service.service.api.protocol import (  # noqa: PLC0415
         LimitedHttpToolsProtocol,
     )
 
@@ -146,7 +146,7 @@ def serve(settings: Settings) -> None:
         os.environ.update(settings_environment(settings))
         os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", metrics_dir)
         uvicorn.run(
-            "cache_service.api.app:app_from_environment",
+            "cache_service.service.api.app:app_from_environment",
             factory=True,
             workers=settings.workers,
             **options,  # type: ignore[arg-type]

@@ -13,11 +13,11 @@ from typing import Any, Protocol
 
 import pytest
 
-from cache_service.blocks import BlockMeta, StoreKey
-from cache_service.store.base import BlockStore
-from cache_service.store.codec import decode_meta
-from cache_service.store.lmdb import LmdbStore
-from cache_service.store.memory import MemoryStore
+from cache_service.core.blocks import BlockMeta, StoreKey
+from cache_service.core.store.base import BlockStore
+from cache_service.core.store.codec import decode_meta
+from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.memory import MemoryStore
 
 LMDB_MAP_SIZE_BYTES = 1 << 30
 CLOCK_START = 1_700_000_000.0

@@ -8,19 +8,19 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from cache_service.blocks import Evicted, Namespace
-from cache_service.cache import InsertOutcome, PrefixCache
-from cache_service.errors import (
+from cache_service.core.blocks import Evicted, Namespace
+from cache_service.core.cache import InsertOutcome, PrefixCache
+from cache_service.core.errors import (
     BlockSizeMismatch,
     InsufficientStorage,
     InvalidField,
     MissingParent,
     UnknownRetention,
 )
-from cache_service.events import CacheEvents
-from cache_service.hashing import BlockHasher, tokens_to_bytes, xxh3_128
-from cache_service.retention import RetentionPolicy
-from cache_service.store.base import BlockStore
+from cache_service.core.events import CacheEvents
+from cache_service.core.hashing import BlockHasher, tokens_to_bytes, xxh3_128
+from cache_service.core.retention import RetentionPolicy
+from cache_service.core.store.base import BlockStore
 
 if TYPE_CHECKING:
     from conftest import RawAccess, VirtualClock

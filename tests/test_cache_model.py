@@ -26,11 +26,11 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from cache_service.blocks import BlockKey, Evicted, Namespace
-from cache_service.cache import PrefixCache
-from cache_service.retention import RetentionPolicy
-from cache_service.store.base import BlockStore
-from cache_service.store.lmdb import LmdbStore
+from cache_service.core.blocks import BlockKey, Evicted, Namespace
+from cache_service.core.cache import PrefixCache
+from cache_service.core.retention import RetentionPolicy
+from cache_service.core.store.base import BlockStore
+from cache_service.core.store.lmdb import LmdbStore
 
 if TYPE_CHECKING:
     from conftest import RawAccess, VirtualClock

@@ -16,10 +16,10 @@ from typing import Any, Protocol
 import httpx
 import pytest
 
-from cache_service.blocks import BlockKey
 from cache_service.client import AsyncCacheClient, CacheClient, Match, StoreResult, Usage
-from cache_service.errors import InvalidField, ServiceError, ServiceUnavailable
-from cache_service.framing import MEDIA_TYPE, decode_frames, encode_frames, join_frames
+from cache_service.core.blocks import BlockKey
+from cache_service.core.errors import InvalidField, ServiceError, ServiceUnavailable
+from cache_service.core.framing import MEDIA_TYPE, decode_frames, encode_frames, join_frames
 
 BASE_URL = "http://cache.test"
 KEY_A = "0123456789abcdef0123456789abcdef"

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from cache_service.client import AsyncCacheClient, CacheClient, FailOpenCounts
 from cache_service.client.failures import LOG_INTERVAL_SECONDS
-from cache_service.errors import ServiceError, ServiceUnavailable
+from cache_service.core.errors import ServiceError, ServiceUnavailable
 from tests.test_client import (
     KEY_A,
     LOOKUP_ANSWER,

@@ -11,10 +11,10 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from cache_service.api import create_app
-from cache_service.api.auth import ROUTE_ROLES
-from cache_service.api.docs import ASSETS, STATIC_DIR
-from cache_service.settings import Settings
+from cache_service.service.api import create_app
+from cache_service.service.api.auth import ROUTE_ROLES
+from cache_service.service.api.docs import ASSETS, STATIC_DIR
+from cache_service.service.settings import Settings
 
 PAGES = ("/docs", "/redoc")
 # The attributes a page loads something through, and the one URL Swagger UI's script fetches.

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cache_service.errors import MalformedBody, RequestError
-from cache_service.framing import (
+from cache_service.core.errors import MalformedBody, RequestError
+from cache_service.core.framing import (
     ABSENT,
     MAGIC,
     MEDIA_TYPE,

@@ -14,8 +14,8 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cache_service.blocks import MAX_TOKEN_ID, Namespace
-from cache_service.hashing import (
+from cache_service.core.blocks import MAX_TOKEN_ID, Namespace
+from cache_service.core.hashing import (
     DEFAULT_SEED,
     BlockHasher,
     bytes_to_tokens,
@@ -207,8 +207,8 @@ def test_a_fresh_process_gives_identical_keys() -> None:
     tokens = list(range(100))
     script = (
         "import json, sys\n"
-        "from cache_service.blocks import Namespace\n"
-        "from cache_service.hashing import BlockHasher, seed_fingerprint\n"
+        "from cache_service.core.blocks import Namespace\n"
+        "from cache_service.core.hashing import BlockHasher, seed_fingerprint\n"
         "ns = Namespace(model='llama-3-8b', kv_layout='paged', tenant='t', salt='s')\n"
         "keys = BlockHasher().keys(ns, list(range(100)), block_size=8)\n"
         "json.dump({'keys': [k.hex() for k in keys], 'fp': seed_fingerprint('x')}, sys.stdout)\n"

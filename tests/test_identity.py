@@ -13,15 +13,15 @@ from typing import Any
 
 import pytest
 
-from cache_service.api.app import create_app
-from cache_service.blocks import Namespace
-from cache_service.cache import PrefixCache
-from cache_service.errors import SettingsMismatch, StorageError
-from cache_service.hashing import HASH_SCHEME, HASH_VERSION, seed_fingerprint
-from cache_service.identity import StoreIdentity, identity_of, show_duration, show_size
-from cache_service.settings import Settings
-from cache_service.store.lmdb import LmdbStore
-from cache_service.store.memory import MemoryStore
+from cache_service.core.blocks import Namespace
+from cache_service.core.cache import PrefixCache
+from cache_service.core.errors import SettingsMismatch, StorageError
+from cache_service.core.hashing import HASH_SCHEME, HASH_VERSION, seed_fingerprint
+from cache_service.core.identity import StoreIdentity, identity_of
+from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.memory import MemoryStore
+from cache_service.service.api.app import create_app
+from cache_service.service.settings import Settings
 
 MAP_SIZE_BYTES = 64 * 2**20
 WHERE = "/data/cache"
@@ -206,16 +206,6 @@ def test_a_record_lacking_a_field_adopts_it_and_keeps_fields_it_does_not_know() 
 def test_an_unreadable_record_is_a_storage_error() -> None:
     with pytest.raises(StorageError, match="not a JSON object"):
         identity().settle(b"[1, 2]", where=WHERE)
-
-
-def test_values_are_shown_as_the_flags_take_them() -> None:
-    assert [show_duration(s) for s in (259200, 7200, 90, 1.5)] == ["3d", "2h", "90s", "1.5s"]
-    assert [show_size(n) for n in (10 * 2**30, 3 * 2**29, 4096, 100)] == [
-        "10 GiB",
-        "1.5 GiB",
-        "4 KiB",
-        "100 B",
-    ]
 
 
 # -- the LMDB backend keeps the record --------------------------------------------------------

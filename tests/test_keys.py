@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cache_service.keys import (
+from cache_service.service.api_keys import (
     KeyFileError,
     KeyRing,
     Role,

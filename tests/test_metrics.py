@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
-from cache_service.blocks import Namespace
-from cache_service.cache import PrefixCache
-from cache_service.metrics import EVICTION_REASONS, CacheMetrics, StoreCollector
-from cache_service.store.base import BlockStore
+from cache_service.core.blocks import Namespace
+from cache_service.core.cache import PrefixCache
+from cache_service.core.store.base import BlockStore
+from cache_service.service.metrics import EVICTION_REASONS, CacheMetrics, StoreCollector
 
 if TYPE_CHECKING:
     from conftest import VirtualClock

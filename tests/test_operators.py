@@ -6,13 +6,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from cache_service.blocks import Namespace, PinLimits
-from cache_service.cache import PrefixCache
-from cache_service.errors import Forbidden, InvalidField, NotStored, QuotaExceeded
-from cache_service.hashing import BlockHasher
-from cache_service.operators import Operators
-from cache_service.store import subtrees
-from cache_service.store.base import BlockStore
+from cache_service.core.blocks import Namespace, PinLimits
+from cache_service.core.cache import PrefixCache
+from cache_service.core.errors import Forbidden, InvalidField, NotStored, QuotaExceeded
+from cache_service.core.hashing import BlockHasher
+from cache_service.core.operators import Operators
+from cache_service.core.store import subtrees
+from cache_service.core.store.base import BlockStore
 
 if TYPE_CHECKING:
     from conftest import VirtualClock

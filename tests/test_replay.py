@@ -18,16 +18,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache_service.replay.accesses import build_accesses
-from cache_service.replay.belady import belady_hits, next_uses
-from cache_service.replay.command import ReplayConfig, load_traces, run_replay
-from cache_service.replay.cost import Prices
-from cache_service.replay.engine import EmbeddedOptions, replay_embedded
-from cache_service.replay.mrc import lru_curve
-from cache_service.replay.stats import Outcome
-from cache_service.replay.traces import TraceError, detect_format, read_trace
-from cache_service.replay.units import plan_units
-from cache_service.retention import RetentionPolicy
+from cache_service.core.retention import RetentionPolicy
+from cache_service.tools.replay.accesses import build_accesses
+from cache_service.tools.replay.belady import belady_hits, next_uses
+from cache_service.tools.replay.block_units import plan_units
+from cache_service.tools.replay.command import ReplayConfig, load_traces, run_replay
+from cache_service.tools.replay.cost import Prices
+from cache_service.tools.replay.engine import EmbeddedOptions, replay_embedded
+from cache_service.tools.replay.mrc import lru_curve
+from cache_service.tools.replay.stats import Outcome
+from cache_service.tools.replay.traces import TraceError, detect_format, read_trace
 from tests.replay_oracle import (
     Request,
     RequestHits,

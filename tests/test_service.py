@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from cache_service.api.service import Service
-from cache_service.blocks import Namespace
-from cache_service.metrics import CacheMetrics
-from cache_service.settings import Settings
-from cache_service.store.memory import MemoryStore
+from cache_service.core.blocks import Namespace
+from cache_service.core.store.memory import MemoryStore
+from cache_service.service.api.service import Service
+from cache_service.service.metrics import CacheMetrics
+from cache_service.service.settings import Settings
 
 
 def service(settings: Settings, store: MemoryStore | None = None) -> Service:

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from cache_service.cli import build_parser, load_settings
-from cache_service.settings import Settings, parse_model_block_sizes
+from cache_service.service.settings import Settings, parse_model_block_sizes
 
 
 def test_defaults_match_the_documented_ones() -> None:

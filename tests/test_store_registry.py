@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from cache_service.eviction import LruPolicy
-from cache_service.store.lmdb import LmdbStore
-from cache_service.store.memory import MemoryStore
-from cache_service.store.registry import BACKENDS, open_store, parse_store_url
+from cache_service.core.eviction import LruPolicy
+from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.memory import MemoryStore
+from cache_service.core.store.registry import BACKENDS, open_store, parse_store_url
 
 MAP_SIZE_BYTES = 64 * 2**20
 

@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache_service.blocks import Namespace
-from cache_service.cache import PrefixCache
-from cache_service.hashing import BlockHasher
-from cache_service.operators import Operators
-from cache_service.store.base import BlockStore
-from cache_service.store.lmdb import LmdbStore
-from cache_service.store.memory import MemoryStore
+from cache_service.core.blocks import Namespace
+from cache_service.core.cache import PrefixCache
+from cache_service.core.hashing import BlockHasher
+from cache_service.core.operators import Operators
+from cache_service.core.store.base import BlockStore
+from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.memory import MemoryStore
 
 if TYPE_CHECKING:
     from conftest import VirtualClock

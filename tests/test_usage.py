@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cache_service.usage import UsageLog
+from cache_service.service.usage import UsageLog
 
 
 def test_records_are_json_lines_written_at_flush(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from bench import CONVERSATION_TRACE
 from bench.report import Row, skipped
 from bench.scenarios.context import Context
-from cache_service.replay.command import ReplayConfig, run_replay
+from cache_service.tools.replay.command import ReplayConfig, run_replay
 
 TRACE = CONVERSATION_TRACE
 

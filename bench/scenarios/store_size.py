@@ -10,11 +10,11 @@ from bench.peers.harness import time_calls
 from bench.report import Row, compare, latency_row
 from bench.scenarios.context import Context
 from bench.services import our_service
-from cache_service.blocks import Namespace
-from cache_service.cache import PrefixCache
 from cache_service.client import CacheClient
-from cache_service.hashing import tokens_to_bytes
-from cache_service.store.lmdb import LmdbStore
+from cache_service.core.blocks import Namespace
+from cache_service.core.cache import PrefixCache
+from cache_service.core.hashing import tokens_to_bytes
+from cache_service.core.store.lmdb import LmdbStore
 
 MODEL = "bench"
 CHAIN_BLOCKS = 512  # stored as 32k-token prompts of 64-token blocks

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any, Self
 
 import httpx
 
-from cache_service.blocks import BlockKey
 from cache_service.client.aio_transport import AsyncStreamTransport
 from cache_service.client.answers import Match, Payload, StoredBlocks, StoreResult
 from cache_service.client.base import _T, Clock, Tokens, _BaseCacheClient, _Call
-from cache_service.errors import ServiceError
+from cache_service.core.blocks import BlockKey
+from cache_service.core.errors import ServiceError
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

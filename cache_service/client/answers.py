@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 import httpx
 import orjson
 
-from cache_service.errors import MalformedBody, ServiceError
-from cache_service.framing import MEDIA_TYPE, decode_frames
+from cache_service.core.errors import MalformedBody, ServiceError
+from cache_service.core.framing import MEDIA_TYPE, decode_frames
 
 _T = TypeVar("_T")
 

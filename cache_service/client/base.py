@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import httpx
 import orjson
 
-from cache_service.blocks import KEY_BYTES, BlockKey, key_from_hex, key_hex
 from cache_service.client.answers import (
     Match,
     Payload,
@@ -34,9 +33,10 @@ from cache_service.client.failures import (
     FailOpenTally,
     transport_reason,
 )
-from cache_service.errors import InvalidField, ServiceError, ServiceUnavailable
-from cache_service.framing import MEDIA_TYPE, encode_frames, join_frames
-from cache_service.hashing import tokens_to_bytes
+from cache_service.core.blocks import KEY_BYTES, BlockKey, key_from_hex, key_hex
+from cache_service.core.errors import InvalidField, ServiceError, ServiceUnavailable
+from cache_service.core.framing import MEDIA_TYPE, encode_frames, join_frames
+from cache_service.core.hashing import tokens_to_bytes
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

@@ -122,7 +122,7 @@ KEY_ROLES = {
 @pytest.fixture
 def keys(tmp_path: Path) -> dict[str, str]:
     """Fresh secrets by key id; `tmp_path/keys.toml` holds only their digests."""
-    from cache_service.keys import Role, key_file_entry, new_key  # noqa: PLC0415
+    from cache_service.service.api_keys import Role, key_file_entry, new_key  # noqa: PLC0415
 
     secrets = {key_id: new_key() for key_id in KEY_ROLES}
     entries = [

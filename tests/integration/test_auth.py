@@ -11,12 +11,12 @@ from typing import Any
 import httpx
 import pytest
 
-from cache_service.api import create_app
-from cache_service.api.auth import PUBLIC_PATHS, ROUTE_ROLES
 from cache_service.client import CacheClient
-from cache_service.errors import ServiceError
-from cache_service.keys import new_key
-from cache_service.settings import Settings
+from cache_service.core.errors import ServiceError
+from cache_service.service.api import create_app
+from cache_service.service.api.auth import PUBLIC_PATHS, ROUTE_ROLES
+from cache_service.service.api_keys import new_key
+from cache_service.service.settings import Settings
 from tests.integration.conftest import ServerProcess, free_port
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from cache_service.client import AsyncCacheClient, CacheClient, FailOpenCounts
-from cache_service.errors import ServiceUnavailable
+from cache_service.core.errors import ServiceUnavailable
 from tests.integration.conftest import ServerProcess, free_port
 
 pytestmark = pytest.mark.integration

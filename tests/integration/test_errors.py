@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from cache_service.framing import MEDIA_TYPE, encode_frames, join_frames
+from cache_service.core.framing import MEDIA_TYPE, encode_frames, join_frames
 from tests.integration.conftest import ServerProcess
 
 pytestmark = pytest.mark.integration

@@ -12,10 +12,10 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from cache_service.blocks import Namespace
 from cache_service.client import CacheClient
-from cache_service.framing import MEDIA_TYPE, decode_frames, encode_frames, join_frames
-from cache_service.hashing import BlockHasher
+from cache_service.core.blocks import Namespace
+from cache_service.core.framing import MEDIA_TYPE, decode_frames, encode_frames, join_frames
+from cache_service.core.hashing import BlockHasher
 from tests.integration.conftest import ServerProcess
 
 pytestmark = pytest.mark.integration

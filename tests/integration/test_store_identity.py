@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cache_service.api.startup import store_identity
-from cache_service.identity import StoreIdentity
-from cache_service.settings import Settings
-from cache_service.store.lmdb import LmdbStore
+from cache_service.core.identity import StoreIdentity
+from cache_service.core.store.lmdb import LmdbStore
+from cache_service.service.api.startup import store_identity
+from cache_service.service.settings import Settings
 from tests.integration.conftest import ServerProcess, free_port, service_command
 
 MakeServer = Callable[..., ServerProcess]

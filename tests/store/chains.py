@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from cache_service.blocks import (
+from cache_service.core.blocks import (
     ChainLink,
     InsertResult,
     Namespace,
     NewBlock,
 )
-from cache_service.hashing import BlockHasher, tokens_to_bytes
-from cache_service.store.base import BlockStore
+from cache_service.core.hashing import BlockHasher, tokens_to_bytes
+from cache_service.core.store.base import BlockStore
 
 if TYPE_CHECKING:
     from conftest import RawAccess

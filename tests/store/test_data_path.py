@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from cache_service.blocks import BlockKey, ChainLink, NamespaceId, NewBlock
-from cache_service.errors import MissingParent
-from cache_service.hashing import tokens_to_bytes
-from cache_service.store.base import BlockStore
+from cache_service.core.blocks import BlockKey, ChainLink, NamespaceId, NewBlock
+from cache_service.core.errors import MissingParent
+from cache_service.core.hashing import tokens_to_bytes
+from cache_service.core.store.base import BlockStore
 from tests.store.chains import (
     BLOCK,
     NSID,

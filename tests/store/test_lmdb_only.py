@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from cache_service.blocks import Namespace
-from cache_service.cache import PrefixCache
-from cache_service.errors import InsufficientStorage
-from cache_service.store.base import BlockStore
-from cache_service.store.lmdb import LmdbStore
+from cache_service.core.blocks import Namespace
+from cache_service.core.cache import PrefixCache
+from cache_service.core.errors import InsufficientStorage
+from cache_service.core.store.base import BlockStore
+from cache_service.core.store.lmdb import LmdbStore
 from tests.store.chains import LMDB_MAP_SIZE_BYTES, NSID, T0, chain, put
 
 if TYPE_CHECKING:

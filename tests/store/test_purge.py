@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cache_service.blocks import store_key
-from cache_service.store.base import BlockStore
+from cache_service.core.blocks import store_key
+from cache_service.core.store.base import BlockStore
 from tests.store.chains import (
     NSID,
     OTHER_NS,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cache_service.blocks import BlockKey, Namespace, store_key
-from cache_service.hashing import tenant_partition
-from cache_service.store.base import BlockStore
+from cache_service.core.blocks import BlockKey, Namespace, store_key
+from cache_service.core.hashing import tenant_partition
+from cache_service.core.store.base import BlockStore
 from tests.store.chains import (
     HASHER,
     NSID,

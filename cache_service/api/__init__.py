@@ -1,5 +1,0 @@
-"""The HTTP API: `create_app` builds the FastAPI application."""
-
-from cache_service.api.app import create_app
-
-__all__ = ["create_app"]

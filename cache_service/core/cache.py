@@ -1,0 +1,400 @@
+"""PrefixCache: longest-prefix lookup, insert, touch, eviction and expiry over a BlockStore."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from cache_service.core.blocks import (
+    BlockKey,
+    Chain,
+    Evicted,
+    Namespace,
+    NewBlock,
+    PrefixMatch,
+    Touch,
+)
+from cache_service.core.capacity import Capacity
+from cache_service.core.config import DEFAULT_BLOCK_SIZE, CacheConfig
+from cache_service.core.errors import InsufficientStorage, InvalidField, StoreFull
+from cache_service.core.events import CacheEvents
+from cache_service.core.hashing import BlockHasher, tokens_to_bytes
+from cache_service.core.recent import RecentMatch, RecentMatches
+from cache_service.core.retention import RetentionPolicy
+from cache_service.core.store.base import BlockStore
+from cache_service.core.touches import TouchBuffer
+
+Clock = Callable[[], float]
+PayloadSink = Callable[[int, bytes | memoryview | None], None]
+TokenInput = bytes | Sequence[int]
+
+STORE_FULL_RETRIES = 3
+
+
+@dataclass(frozen=True, slots=True)
+class InsertOutcome:
+    """What a store request did."""
+
+    keys: tuple[BlockKey, ...]  # keys of the blocks the caller sent, in order
+    requested: int  # blocks the caller sent
+    stored: int  # blocks newly stored and still held after capacity enforcement
+    refreshed: int  # blocks that were already stored (refreshed, first writer kept)
+    conflicts: int  # of those, how many had different payload bytes
+    truncated: int  # blocks not stored because the request is larger than the cache
+    collisions: int  # blocks refused because another block holds their key
+    prefix_touched: bool = False  # the stored blocks' ancestors were marked used
+
+
+class PrefixCache:
+    """A prefix cache of KV blocks: chained keys matched in one BlockStore. Its collaborators:
+    `config` (block sizes, retention), `capacity` (limits, eviction, expiry, usage),
+    `touches` (hits on their way to the store) and `events` (what it reports)."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        *,
+        hasher: BlockHasher | None = None,
+        retention: RetentionPolicy | None = None,
+        clock: Clock = time.time,
+        default_block_size: int = DEFAULT_BLOCK_SIZE,
+        model_block_sizes: Mapping[str, int] | None = None,
+        capacity_bytes: int | None = None,
+        capacity_blocks: int | None = None,
+        high_water: float = 0.95,
+        low_water: float = 0.85,
+        defer_touches: bool = False,
+        touch_resolution_seconds: float = 1.0,
+        ttl_slide_fraction: float = 0.0,
+        tenant_capacity_bytes: Mapping[str, int] | None = None,
+        events: CacheEvents | None = None,
+    ) -> None:
+        self.store = store
+        self.hasher = hasher or BlockHasher()
+        self.clock = clock
+        self.config = CacheConfig(
+            default_block_size, dict(model_block_sizes or {}), retention or RetentionPolicy()
+        )
+        self.events = events or CacheEvents()
+        self.capacity = Capacity(
+            store,
+            capacity_bytes=capacity_bytes,
+            capacity_blocks=capacity_blocks,
+            high_water=high_water,
+            low_water=low_water,
+            tenant_capacity_bytes=tenant_capacity_bytes,
+            clock=clock,
+            events=self.events,
+        )
+        self.touches = TouchBuffer(
+            store,
+            defer=defer_touches,
+            resolution_seconds=touch_resolution_seconds,
+            slide_fraction=ttl_slide_fraction,
+        )
+        self._recent = RecentMatches()
+
+    # -- hashing --------------------------------------------------------------------------------
+
+    def chain(
+        self, namespace: Namespace, tokens: TokenInput, *, block_size: int | None = None
+    ) -> Chain:
+        """The chain links of every full block of a prompt."""
+        size = self.config.block_size_for(namespace.model, block_size)
+        return self.hasher.chain(namespace, as_token_bytes(tokens), block_size=size)
+
+    # -- lookups ------------------------------------------------------------------------------
+
+    def match_prefix(
+        self,
+        namespace: Namespace,
+        tokens: TokenInput,
+        *,
+        retention: str | None = None,
+        block_size: int | None = None,
+        with_payloads: bool = False,
+        touch: bool = True,
+        sink: PayloadSink | None = None,
+    ) -> PrefixMatch:
+        """The longest stored, alive and verified prefix of a prompt (a miss is empty); with
+        payloads, each goes to `sink(index, view)` if given, else into the match."""
+        retention_class, ttl = self.config.resolve_retention(retention)
+        size = self.config.block_size_for(namespace.model, block_size)
+        token_bytes = as_token_bytes(tokens)
+        scope = self.hasher.namespace_id(namespace).scope
+        recent = None if with_payloads else self._recent.get(scope, size, token_bytes)
+        links = (
+            recent.chain if recent else self.hasher.chain(namespace, token_bytes, block_size=size)
+        )
+        found = self._match_links(
+            namespace,
+            links,
+            block_size=size,
+            prompt_tokens=len(token_bytes) // 4,
+            retention=retention_class,
+            with_payloads=with_payloads,
+            sink=sink,
+            known=(recent.matched, recent.incarnation) if recent else None,
+        )
+        if touch and found.keys:
+            self._touch_match(namespace, found, ttl)
+        return found
+
+    def _touch_match(self, namespace: Namespace, found: PrefixMatch, ttl_seconds: float) -> None:
+        """Record the verified hit a lookup found, under its retention class."""
+        self.touch(
+            found.keys,
+            at=self.clock(),
+            retention=found.retention,
+            ttl_seconds=ttl_seconds,
+            partition=self.hasher.namespace_id(namespace).partition,
+        )
+
+    def _match_links(
+        self,
+        namespace: Namespace,
+        links: Chain,
+        *,
+        block_size: int,
+        prompt_tokens: int,
+        retention: str,
+        with_payloads: bool = False,
+        sink: PayloadSink | None = None,
+        known: tuple[int, bytes] | None = None,
+    ) -> PrefixMatch:
+        namespace_id = self.hasher.namespace_id(namespace)
+        result = self.store.match(
+            namespace_id, links, now=self.clock(), with_payloads=with_payloads, sink=sink,
+            known=known,
+        )  # fmt: skip
+        if result.incarnation is not None:
+            self._recent.put(
+                namespace_id.scope,
+                block_size,
+                RecentMatch(links, result.matched, result.incarnation),
+            )
+        found = PrefixMatch(
+            block_size=block_size,
+            prompt_tokens=prompt_tokens,
+            keys=tuple(links.keys[: result.matched]),
+            payloads=result.payloads,
+            retention=retention,
+            key_texts=links.hex_keys(result.matched),
+        )
+        if result.collisions:
+            self.events.on_collision(result.collisions)
+        if result.corrupt:
+            self.events.on_corrupt(result.corrupt)
+        self.events.on_lookup(
+            retention=retention,
+            hit_tokens=found.cached_tokens,
+            miss_tokens=found.miss_tokens,
+            complete=result.matched == len(links),
+            tenant=namespace.tenant,
+        )
+        return found
+
+    def lookup_and_fill(
+        self,
+        namespace: Namespace,
+        tokens: TokenInput,
+        *,
+        retention: str | None = None,
+        payload: bytes = b"",
+    ) -> tuple[PrefixMatch, InsertOutcome]:
+        """Serve one request as a worker would: look up, store the blocks that missed (each
+        with `payload`), then mark the hit prefix used, so the head is the most recent."""
+        retention_class, ttl = self.config.resolve_retention(retention)
+        size = self.config.block_size_for(namespace.model)
+        token_bytes = as_token_bytes(tokens)
+        links = self.hasher.chain(namespace, token_bytes, block_size=size)
+        with self.store.batch():  # one transaction: a replay commits once per request
+            found = self._match_links(
+                namespace,
+                links,
+                block_size=size,
+                prompt_tokens=len(token_bytes) // 4,
+                retention=retention_class,
+            )
+            outcome = self._store_links(
+                namespace,
+                links,
+                [payload] * (len(links) - found.matched_blocks),
+                start_block=found.matched_blocks,
+                retention=retention_class,
+                ttl_seconds=ttl,
+            )
+            if found.keys and not outcome.prefix_touched:
+                self._touch_match(namespace, found, ttl)
+        return found, outcome
+
+    def touch(
+        self,
+        keys: Sequence[BlockKey],
+        *,
+        at: float,
+        retention: str,
+        ttl_seconds: float,
+        partition: bytes = b"",
+    ) -> None:
+        """Record a verified hit on a prefix (of the tenant `partition`); applied now or at
+        the next flush."""
+        hit = Touch(
+            keys=tuple(keys),
+            at=at,
+            retention=retention,
+            ttl_seconds=ttl_seconds,
+            partition=partition,
+        )
+        self.touches.add(hit)
+
+    def read_payloads(
+        self, namespace: Namespace, keys: Sequence[BlockKey], sink: PayloadSink
+    ) -> None:
+        """Hand each block's checked payload to `sink(index, view)`, None for one that is gone."""
+        namespace_id = self.hasher.namespace_id(namespace)
+        corrupt = self.store.read_payloads(namespace_id, keys, now=self.clock(), sink=sink)
+        if corrupt:
+            self.events.on_corrupt(corrupt)
+
+    def get_payloads(self, namespace: Namespace, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        """Checked payloads of blocks of one namespace; None for a block that is gone."""
+        namespace_id = self.hasher.namespace_id(namespace)
+        payloads, corrupt = self.store.get_payloads(namespace_id, keys, now=self.clock())
+        if corrupt:
+            self.events.on_corrupt(corrupt)
+        return payloads
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def insert(
+        self,
+        namespace: Namespace,
+        tokens: TokenInput,
+        payloads: Sequence[bytes | memoryview],
+        *,
+        start_block: int = 0,
+        retention: str | None = None,
+        block_size: int | None = None,
+    ) -> InsertOutcome:
+        """Store blocks start_block.. of a prompt; their parent must be stored or sent."""
+        retention_class, ttl = self.config.resolve_retention(retention)
+        links = self.chain(namespace, tokens, block_size=block_size)
+        return self._store_links(
+            namespace,
+            links,
+            payloads,
+            start_block=start_block,
+            retention=retention_class,
+            ttl_seconds=ttl,
+        )
+
+    def _store_links(
+        self,
+        namespace: Namespace,
+        links: Chain,
+        payloads: Sequence[bytes | memoryview],
+        *,
+        start_block: int,
+        retention: str,
+        ttl_seconds: float,
+    ) -> InsertOutcome:
+        if start_block < 0 or start_block > len(links):
+            raise InvalidField(
+                "start_block", f"must be between 0 and {len(links)} (the prompt's full blocks)"
+            )
+        if start_block + len(payloads) > len(links):
+            raise InvalidField(
+                "payloads",
+                f"{len(payloads)} payloads from block {start_block} exceed the prompt's "
+                f"{len(links)} full blocks",
+            )
+        blocks = [NewBlock(links[start_block + i], p) for i, p in enumerate(payloads)]
+        if not blocks:
+            return InsertOutcome((), 0, 0, 0, 0, 0, 0)
+        fitting = self.capacity.fit(blocks, start_block)
+        keys = tuple(block.link.key for block in blocks)
+        if blocks and not fitting:
+            if self.capacity.capacity_blocks is not None:  # the prefix before start_block fills it
+                return InsertOutcome(keys, len(blocks), 0, 0, 0, len(blocks), 0)
+            raise InsufficientStorage(
+                "the first block alone is larger than the cache's capacity",
+                capacity_bytes=self.capacity.capacity_bytes,
+            )
+        parent = links[start_block - 1] if start_block > 0 else None
+        namespace_id = self.hasher.namespace_id(namespace)
+        result = None
+        for _ in range(STORE_FULL_RETRIES):
+            now = self.clock()
+            try:
+                result = self.store.insert(
+                    namespace_id,
+                    fitting,
+                    parent=parent,
+                    now=now,
+                    retention=retention,
+                    ttl_seconds=ttl_seconds,
+                )
+                break
+            except StoreFull:
+                if not self.capacity.make_room(
+                    sum(self.capacity.estimate(b) for b in fitting), now
+                ):
+                    break
+        if result is None:
+            raise InsufficientStorage("the store is full and nothing in it can be evicted")
+        evicted = {e.key for e in self.capacity.enforce(set(result.stored))}
+        evicted |= {e.key for e in self.capacity.enforce_tenant(
+            namespace.tenant, protected=frozenset(result.stored))}  # fmt: skip
+        kept = set(result.stored) - evicted
+        # The request's own blocks go only when they alone overflow the cache: truncated too.
+        own_evicted = len(result.stored) - len(kept)
+        if result.last_incarnation is not None and not own_evicted and start_block == 0:
+            # Written from block 0, every block was checked against this prompt's tokens (an
+            # insert from a later block checks only its parent): the next lookup of the same
+            # prompt then needs one read, as after a lookup.
+            written = len(result.stored) + result.refreshed
+            self._recent.put(
+                namespace_id.scope,
+                links.stride // 4,
+                RecentMatch(links, written, result.last_incarnation),
+            )
+        if result.collisions:
+            self.events.on_collision(result.collisions)
+        self.events.on_insert(
+            stored=len(kept), refreshed=result.refreshed, conflicts=result.conflicts
+        )
+        return InsertOutcome(
+            keys=keys,
+            requested=len(blocks),
+            stored=len(kept),
+            refreshed=result.refreshed,
+            conflicts=result.conflicts,
+            truncated=len(blocks) - len(fitting) + own_evicted,
+            collisions=result.collisions,
+            prefix_touched=result.prefix_touched,
+        )
+
+    # -- removal on request -------------------------------------------------------------------
+
+    def remove_block(self, namespace: Namespace, key: BlockKey) -> list[Evicted]:
+        """Remove the block of chain key `key` and every block stored under it (an engine
+        dropped it); each is reported to the events as "removed". Unknown key: nothing."""
+        now = self.clock()
+        removed = self.store.remove_subtree(self.hasher.namespace_id(namespace), key, now=now)
+        if removed:
+            self.events.on_evicted(removed, now=now)
+        return removed
+
+
+def as_token_bytes(tokens: TokenInput) -> bytes:
+    """Token ids as uint32 little-endian bytes; InvalidField for ids out of range."""
+    if isinstance(tokens, bytes):
+        if len(tokens) % 4:
+            raise InvalidField("tokens", "binary tokens must be a multiple of 4 bytes long")
+        return tokens
+    try:
+        return tokens_to_bytes(tokens)
+    except (ValueError, TypeError) as exc:
+        raise InvalidField("tokens", f"token ids are integers in 0..4294967295 ({exc})") from None

@@ -1,0 +1,56 @@
+"""Retention classes (agent, chat, ...) and their TTLs."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from cache_service.core.units import parse_duration
+
+DEFAULT_RETENTION = {"agent": 3 * 86400.0, "chat": 7 * 86400.0}
+DEFAULT_CLASS = "chat"
+
+_CLASS_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+
+
+def parse_retention_table(text: str) -> dict[str, float]:
+    """Parse 'agent=3d,chat=7d,batch=2h' into class -> TTL seconds."""
+    table: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, duration = item.partition("=")
+        name = name.strip()
+        if not sep or not _CLASS_NAME.match(name):
+            raise ValueError(f"not a retention entry: {item!r} (use name=duration, e.g. chat=7d)")
+        ttl = parse_duration(duration)
+        if ttl <= 0:
+            raise ValueError(f"retention {name!r} needs a positive TTL")
+        table[name] = ttl
+    if not table:
+        raise ValueError("the retention table is empty")
+    return table
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """The configured retention classes and the class used when a request names none."""
+
+    ttl_seconds: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_RETENTION))
+    default_class: str = DEFAULT_CLASS
+
+    def __post_init__(self) -> None:
+        if self.default_class not in self.ttl_seconds:
+            raise ValueError(
+                f"default retention class {self.default_class!r} is not in the table "
+                f"({', '.join(sorted(self.ttl_seconds))})"
+            )
+
+    @property
+    def classes(self) -> list[str]:
+        """The class names, sorted."""
+        return sorted(self.ttl_seconds)
+
+    def resolve(self, name: str | None) -> tuple[str, float]:
+        """The class a request gets and its TTL; KeyError for an unknown class."""
+        chosen = self.default_class if name is None else name
+        return chosen, self.ttl_seconds[chosen]

@@ -1,0 +1,334 @@
+"""Operator controls: pin and unpin a prefix, purge blocks, and inspect why a block does not
+match (for explanations); a protocol of their own, implemented once over the store's parts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Protocol
+
+from cache_service.core.blocks import (
+    KEY_BYTES,
+    BlockKey,
+    BlockMeta,
+    BlockState,
+    ChainLink,
+    NamespaceId,
+    PinLimits,
+    PinRecord,
+    PurgeResult,
+    StoreKey,
+    store_key,
+)
+from cache_service.core.errors import Forbidden, NotStored
+from cache_service.core.store import expiry, pins, subtrees
+from cache_service.core.store.backend import FIRSTS, Txn
+from cache_service.core.store.codec import COLLISION, HIT
+from cache_service.core.store.records import Records
+from cache_service.core.store.removals import hint_prefix, parse_hint
+from cache_service.core.store.txns import Transactions
+
+PURGE_BATCH_BLOCKS = 1024  # blocks deleted per write transaction: writers never wait long
+
+
+class OperatorControls(Protocol):
+    """What an operator may do to a store beyond the data path."""
+
+    def pin(
+        self,
+        namespace: NamespaceId,
+        links: Sequence[ChainLink],
+        *,
+        now: float,
+        by: str,
+        rank: int = 0,
+        limits: PinLimits | None = None,
+    ) -> tuple[PinRecord, bool]:
+        """Pin a prefix from block 0: never evicted nor expired until unpinned."""
+        ...
+
+    def unpin(
+        self,
+        namespace: NamespaceId,
+        deepest: BlockKey,
+        *,
+        now: float,
+        ttl_seconds: float,
+        rank: int = 0,
+    ) -> int:
+        """Release a pin (by its deepest block); how many blocks it held, 0 if none."""
+        ...
+
+    def pins(self, partition: bytes) -> list[PinRecord]:
+        """A tenant's pins."""
+        ...
+
+    def links_of(
+        self, namespace: NamespaceId, keys: Sequence[BlockKey], *, now: float
+    ) -> list[ChainLink]:
+        """The links of a stored prefix given by its keys; NotStored if it is not one."""
+        ...
+
+    def encoded_namespace(self, scope: StoreKey) -> bytes | None:
+        """The encoded namespace stored for a scope (partition + root), if any."""
+        ...
+
+    def purge(
+        self,
+        partition: bytes,
+        *,
+        root: BlockKey | None = None,
+        under: StoreKey | None = None,
+        now: float,
+        ttl_seconds: float = 0.0,
+    ) -> PurgeResult:
+        """Delete a tenant's blocks, a namespace's, or those under one block (pins above it
+        that lose their blocks let go, and what they held expires in `ttl_seconds`)."""
+        ...
+
+    def inspect(self, namespace: NamespaceId, link: ChainLink, *, now: float) -> BlockState:
+        """Why one block of a chain, whose parent matched, does not match."""
+        ...
+
+    def first_block_homes(
+        self, partition: bytes, token_bytes: bytes
+    ) -> list[tuple[BlockKey, int, bytes | None]]:
+        """(root, block size, encoded namespace) of first blocks that start like these."""
+        ...
+
+
+class Controls:
+    """OperatorControls over transactions and block records."""
+
+    def __init__(self, txns: Transactions, records: Records) -> None:
+        self.txns = txns
+        self.records = records
+
+    # -- pins ---------------------------------------------------------------------------------
+
+    def pin(
+        self,
+        namespace: NamespaceId,
+        links: Sequence[ChainLink],
+        *,
+        now: float,
+        by: str,
+        rank: int = 0,
+        limits: PinLimits | None = None,
+    ) -> tuple[PinRecord, bool]:
+        """Pin the prefix `links` (from block 0; every block must be stored and alive);
+        returns its pin and whether it is new (pinning a pinned prefix again changes nothing).
+        `rank` is the pinner's (only as high a rank may release it); QuotaExceeded when the
+        pin would pass one of `limits`."""
+        if not links or links[0].depth != 0:
+            raise ValueError("a pin holds a prefix from block 0")
+        part = namespace.partition
+        key = pins.pin_key(namespace.scope, links[-1].key)
+        with self.txns.write() as txn:
+            held = pins.get_record(txn, key, part)
+            if held is not None:
+                if rank > held.rank:  # a higher role takes the pin over: only it may release
+                    held = PinRecord(held.scope, held.key, held.blocks, held.pinned_at, by,
+                                     held.bytes, rank)  # fmt: skip
+                    pins.put_record(txn, key, held)
+                return held, False
+            own = pins.records(txn, part) if limits is not None else []
+            if limits is not None and limits.blocks is not None:
+                pins.check_blocks(own, len(links), limits.blocks)
+            metas = _verified(txn, namespace, links, now)
+            size = sum(self.records.tenants.block_bytes(meta) for meta in metas)
+            if limits is not None:
+                pins.check_bytes(own, size, limits.tenant_bytes, "tenant")
+                if limits.total_bytes is not None:
+                    every = pins.records(txn, b"", every=True)
+                    pins.check_bytes(every, size, limits.total_bytes, "all")
+            for meta in metas:
+                count = pins.holders(txn, meta.key)
+                pins.set_holders(txn, meta.key, count + 1)
+                if count == 0:
+                    before = self.records.position(meta)
+                    meta.expires_at = math.inf
+                    self.records.save(txn, meta, before)
+            record = PinRecord(
+                namespace.scope, links[-1].key, len(links), float(now), by, size, rank
+            )
+            pins.put_record(txn, key, record)
+        return record, True
+
+    def unpin(
+        self,
+        namespace: NamespaceId,
+        deepest: BlockKey,
+        *,
+        now: float,
+        ttl_seconds: float,
+        rank: int = 0,
+    ) -> int:
+        """Release the pin whose deepest block is `deepest`; its blocks that no other pin
+        holds expire `ttl_seconds` from now (the longest class's TTL, so that none expires
+        before a descendant). Returns how many blocks the pin held (0 if no such pin);
+        Forbidden if it was pinned by a higher rank than `rank`."""
+        part = namespace.partition
+        key = pins.pin_key(namespace.scope, deepest)
+        with self.txns.write() as txn:
+            record = pins.get_record(txn, key, part)
+            if record is None:
+                return 0
+            if record.rank > rank:
+                raise Forbidden(
+                    f"this prefix was pinned by {record.by!r}, whose role is above this key's"
+                )
+            self._release(txn, store_key(part, deepest), record.blocks, now, ttl_seconds)
+            pins.delete_record(txn, key)
+        return record.blocks
+
+    def _release(self, txn: Txn, key: StoreKey, count: int, now: float, ttl_seconds: float) -> None:
+        """Take one pin off `count` blocks from `key` up the chain; a block no pin holds any
+        more expires `ttl_seconds` from now, and its expiry-index entry (moved to never while
+        it was pinned) comes back to that time."""
+        at: StoreKey | None = key
+        for _ in range(count):  # deepest first, up the chain
+            meta = txn.get(at) if at is not None else None
+            if meta is None:
+                return
+            held = pins.holders(txn, meta.key)
+            pins.set_holders(txn, meta.key, max(held - 1, 0))
+            if held <= 1:
+                before = self.records.position(meta)
+                meta.expires_at = now + ttl_seconds
+                self.records.save(txn, meta, before)
+                if meta.indexed_expiry > meta.expires_at:
+                    expiry.refile(txn, meta)
+            at = meta.parent_key if meta.depth else None
+
+    def pins(self, partition: bytes) -> list[PinRecord]:
+        """Every pin of a tenant (by its partition)."""
+        with self.txns.read() as txn:
+            return pins.records(txn, partition)
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def links_of(
+        self, namespace: NamespaceId, keys: Sequence[BlockKey], *, now: float
+    ) -> list[ChainLink]:
+        """The chain links of a prefix given by its keys, from the records the store holds
+        (a record is stored under the hash of its parent and tokens, so a run of records
+        linked by their parents from the root is a genuine prefix); NotStored naming the
+        first key that is not block `i` of such a run."""
+        links: list[ChainLink] = []
+        parent = namespace.root
+        with self.txns.read() as txn:
+            for depth, key in enumerate(keys):
+                meta = txn.get(store_key(namespace.partition, key))
+                if (
+                    meta is None
+                    or not meta.is_alive(now)
+                    or meta.namespace_root != namespace.root
+                    or meta.depth != depth
+                    or meta.parent != parent
+                ):
+                    raise NotStored(
+                        f"keys[{depth}] is not block {depth} of a stored prefix of this namespace",
+                        block=depth,
+                    )
+                links.append(ChainLink(key, parent, meta.tokens, depth))
+                parent = key
+        return links
+
+    def encoded_namespace(self, scope: StoreKey) -> bytes | None:
+        """The encoded namespace stored for a scope (partition + root), if any."""
+        with self.txns.read() as txn:
+            return txn.get_namespace(scope)
+
+    # -- purge --------------------------------------------------------------------------------
+
+    def purge(
+        self,
+        partition: bytes,
+        *,
+        root: BlockKey | None = None,
+        under: StoreKey | None = None,
+        now: float,
+        ttl_seconds: float = 0.0,
+    ) -> PurgeResult:
+        """Delete every block of a tenant, of one of its namespaces (`root`), or every block
+        under the block `under` (its own key, with its partition) and itself. Runs in short
+        transactions, deepest blocks first; durable once it returns. A pin whose blocks
+        went lets go of the blocks that stay (above `under`), which then expire
+        `ttl_seconds` from now unless another pin holds them."""
+        targets = subtrees.find(self.txns, partition, root=root, under=under)
+        blocks = payload_bytes = released = 0
+        for start in range(0, len(targets), PURGE_BATCH_BLOCKS):
+            with self.txns.write() as txn:
+                for target in targets[start : start + PURGE_BATCH_BLOCKS]:
+                    meta = txn.get(target.key)
+                    if meta is None or meta.children:  # gone, or given a child since the scan
+                        continue
+                    # A pin ending at this block goes with it, in the same transaction, and
+                    # lets go of the blocks above (which may be purged next, or stay).
+                    key = pins.pin_key(
+                        store_key(partition, meta.namespace_root),
+                        BlockKey(meta.key[len(partition) :]),
+                    )
+                    record = pins.get_record(txn, key, partition)
+                    if record is not None:
+                        pins.delete_record(txn, key)
+                        if meta.depth and record.blocks > 1:
+                            self._release(txn, meta.parent_key, record.blocks - 1, now, ttl_seconds)
+                        released += 1
+                    self.records.drop(txn, meta, reason="purged", at=now)
+                    blocks += 1
+                    payload_bytes += meta.payload_size
+        return PurgeResult(blocks=blocks, payload_bytes=payload_bytes, pins=released)
+
+    # -- explanations -------------------------------------------------------------------------
+
+    def inspect(self, namespace: NamespaceId, link: ChainLink, *, now: float) -> BlockState:
+        """Why one block of a chain (whose parent matched) does not match."""
+        key = store_key(namespace.partition, link.key)
+        with self.txns.read() as txn:
+            status = txn.check(key, namespace.root + link.parent, link.tokens, link.depth, now)
+            held = txn.get_namespace(namespace.scope)
+            if status == COLLISION or (held is not None and held != namespace.encoded):
+                return BlockState("collision")  # the block's, or the namespace root's
+            if status == HIT:
+                return BlockState("stored")  # stored since the lookup
+            meta = txn.get(key)
+            if meta is not None and not meta.is_alive(now):
+                return BlockState("expired", expires_at=meta.expires_at, retention=meta.retention)
+            return BlockState("absent", removal=self.records.removal_log.recall(txn, key))
+
+    def first_block_homes(
+        self, partition: bytes, token_bytes: bytes
+    ) -> list[tuple[BlockKey, int, bytes | None]]:
+        """Where first blocks starting like `token_bytes` are stored in this partition:
+        (namespace root, block size, encoded namespace)."""
+        prefix = hint_prefix(partition, token_bytes)
+        with self.txns.read() as txn:
+            homes = []
+            for key, _ in txn.aux_scan(FIRSTS, prefix, 64):
+                if len(key) != len(prefix) + KEY_BYTES + 4:
+                    continue
+                root, block_size = parse_hint(key, prefix)
+                homes.append((root, block_size, txn.get_namespace(store_key(partition, root))))
+            return homes
+
+
+def _verified(
+    txn: Txn, namespace: NamespaceId, links: Sequence[ChainLink], now: float
+) -> list[BlockMeta]:
+    """The stored, alive, verified blocks of `links`; NotStored naming the first that is not."""
+    found = []
+    part, root = namespace.partition, namespace.root
+    for link in links:
+        key = store_key(part, link.key)
+        status = txn.check(key, root + link.parent, link.tokens, link.depth, now)
+        meta = txn.get(key) if status == HIT else None
+        if meta is None:
+            raise NotStored(
+                f"block {link.depth} of the prefix is not stored: store the prefix first",
+                block=link.depth,
+            )
+        found.append(meta)
+    return found

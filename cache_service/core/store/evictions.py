@@ -1,0 +1,209 @@
+"""Removing blocks: eviction (expired first, then in policy order), a tenant's own eviction
+down to its quota, and the removal of one block with its subtree on request.
+
+Only leaves are ever removed, so the store is prefix-closed after every single removal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from cache_service.core.blocks import BlockKey, BlockMeta, Evicted, NamespaceId, StoreKey, store_key
+from cache_service.core.store import expiry, subtrees
+from cache_service.core.store.backend import EXPIRY, VICTIMS, Txn
+from cache_service.core.store.records import Records
+from cache_service.core.store.txns import Transactions
+
+SCAN_FIRST = 4  # most scans need one entry: start small, widen when entries are skipped
+SCAN_MOST = 1024
+REMOVE_BATCH_BLOCKS = 1024  # blocks deleted per write transaction: writers never wait long
+
+
+class Evictions:
+    """evict, evict_tenant and remove_subtree over transactions and block records."""
+
+    def __init__(self, txns: Transactions, records: Records) -> None:
+        self.txns = txns
+        self.records = records
+
+    def evict(
+        self,
+        *,
+        now: float,
+        max_blocks: int,
+        target_used_bytes: int | None = None,
+        target_blocks: int | None = None,
+        expired_only: bool = False,
+        protected: frozenset[StoreKey] = frozenset(),
+    ) -> list[Evicted]:
+        """Remove leaf blocks, expired first, then in policy order, until a target is met."""
+        evicted: list[Evicted] = []
+        with self.txns.write() as txn:
+            # Each eviction removes exactly one block: a block target is a count, known now.
+            if target_blocks is not None:
+                max_blocks = min(max_blocks, max(txn.usage().blocks - target_blocks, 0))
+
+            def satisfied() -> bool:
+                if len(evicted) >= max_blocks:
+                    return True
+                if target_used_bytes is None:
+                    return False
+                return txn.usage().used_bytes <= target_used_bytes
+
+            scan = _Scan(txn, self.records, evicted, satisfied, protected, at=now)
+            scan.drain(EXPIRY, upto=expiry.sort_key(now), reason="expired", now=now)
+            if not expired_only:
+                scan.drain(VICTIMS, upto=None, reason="capacity")
+        return evicted
+
+    def evict_tenant(
+        self,
+        partition: bytes,
+        *,
+        target_bytes: int,
+        now: float,
+        max_blocks: int,
+        protected: frozenset[StoreKey] = frozenset(),
+    ) -> list[Evicted]:
+        """Remove a tenant's own least recently used leaves (never another tenant's, never
+        a pinned block) until its estimated bytes are at most `target_bytes`."""
+        evicted: list[Evicted] = []
+        tenants = self.records.tenants
+        limit = SCAN_FIRST
+        with self.txns.write() as txn:
+            while len(evicted) < max_blocks:
+                held = tenants.held(txn, partition)
+                if held is None or held <= target_bytes:
+                    break
+                entries = tenants.leaves(txn, partition, limit)
+                victim = None
+                for entry, key in entries:
+                    meta = txn.get(key)
+                    if meta is None or meta.children or meta.pinned:
+                        tenants.forget(txn, entry)  # stale: not a leaf any more
+                    elif meta.key not in protected:
+                        victim = meta
+                        break
+                if victim is None:
+                    if len(entries) < limit or limit >= SCAN_MOST:
+                        break  # nothing the tenant may lose is left
+                    limit = min(limit * 4, SCAN_MOST)
+                    continue
+                # One at a time: the victim's parent may now be the tenant's oldest leaf.
+                self.records.drop(txn, victim, reason="tenant_quota", at=now)
+                evicted.append(evicted_record(victim, "tenant_quota"))
+        return evicted
+
+    def remove_subtree(self, namespace: NamespaceId, key: BlockKey, *, now: float) -> list[Evicted]:
+        """Remove block `key` of `namespace` and every stored descendant, deepest first, each
+        reported with reason "removed"; an unknown key removes nothing.
+
+        A pinned block stays, and so do its ancestors (a pin holds its prefix): the rest of
+        the subtree goes. Large subtrees go in short transactions, like a purge."""
+        stored = store_key(namespace.partition, key)
+        with self.txns.write() as txn:
+            meta = txn.get(stored)
+            if meta is None or meta.namespace_root != namespace.root:
+                return []
+            if not meta.children:  # the usual case (an engine drops leaves): no scan
+                if meta.pinned:
+                    return []
+                self.records.drop(txn, meta, reason="removed", at=now)
+                return [evicted_record(meta, "removed")]
+        targets = subtrees.find(self.txns, namespace.partition, under=stored)
+        removed: list[Evicted] = []
+        for start in range(0, len(targets), REMOVE_BATCH_BLOCKS):
+            with self.txns.write() as txn:
+                for target in targets[start : start + REMOVE_BATCH_BLOCKS]:
+                    found = txn.get(target.key)
+                    # gone, pinned, or above a block that stays (or one stored since the scan)
+                    if found is None or found.children or found.pinned:
+                        continue
+                    self.records.drop(txn, found, reason="removed", at=now)
+                    removed.append(evicted_record(found, "removed"))
+        return removed
+
+
+class _Scan:
+    """One eviction's walk over the indexes, dropping leaves until it is satisfied."""
+
+    def __init__(
+        self,
+        txn: Txn,
+        records: Records,
+        evicted: list[Evicted],
+        satisfied: Callable[[], bool],
+        protected: frozenset[StoreKey],
+        *,
+        at: float,
+    ) -> None:
+        self.txn = txn
+        self.records = records
+        self.evicted = evicted
+        self.satisfied = satisfied
+        self.protected = protected
+        self.at = at
+
+    def drain(
+        self, index: str, *, upto: bytes | None, reason: str, now: float | None = None
+    ) -> None:
+        """Drop leaves from the front of `index`; with `now`, expired ancestors follow at once."""
+        while not self.satisfied():
+            progressed = False
+            for meta in self._candidates(index, upto, now):
+                victim: BlockMeta | None = meta
+                while victim is not None:
+                    new_leaf = self.records.drop(self.txn, victim, reason=reason, at=self.at)
+                    self.evicted.append(evicted_record(victim, reason))
+                    progressed = True
+                    if self.satisfied():
+                        return
+                    victim = self._expired_parent(victim, now) if new_leaf else None
+                if new_leaf and now is None:
+                    break  # the parent may now come first in policy order: scan again
+            if not progressed:
+                return
+
+    def _expired_parent(self, child: BlockMeta, now: float | None) -> BlockMeta | None:
+        """The dropped child's parent when it is now an expired leaf: swept next, so a long
+        chain is swept in one pass instead of one index scan per block."""
+        if now is None:
+            return None
+        parent = self.txn.get(child.parent_key)
+        if (
+            parent is None
+            or parent.children
+            or parent.is_alive(now)
+            or parent.key in self.protected
+        ):
+            return None
+        return parent
+
+    def _candidates(self, index: str, upto: bytes | None, now: float | None) -> Iterator[BlockMeta]:
+        """Leaf blocks from the front of an index; rescans after each batch it yields from."""
+        txn = self.txn
+        after: bytes | None = None
+        limit = SCAN_FIRST
+        while True:
+            entries = list(txn.index_scan(index, after=after, upto=upto, limit=limit))
+            found = False
+            for _, key in entries:
+                meta = txn.get(key)
+                if meta is None or key in self.protected:
+                    continue
+                if index == EXPIRY and now is not None and meta.is_alive(now):
+                    expiry.refile(txn, meta)  # listed early: its TTL slid since
+                    continue
+                if meta.children:
+                    continue
+                found = True
+                yield meta
+            if found or len(entries) < limit:
+                return
+            after = entries[-1][0] + entries[-1][1]
+            limit = min(limit * 4, SCAN_MOST)
+
+
+def evicted_record(meta: BlockMeta, reason: str) -> Evicted:
+    """The record of a block removed for `reason`."""
+    return Evicted(meta.key, reason, meta.retention, meta.expires_at, meta.payload_size)

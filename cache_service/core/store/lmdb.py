@@ -1,0 +1,400 @@
+"""The LMDB store: block records, payloads, namespaces and two ordered indexes in one environment.
+
+Durability: every write is one short transaction; a caller is answered only after it commits.
+`writemap` stays off, so a full disk is an error on write, never a SIGBUS. Sync mode "full"
+flushes every commit (nothing acknowledged is lost, nothing is corrupted); "nometasync" may
+undo the last transaction on a system crash; "nosync" leaves flushing to the OS, and a system
+crash may then lose recent writes or, where the file system reorders writes, corrupt the file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from cache_service.core.blocks import (
+    KEY_BYTES,
+    BlockMeta,
+    Chain,
+    ChainLink,
+    NamespaceId,
+    StoreKey,
+    StoreUsage,
+)
+from cache_service.core.errors import StorageError, StoreFull
+from cache_service.core.eviction import EvictionPolicy
+from cache_service.core.store import generic
+from cache_service.core.store.backend import AUX_TABLES, INDEXES, SORT_KEY_BYTES
+from cache_service.core.store.base import IdentityCheck
+from cache_service.core.store.codec import (
+    DEPTH,
+    DEPTH_AT,
+    EXPIRES,
+    EXPIRES_AT,
+    PARENT_AT,
+    PARENT_END,
+    RETENTION_LEN_AT,
+    ROOT_AT,
+    STORED_SEQ_AT,
+    STORED_SEQ_END,
+    TOKENS_AT,
+    check_record,
+    decode_meta,
+    encode_meta,
+    record_size,
+)
+from cache_service.core.store.composed import ComposedStore
+from cache_service.core.store.removals import DEFAULT_REMOVAL_LOG_ENTRIES
+
+FORMAT_VERSION = b"3"
+SYNC_MODES = {
+    "full": {"sync": True, "metasync": True},
+    "nometasync": {"sync": True, "metasync": False},
+    "nosync": {"sync": False, "metasync": False},
+}
+_SEQ = b"seq"
+_PAYLOAD_BYTES = b"payload_bytes"
+_FORMAT = b"format"
+_IDENTITY = b"identity"  # the settings the data was made with (see cache_service.core.identity)
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+
+
+class _LmdbTxn:
+    """The data-path primitives over one LMDB transaction; the hot paths read raw records."""
+
+    def __init__(self, backend: LmdbBackend, txn: Any) -> None:
+        self._backend = backend
+        self._txn = txn
+        self._dbs = backend.dbs
+        self._blocks = backend.dbs["blocks"]
+        self._payload_delta = 0
+
+    def get(self, key: StoreKey) -> BlockMeta | None:
+        record = self._txn.get(key, db=self._dbs["blocks"])
+        return decode_meta(key, record) if record is not None else None
+
+    def check(
+        self, key: StoreKey, root_and_parent: bytes, tokens: bytes, depth: int, now: float
+    ) -> int:
+        return check_record(
+            self._txn.get(key, db=self._blocks),
+            root_and_parent=root_and_parent,
+            tokens=tokens,
+            depth=depth,
+            now=now,
+        )
+
+    def count_hits(
+        self, namespace: NamespaceId, links: Sequence[ChainLink], start: int, now: float
+    ) -> tuple[int, int]:
+        # check_record, unrolled over the chain's own arrays: a 32k-token lookup runs this
+        # body 512 times, so it builds no tuples, links or concatenations.
+        if not isinstance(links, Chain):
+            return generic.count_hits(self, namespace, links, start, now)
+        get, blocks = self._txn.get, self._blocks
+        keys, tokens, stride = links.keys, links.token_bytes, links.stride
+        partition, root = namespace.partition, namespace.root
+        parent = keys[start - 1] if start else root
+        unpack_expires, unpack_depth = EXPIRES.unpack_from, DEPTH.unpack_from
+        for depth in range(start, len(keys)):
+            key = keys[depth]
+            raw = get(partition + key if partition else key, db=blocks)
+            if raw is None or now >= unpack_expires(raw, EXPIRES_AT)[0]:
+                return depth - start, 0
+            offset = depth * stride
+            if (
+                raw[ROOT_AT:PARENT_AT] != root
+                or raw[PARENT_AT:PARENT_END] != parent
+                or unpack_depth(raw, DEPTH_AT)[0] != depth
+                or raw[TOKENS_AT + raw[RETENTION_LEN_AT] :] != tokens[offset : offset + stride]
+            ):
+                return depth - start, 1
+            parent = key
+        return len(keys) - start, 0
+
+    def lift_expiry(self, key: StoreKey, expires_at: float, retention: str) -> StoreKey | None:
+        raw = self._txn.get(key, db=self._blocks)
+        if raw is None or EXPIRES.unpack_from(raw, EXPIRES_AT)[0] >= expires_at:
+            return None
+        depth = DEPTH.unpack_from(raw, DEPTH_AT)[0]
+        parent = StoreKey(key[:-KEY_BYTES] + raw[PARENT_AT:PARENT_END]) if depth else None
+        if raw[TOKENS_AT : TOKENS_AT + raw[RETENTION_LEN_AT]] == retention.encode():
+            record = bytearray(raw)  # the same class: patch the expiry in place
+            EXPIRES.pack_into(record, EXPIRES_AT, expires_at)
+            self._txn.put(key, record, db=self._blocks)
+        else:  # another class name, another record length: re-encode
+            meta = decode_meta(key, raw)
+            meta.expires_at, meta.retention = expires_at, retention
+            self.put(meta)
+        return parent
+
+    def incarnation(self, key: StoreKey, now: float) -> bytes | None:
+        raw = self._txn.get(key, db=self._blocks)
+        if raw is None or now >= EXPIRES.unpack_from(raw, EXPIRES_AT)[0]:
+            return None
+        return bytes(raw[STORED_SEQ_AT:STORED_SEQ_END])
+
+    def put(self, meta: BlockMeta) -> None:
+        self._txn.put(meta.key, encode_meta(meta), db=self._dbs["blocks"])
+
+    def delete(self, key: StoreKey) -> None:
+        self._txn.delete(key, db=self._dbs["blocks"])
+        self._txn.delete(key, db=self._dbs["payloads"])
+
+    def get_payload(self, key: StoreKey) -> bytes | memoryview | None:
+        payload: bytes | memoryview | None = self._txn.get(key, db=self._dbs["payloads"])
+        return payload
+
+    def put_payload(self, key: StoreKey, payload: bytes | memoryview) -> None:
+        self._txn.put(key, payload, db=self._dbs["payloads"])
+
+    def get_namespace(self, scope: StoreKey) -> bytes | None:
+        found = self._txn.get(scope, db=self._dbs["namespaces"])
+        return bytes(found) if found is not None else None
+
+    def put_namespace(self, scope: StoreKey, encoded: bytes) -> None:
+        self._txn.put(scope, encoded, db=self._dbs["namespaces"])
+
+    def index_add(self, index: str, sort_key: bytes, key: StoreKey) -> None:
+        self._txn.put(sort_key + key, b"", db=self._dbs[index])
+
+    def index_remove(self, index: str, sort_key: bytes, key: StoreKey) -> None:
+        self._txn.delete(sort_key + key, db=self._dbs[index])
+
+    def index_scan(
+        self, index: str, *, after: bytes | None, upto: bytes | None, limit: int
+    ) -> Iterable[tuple[bytes, StoreKey]]:
+        out: list[tuple[bytes, StoreKey]] = []
+        with self._txn.cursor(db=self._dbs[index]) as cursor:
+            positioned = cursor.set_range(after) if after is not None else cursor.first()
+            if positioned and after is not None and bytes(cursor.key()) == after:
+                positioned = cursor.next()
+            while positioned and len(out) < limit:
+                entry = bytes(cursor.key())
+                sort_key, key = entry[:SORT_KEY_BYTES], StoreKey(entry[SORT_KEY_BYTES:])
+                if upto is not None and sort_key > upto:
+                    break
+                out.append((sort_key, key))
+                positioned = cursor.next()
+        return out
+
+    def aux_get(self, table: str, key: bytes) -> bytes | None:
+        found = self._txn.get(key, db=self._dbs[table])
+        return bytes(found) if found is not None else None
+
+    def aux_put(self, table: str, key: bytes, value: bytes) -> None:
+        self._txn.put(key, value, db=self._dbs[table])
+
+    def aux_delete(self, table: str, key: bytes) -> None:
+        self._txn.delete(key, db=self._dbs[table])
+
+    def aux_scan(self, table: str, prefix: bytes, limit: int) -> list[tuple[bytes, bytes]]:
+        out: list[tuple[bytes, bytes]] = []
+        with self._txn.cursor(db=self._dbs[table]) as cursor:
+            positioned = cursor.set_range(prefix)
+            while positioned and len(out) < limit:
+                key = bytes(cursor.key())
+                if not key.startswith(prefix):
+                    break
+                out.append((key, bytes(cursor.value())))
+                positioned = cursor.next()
+        return out
+
+    def aux_count(self, table: str) -> int:
+        return int(self._txn.stat(self._dbs[table])["entries"])
+
+    def scan_blocks(self, prefix: bytes, after: bytes | None, limit: int) -> list[BlockMeta]:
+        out: list[BlockMeta] = []
+        with self._txn.cursor(db=self._blocks) as cursor:
+            positioned = cursor.set_range(after if after is not None else prefix)
+            if positioned and after is not None and bytes(cursor.key()) == after:
+                positioned = cursor.next()
+            while positioned and len(out) < limit:
+                key = bytes(cursor.key())
+                if not key.startswith(prefix):
+                    break
+                if prefix or len(key) == KEY_BYTES:  # the default tenant's keys have no prefix
+                    out.append(decode_meta(StoreKey(key), cursor.value()))
+                positioned = cursor.next()
+        return out
+
+    def _counter(self, name: bytes, codec: struct.Struct) -> int:
+        raw = self._txn.get(name, db=self._dbs["meta"])
+        return int(codec.unpack(raw)[0]) if raw is not None else 0
+
+    def next_seq(self, count: int) -> int:
+        first = self._counter(_SEQ, _U64) or 1
+        self._txn.put(_SEQ, _U64.pack(first + count), db=self._dbs["meta"])
+        return first
+
+    def add_payload_bytes(self, delta: int) -> None:
+        # Summed here and written once before commit: one counter write per transaction.
+        self._payload_delta += delta
+
+    def flush(self) -> None:
+        """Write the counters this transaction changed."""
+        if self._payload_delta:
+            total = self._counter(_PAYLOAD_BYTES, _I64) + self._payload_delta
+            self._txn.put(_PAYLOAD_BYTES, _I64.pack(total), db=self._dbs["meta"])
+            self._payload_delta = 0
+
+    def usage(self) -> StoreUsage:
+        pages = 2  # the two LMDB meta pages
+        psize = 4096
+        for db in (*self._dbs.values(), self._backend.main_db):
+            stat = self._txn.stat(db)
+            psize = stat["psize"]
+            pages += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+        blocks = int(self._txn.stat(self._dbs["blocks"])["entries"])
+        return StoreUsage(
+            blocks=blocks,
+            payload_bytes=self._counter(_PAYLOAD_BYTES, _I64) + self._payload_delta,
+            used_bytes=pages * psize,
+        )
+
+
+class LmdbSpace:
+    """The LMDB backend's capacity report: the pages blocks take, and the data file."""
+
+    def __init__(self, path: Path, psize: int, tables: int) -> None:
+        self._path = path
+        self._psize = psize
+        self._tables = tables
+
+    def estimate_bytes(self, payload_size: int, token_bytes: int) -> int:
+        """Pages one block takes: overflow pages for a large payload, leaf space for the rest."""
+        psize = self._psize
+        if payload_size > psize // 2 - 64:
+            payload = math.ceil((payload_size + 16) / psize) * psize
+        else:
+            payload = 2 * (payload_size + 32)  # B-tree leaves run about half full
+        record = 2 * (record_size(token_bytes) + 32)
+        indexes = 2 * 2 * (8 + 16 + 16)
+        return payload + record + indexes
+
+    def reserved_bytes(self) -> int:
+        """Two meta pages, and a root page for the main table and each named one."""
+        return (2 + 1 + self._tables) * self._psize
+
+    def file_bytes(self) -> int:
+        """The size of the data file on disk (live pages plus LMDB's free list)."""
+        return (self._path / "data.mdb").stat().st_size
+
+
+class LmdbBackend:
+    """Block records, payloads, namespaces, indexes and small tables in one LMDB environment."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        map_size_bytes: int,
+        sync_mode: str = "full",
+        max_readers: int = 1024,
+        identity: IdentityCheck | None = None,
+    ) -> None:
+        if sync_mode not in SYNC_MODES:
+            raise ValueError(
+                f"unknown LMDB sync mode {sync_mode!r} (known: {', '.join(SYNC_MODES)})"
+            )
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(
+            str(self.path),
+            map_size=map_size_bytes,
+            max_dbs=16,
+            max_readers=max_readers,
+            writemap=False,  # with writemap a full disk kills the process with SIGBUS
+            readahead=False,  # random block reads; readahead only pollutes the page cache
+            meminit=False,
+            **SYNC_MODES[sync_mode],
+        )
+        self.env.reader_check()  # clear reader slots left by killed processes
+        self.main_db = self.env.open_db(None)
+        self.dbs = {
+            name: self.env.open_db(name.encode())
+            for name in ("blocks", "payloads", "namespaces", *INDEXES, "meta", *AUX_TABLES)
+        }
+        try:
+            self._check_record(identity)
+        except BaseException:
+            self.env.close()  # a refused opener leaves no environment open behind it
+            raise
+        self.space = LmdbSpace(self.path, int(self.env.stat()["psize"]), len(self.dbs))
+
+    def _check_record(self, identity: IdentityCheck | None) -> None:
+        """Check the format and the identity record, writing what a new store lacks, in one
+        write transaction: LMDB runs one writer at a time across processes, so of workers
+        opening a new folder together one records and the others check against it."""
+        meta = self.dbs["meta"]
+        with self.env.begin(write=True) as txn:
+            found = txn.get(_FORMAT, db=meta)
+            if found is None:
+                txn.put(_FORMAT, FORMAT_VERSION, db=meta)
+            elif bytes(found) != FORMAT_VERSION:
+                raise StorageError(
+                    f"{self.path} holds store format {bytes(found)!r}; this build reads "
+                    f"{FORMAT_VERSION!r}"
+                )
+            if identity is not None:
+                raw = txn.get(_IDENTITY, db=meta)
+                stored = bytes(raw) if raw is not None else None
+                record = identity.settle(stored, where=str(self.path))
+                if record != stored:
+                    txn.put(_IDENTITY, record, db=meta)
+
+    @contextmanager
+    def read(self, *, views: bool = False) -> Iterator[_LmdbTxn]:
+        """A read transaction; with `views`, payloads are read as buffers (no copy)."""
+        with self.env.begin(buffers=True) if views else self.env.begin() as txn:
+            yield _LmdbTxn(self, txn)
+
+    @contextmanager
+    def write(self) -> Iterator[_LmdbTxn]:
+        """A write transaction; its counters are written once, just before it commits."""
+        try:
+            with self.env.begin(write=True) as txn:
+                wrapped = _LmdbTxn(self, txn)
+                yield wrapped
+                wrapped.flush()
+        except lmdb.MapFullError as exc:
+            raise StoreFull("the LMDB map is full") from exc
+
+    def close(self) -> None:
+        """Close the environment."""
+        self.env.close()
+
+
+class LmdbStore(ComposedStore[LmdbBackend]):
+    """A BlockStore in an LMDB environment on disk; safe to share between processes."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        map_size_bytes: int,
+        sync_mode: str = "full",
+        max_readers: int = 1024,
+        policy: EvictionPolicy | None = None,
+        identity: IdentityCheck | None = None,
+        removal_log_entries: int = DEFAULT_REMOVAL_LOG_ENTRIES,
+    ) -> None:
+        backend = LmdbBackend(
+            path,
+            map_size_bytes=map_size_bytes,
+            sync_mode=sync_mode,
+            max_readers=max_readers,
+            identity=identity,
+        )
+        super().__init__(backend, policy=policy, removal_log_entries=removal_log_entries)
+        self.space: LmdbSpace = backend.space  # with the data file's size
+        self.path = backend.path
+        self.env = backend.env

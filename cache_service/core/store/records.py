@@ -1,0 +1,79 @@
+"""Block records and the indexes that follow them: every write of a record goes through here.
+
+Invariants kept here:
+- `children` counts a block's stored children; only unpinned blocks with none are in the
+  victims index (and, for a tenant, in its leaves);
+- a new block joins the expiry index; its entry is at or before its real expiry;
+- only leaves are removed, so the store stays prefix-closed; a removed block leaves its
+  parent one child fewer and, by the policy's rule, what the policy ranks it by;
+- a tenant's bytes count its blocks, and the payload byte counter every block's payload.
+"""
+
+from __future__ import annotations
+
+from cache_service.core.blocks import BlockMeta, StoreKey
+from cache_service.core.store import expiry, pins
+from cache_service.core.store.backend import Txn
+from cache_service.core.store.removals import RemovalLog, forget_first_block
+from cache_service.core.store.tenants import TenantAccounts
+from cache_service.core.store.victims import VictimIndex
+
+
+class Records:
+    """Writes and removals of block records, with their index entries."""
+
+    def __init__(
+        self, victims: VictimIndex, tenants: TenantAccounts, removal_log: RemovalLog
+    ) -> None:
+        self.victims = victims
+        self.tenants = tenants
+        self.removal_log = removal_log
+
+    def position(self, meta: BlockMeta) -> bytes | None:
+        """Where a block stands in the victims index now; taken before changing it."""
+        return self.victims.position(meta)
+
+    def save(self, txn: Txn, meta: BlockMeta, before: bytes | None, *, new: bool = False) -> None:
+        """Write `meta`, moving its victims entry from `before`; a new block joins the expiry
+        index. Later expiry changes leave that entry early on purpose: sliding a block's TTL
+        on every hit then costs no index write, and the sweeper re-files early entries."""
+        after = self.victims.position(meta)
+        if before != after:
+            self.victims.move(txn, meta.key, before, after)
+            self.tenants.move_leaf(txn, meta, before, after)
+        if new:
+            expiry.add(txn, meta)
+        txn.put(meta)
+
+    def add_child(self, txn: Txn, parent_key: StoreKey) -> None:
+        """Count a newly stored child on its parent."""
+        parent = txn.get(parent_key)
+        if parent is not None:
+            before = self.position(parent)
+            parent.children += 1
+            self.save(txn, parent, before)
+
+    def drop(self, txn: Txn, meta: BlockMeta, *, reason: str, at: float) -> bool:
+        """Delete a leaf block, remembering why; True when that made its parent a leaf."""
+        position = self.position(meta)
+        self.victims.move(txn, meta.key, position, None)
+        self.tenants.move_leaf(txn, meta, position, None)
+        if meta.partition:
+            self.tenants.add(txn, meta.partition, -self.tenants.block_bytes(meta))
+        expiry.remove(txn, meta)
+        txn.delete(meta.key)
+        txn.add_payload_bytes(-meta.payload_size)
+        if meta.pinned:  # only a purge removes a pinned block
+            pins.set_holders(txn, meta.key, 0)
+        self.removal_log.remember(txn, meta, reason=reason, at=at)
+        if meta.depth == 0:
+            forget_first_block(txn, meta)
+            return False
+        parent = txn.get(meta.parent_key)
+        if parent is None:
+            return False
+        before = self.position(parent)
+        parent.children = max(parent.children - 1, 0)
+        self.victims.child_removed(parent, meta)
+        self.save(txn, parent, before)
+        return parent.children == 0

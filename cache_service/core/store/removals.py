@@ -1,0 +1,91 @@
+"""What the store keeps so that a miss can be explained: a bounded log of removed blocks, and
+hints of where a prompt's first block is stored (under which namespace and block size).
+
+Both live in the store's own tables, so every worker process sees them. The removal log
+holds the most recent removals only (a cache may forget why it forgot); a first-block hint
+lives exactly as long as its block.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+from cache_service.core.blocks import KEY_BYTES, BlockKey, BlockMeta, Removal, StoreKey
+from cache_service.core.store.backend import FIRSTS, REMOVAL_ORDER, REMOVALS, Txn
+
+DEFAULT_REMOVAL_LOG_ENTRIES = 0  # off unless the owner turns it on (the service does)
+HINT_TOKENS = 16  # a first-block hint fingerprints this many leading tokens (or the block)
+# Stored by index: a new reason goes at the end.
+REASONS = ("expired", "capacity", "purged", "tenant_quota", "removed")
+_REMOVAL = struct.Struct("<QBdd")  # removal sequence, reason, at, expires_at; then retention
+_SEQ = struct.Struct(">Q")
+_SIZE = struct.Struct("<I")
+
+
+class RemovalLog:
+    """The most recent `entries` removals (0: none are kept)."""
+
+    def __init__(self, entries: int = DEFAULT_REMOVAL_LOG_ENTRIES) -> None:
+        self.entries = entries
+
+    def remember(self, txn: Txn, meta: BlockMeta, *, reason: str, at: float) -> None:
+        """Log a block's removal, dropping the oldest entries beyond the limit."""
+        if self.entries <= 0:
+            return
+        earlier = txn.aux_get(REMOVALS, meta.key)
+        if earlier is not None:
+            txn.aux_delete(REMOVAL_ORDER, _SEQ.pack(_REMOVAL.unpack_from(earlier)[0]))
+        seq = txn.next_seq(1)
+        record = _REMOVAL.pack(seq, REASONS.index(reason), at, meta.expires_at)
+        txn.aux_put(REMOVALS, meta.key, record + meta.retention.encode())
+        txn.aux_put(REMOVAL_ORDER, _SEQ.pack(seq), meta.key)
+        excess = txn.aux_count(REMOVAL_ORDER) - self.entries
+        if excess > 0:
+            for order_key, key in txn.aux_scan(REMOVAL_ORDER, b"", excess):
+                txn.aux_delete(REMOVAL_ORDER, order_key)
+                txn.aux_delete(REMOVALS, key)
+
+    @staticmethod
+    def recall(txn: Txn, key: StoreKey) -> Removal | None:
+        """Why and when the block under `key` was removed, if the log still says."""
+        record = txn.aux_get(REMOVALS, key)
+        if record is None:
+            return None
+        _, reason, at, expires_at = _REMOVAL.unpack_from(record)
+        retention = record[_REMOVAL.size :].decode()
+        return Removal(REASONS[reason], at, retention, expires_at)
+
+
+def fingerprint(token_bytes: bytes) -> bytes:
+    """The fingerprint of a first block's leading tokens (uint32 LE bytes)."""
+    return bytes(xxhash.xxh3_64_digest(token_bytes[: 4 * HINT_TOKENS]))
+
+
+def first_hint_key(meta: BlockMeta) -> bytes:
+    """The hint of a first block: its partition, the fingerprint of its leading tokens,
+    its namespace root and its block size."""
+    size = _SIZE.pack(len(meta.tokens) // 4)
+    return meta.partition + fingerprint(meta.tokens) + meta.namespace_root + size
+
+
+def hint_prefix(partition: bytes, token_bytes: bytes) -> bytes:
+    """Where the hints of first blocks starting like `token_bytes` are."""
+    return partition + fingerprint(token_bytes)
+
+
+def parse_hint(key: bytes, prefix: bytes) -> tuple[BlockKey, int]:
+    """(namespace root, block size) of a hint found under `prefix`."""
+    root = BlockKey(key[len(prefix) : len(prefix) + KEY_BYTES])
+    return root, _SIZE.unpack_from(key, len(prefix) + KEY_BYTES)[0]
+
+
+def record_first_block(txn: Txn, meta: BlockMeta) -> None:
+    """Note where a newly stored first block is, for explanations."""
+    txn.aux_put(FIRSTS, first_hint_key(meta), b"")
+
+
+def forget_first_block(txn: Txn, meta: BlockMeta) -> None:
+    """Drop the hint of a first block that leaves the store."""
+    txn.aux_delete(FIRSTS, first_hint_key(meta))

@@ -1,0 +1,55 @@
+"""A backend's transactions as the store's operations open them: inside a batch, every call of
+the batching thread joins the batch's one write transaction."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from cache_service.core.store.backend import Backend, Txn
+
+
+class Transactions:
+    """Read and write transactions over a backend, with this thread's batch if one is open."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._batch = threading.local()
+
+    @contextmanager
+    def read(self, *, views: bool = False) -> Iterator[Txn]:
+        """A read transaction (the batch's, inside a batch)."""
+        batch: Txn | None = getattr(self._batch, "txn", None)
+        if batch is not None:
+            yield batch
+            return
+        with self._backend.read(views=views) as txn:
+            yield txn
+
+    @contextmanager
+    def write(self) -> Iterator[Txn]:
+        """A write transaction (the batch's, inside a batch)."""
+        batch: Txn | None = getattr(self._batch, "txn", None)
+        if batch is not None:
+            yield batch
+            return
+        with self._backend.write() as txn:
+            yield txn
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Run this thread's store calls inside one write transaction (one commit).
+
+        All or nothing: an error anywhere aborts every call in the batch. Meant for the
+        replay, whose store is private; a server keeps its transactions short instead.
+        """
+        if getattr(self._batch, "txn", None) is not None:
+            yield
+            return
+        with self._backend.write() as txn:
+            self._batch.txn = txn
+            try:
+                yield
+            finally:
+                self._batch.txn = None

@@ -1,0 +1,102 @@
+"""The application factory: routes, middleware and a lifespan that starts and stops the
+Service (the store, the cache and the background workers)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, disable_created_metrics
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from cache_service import __version__
+from cache_service.core.cache import Clock
+from cache_service.core.store.base import BlockStore
+from cache_service.service.api.auth import Authenticator
+from cache_service.service.api.docs import install_docs
+from cache_service.service.api.limits import QuotaGate
+from cache_service.service.api.openapi import install_openapi
+from cache_service.service.api.operator_routes import router as operator_router
+from cache_service.service.api.problems import install_problem_handlers
+from cache_service.service.api.routes import router
+from cache_service.service.api.service import Service
+from cache_service.service.metrics import CacheMetrics
+from cache_service.service.settings import Settings
+
+DESCRIPTION = """A prefix-aware prompt cache of KV blocks. Prefill workers look up the longest
+cached prefix of a prompt, fetch its KV payloads, and store the blocks they computed."""
+
+
+class RequestTimer:
+    """ASGI middleware: request latency by route template (unmatched paths count as 'other')."""
+
+    def __init__(self, app: ASGIApp, *, metrics: CacheMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Time one request."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            # The router leaves the matched route in the scope: its template is a bounded label.
+            route = getattr(scope.get("route"), "path", None) or "other"
+            self.metrics.request_duration.labels(route=route).observe(time.perf_counter() - started)
+
+
+def app_from_environment() -> FastAPI:
+    """The app of one worker process, configured from CACHE_SERVICE_* variables."""
+    return create_app(Settings())
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    store: BlockStore | None = None,
+    clock: Clock = time.time,
+    registry: CollectorRegistry | None = None,
+) -> FastAPI:
+    """Build the service. The store is opened in the lifespan (after any fork), unless given."""
+    settings = settings or Settings()
+    # `*_created` timestamp series double every counter on a scrape and no dashboard uses them.
+    disable_created_metrics()  # type: ignore[no-untyped-call]
+    registry = registry or CollectorRegistry()
+    metrics = CacheMetrics(registry)
+    metrics.declare_retention(settings.retention_policy().classes)
+    keys = settings.key_ring() if settings.auth == "keys" else None
+    metrics.declare_tenants(sorted(keys.tenants) if keys is not None else [])
+    service = Service(settings, metrics=metrics, keys=keys, store=store, clock=clock)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.service = await service.start()
+        try:
+            yield
+        finally:
+            app.state.service = None  # new requests get 503 while in-flight writes finish
+            await service.stop()
+
+    app = FastAPI(
+        title="Prompt cache service",
+        version=__version__,
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        docs_url=None,  # install_docs: the same pages, with scripts served from the package
+        redoc_url=None,
+    )
+    app.state.service = None
+    app.include_router(router)
+    app.include_router(operator_router)
+    install_problem_handlers(app)
+    install_openapi(app, bearer_auth=keys is not None)
+    install_docs(app)
+    app.add_middleware(QuotaGate)  # inside: it needs the key the Authenticator found
+    app.add_middleware(Authenticator, keys=keys)
+    app.add_middleware(RequestTimer, metrics=metrics)
+    return app

@@ -1,0 +1,136 @@
+"""OpenAPI details for routes that read their own bodies (so that 400/413/415 stay ours)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from cache_service.core.framing import MEDIA_TYPE
+from cache_service.service.api.schemas import (
+    REQUEST_MODELS,
+    ExplainResponse,
+    FetchHeader,
+    LookupResponse,
+    PinResponse,
+    Problem,
+    PurgeResponse,
+    StoreResponse,
+    UnpinResponse,
+)
+
+REF = "#/components/schemas/{model}"
+RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
+    LookupResponse,
+    StoreResponse,
+    FetchHeader,
+    ExplainResponse,
+    PinResponse,
+    PurgeResponse,
+    UnpinResponse,
+    Problem,
+)
+FRAMES_DOC = (
+    "Frame body: magic 'PCF1' | u32_le header length | JSON header | u32_le frame count | "
+    "frames (u64_le length | bytes; length 2^64-1 = absent). See README.md."
+)
+_REASONS = {
+    400: "Malformed body",
+    408: "The body did not arrive within body_timeout",
+    403: "The key may not act for that tenant, or a quota would be passed",
+    409: "Parent block (or prefix to pin) not stored",
+    413: "Body, tokens or blocks over a limit",
+    415: "Wrong Content-Type",
+    422: "Invalid field (named in `errors`)",
+    429: "A key's rate quota is spent (Retry-After)",
+    503: "Writes backed up (Retry-After); reads are still served",
+    507: "Full, and nothing can be evicted",
+}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": REF.format(model=name)}
+
+
+def json_body(model: str) -> dict[str, Any]:
+    """openapi_extra for a JSON request body described by a request model."""
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(model)}}}
+    }
+
+
+def lookup_body(request: str = "LookupRequest", header: str = "LookupHeader") -> dict[str, Any]:
+    """openapi_extra for a lookup-shaped body: JSON, or frames with the tokens in one frame."""
+    frames = binary_body(header)["requestBody"]["content"]
+    return {
+        "requestBody": {
+            "required": True,
+            "description": f"JSON, or frames: {FRAMES_DOC} The header is a {header} and "
+            "the one frame holds the tokens as uint32 little-endian.",
+            "content": {"application/json": {"schema": _ref(request)}, **frames},
+        }
+    }
+
+
+def binary_body(header_model: str) -> dict[str, Any]:
+    """openapi_extra for a frame request body whose header is `header_model`."""
+    schema = {"type": "string", "format": "binary", "contentMediaType": MEDIA_TYPE}
+    description = f"{FRAMES_DOC} The header is a {header_model}; one frame per block."
+    return {
+        "requestBody": {
+            "required": True,
+            "description": description,
+            "content": {MEDIA_TYPE: {"schema": schema}},
+        }
+    }
+
+
+def responses(success: dict[str, Any], *errors: int) -> dict[int | str, dict[str, Any]]:
+    """The `responses` of a route: its 200 media types and its problem+json errors."""
+    content: dict[str, Any] = {}
+    for media, what in success.items():
+        name = what if isinstance(what, str) else what.__name__
+        if media == MEDIA_TYPE:  # frames: binary, with the JSON header's model named
+            schema = {"type": "string", "format": "binary", "contentMediaType": MEDIA_TYPE}
+            content[media] = {"schema": schema, "x-frame-header": _ref(name)}
+        else:
+            content[media] = {"schema": _ref(name)}
+    out: dict[int | str, dict[str, Any]] = {200: {"description": "Success", "content": content}}
+    for status in errors:
+        out[status] = {
+            "description": _REASONS[status],
+            "content": {"application/problem+json": {"schema": _ref("Problem")}},
+        }
+    return out
+
+
+def install_openapi(app: FastAPI, *, bearer_auth: bool = False) -> None:
+    """Add the request and response models to the schema's components (and, with keys, the
+    bearer scheme every route but the health checks needs)."""
+
+    def build() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        pairs = [(m, "validation") for m in REQUEST_MODELS]
+        pairs += [(m, "serialization") for m in RESPONSE_MODELS]
+        _, defs = models_json_schema(pairs, ref_template=REF)  # type: ignore[arg-type]
+        components = schema.setdefault("components", {})
+        components.setdefault("schemas", {}).update(defs.get("$defs", {}))
+        if bearer_auth:
+            components["securitySchemes"] = {
+                "apiKey": {"type": "http", "scheme": "bearer", "description": "An API key."}
+            }
+            schema["security"] = [{"apiKey": []}]
+            for path in ("/healthz", "/readyz"):
+                for operation in schema["paths"].get(path, {}).values():
+                    operation["security"] = []
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = build  # type: ignore[method-assign]

@@ -1,0 +1,230 @@
+"""Request and response bodies of the HTTP API (pydantic models; also the OpenAPI schema)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cache_service.core.blocks import MAX_TOKEN_ID
+
+Token = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
+HexKey = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$", description="32 lowercase hex chars")]
+Name = Annotated[str, Field(max_length=256)]
+
+
+class NamespaceFields(BaseModel):
+    """The fields that pick a namespace (with the tenant, which comes from authentication)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: Annotated[str, Field(min_length=1, max_length=256, description="Model name.")]
+    kv_layout: Name = Field("", description="Free string naming the KV layout (dtype, TP rank…).")
+    salt: Name = Field("", description="Cache salt; requests with different salts never share.")
+
+
+class PromptOptions(NamespaceFields):
+    """How to cache a prompt."""
+
+    retention: Name | None = Field(None, description="Retention class; the default if omitted.")
+    block_size: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="The block size the caller expects; 422 if the service's differs."
+    )
+
+
+TOKENS_DOC = "Token ids, unsigned 32-bit integers."
+TOKENS_FRAME_DOC = (
+    "Token ids; omit them to send the tokens as the first frame instead, as uint32 "
+    "little-endian (4 bytes a token): no JSON to encode or parse."
+)
+
+
+class LookupHeader(PromptOptions):
+    """The JSON header of a POST /v1/lookup frame body; its one frame holds the tokens."""
+
+    fetch: bool = Field(False, description="Also return the matched blocks' payloads (frames).")
+
+
+class LookupRequest(LookupHeader):
+    """POST /v1/lookup as JSON."""
+
+    tokens: list[Token] = Field(description=TOKENS_DOC)
+
+
+class ExplainHeader(LookupHeader):
+    """The JSON header of a POST /v1/explain frame body."""
+
+    tenant: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")] | None = Field(
+        None, description="Whose blocks: an admin key may name any tenant; others only theirs."
+    )
+
+
+class ExplainRequest(LookupRequest, ExplainHeader):
+    """POST /v1/explain as JSON: a lookup's body (an admin may name a tenant)."""
+
+
+class StoreHeader(PromptOptions):
+    """The JSON header of a POST /v1/blocks frame body: frames are the tokens (if not given
+    here), then one payload per block stored."""
+
+    tokens: list[Token] | None = Field(None, description=TOKENS_FRAME_DOC)
+    start_block: Annotated[int, Field(ge=0)] = Field(
+        0, description="Index of the first block whose payload is sent."
+    )
+
+
+class FetchRequest(NamespaceFields):
+    """POST /v1/blocks/fetch."""
+
+    keys: list[HexKey] = Field(description="Block keys, as lookup returned them.")
+
+
+TenantName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+TENANT_DOC = "Whose blocks: an admin key may name any tenant; other keys only their own."
+
+
+class PinRequest(NamespaceFields):
+    """POST /v1/pin and /v1/unpin: a prefix by its tokens (every full block) or its keys."""
+
+    tokens: list[Token] | None = Field(None, description=TOKENS_DOC)
+    keys: list[HexKey] | None = Field(None, description="The prefix's keys, from block 0.")
+    block_size: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="The block size the caller expects; 422 if the service's differs."
+    )
+    tenant: TenantName | None = Field(None, description=TENANT_DOC)
+
+
+class PinResponse(BaseModel):
+    """What a pin did."""
+
+    model: str
+    key: str = Field(description="The pinned prefix's deepest key.")
+    pinned_blocks: int
+    new: bool = Field(description="False when this prefix was already pinned.")
+
+
+class UnpinResponse(BaseModel):
+    """What an unpin did."""
+
+    model: str
+    released_blocks: int = Field(description="Blocks the pin held; 0 if there was no such pin.")
+
+
+class PurgeRequest(BaseModel):
+    """POST /v1/purge: a tenant; one of its namespaces (model, kv_layout, salt); or, with
+    tokens, that prompt's last full block and every block stored under it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    tenant: TenantName | None = Field(None, description=TENANT_DOC)
+    model: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    kv_layout: Name | None = None
+    salt: Name | None = None
+    tokens: list[Token] | None = Field(None, description=TOKENS_DOC)
+    block_size: Annotated[int, Field(ge=1)] | None = None
+
+
+class PurgeResponse(BaseModel):
+    """What a purge removed."""
+
+    tenant: str
+    blocks: int
+    bytes: int = Field(description="Payload bytes removed.")
+    pins: int = Field(description="Pins removed with their blocks.")
+
+
+class ExplainResponse(BaseModel):
+    """Why a lookup stops where it does."""
+
+    model: str
+    block_size: int
+    prompt_tokens: int
+    matched_blocks: int
+    cached_tokens: int
+    first_unmatched_block: int | None
+    reason: str = Field(
+        description="complete, partial_block, never_stored, evicted, expired, purged, "
+        "other_namespace, block_size_differs, collision_rejected or stored_since."
+    )
+    detail: str
+    facts: dict[str, str | int | float | None] = Field(
+        description="When and under which class (removed_at, expired_at, retention), or "
+        "where the block is stored instead (model, kv_layout, salt, block_size)."
+    )
+
+
+class Usage(BaseModel):
+    """Per-request token accounting, as OpenAI-style APIs report prompt caching."""
+
+    prompt_cache_hit_tokens: int
+    prompt_cache_miss_tokens: int
+
+
+class LookupResponse(BaseModel):
+    """The longest cached prefix; with fetch, the header of a frame body."""
+
+    model: str
+    block_size: int
+    prompt_tokens: int
+    matched_blocks: int
+    cached_tokens: int
+    keys: list[str]
+    retention: str
+    usage: Usage
+
+
+class StoreResponse(BaseModel):
+    """What a store request did."""
+
+    model: str
+    block_size: int
+    start_block: int
+    requested_blocks: int
+    stored_blocks: int = Field(description="Blocks newly stored (and still held).")
+    refreshed_blocks: int = Field(
+        description="Blocks already stored; refreshed, kept as first written."
+    )
+    conflicts: int = Field(
+        description="Refreshed blocks whose bytes differed from the stored ones."
+    )
+    truncated_blocks: int = Field(description="Blocks not stored: the request exceeds the cache.")
+    collisions: int = Field(description="Blocks refused: another block holds their key.")
+    keys: list[str] = Field(description="Keys of the blocks sent, in order.")
+
+
+class FetchHeader(BaseModel):
+    """The header of a fetch answer; one frame per requested key (absent = gone)."""
+
+    model: str
+    requested: int
+    found: int
+
+
+class ProblemField(BaseModel):
+    """One invalid field."""
+
+    field: str
+    message: str
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    instance: str | None = None
+    errors: list[ProblemField] | None = None
+
+
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    LookupRequest,
+    LookupHeader,
+    StoreHeader,
+    FetchRequest,
+    PinRequest,
+    PurgeRequest,
+    ExplainRequest,
+    ExplainHeader,
+)

@@ -1,0 +1,57 @@
+"""What a serving process checks and says as it opens its store: the settings the data was
+made with (refused if one that defines the data differs, logged if one that steers it
+changed), and one line saying what it serves."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from cache_service.core.eviction import make_policy
+from cache_service.core.identity import StoreIdentity, identity_of
+from cache_service.core.store import registry
+from cache_service.core.store.registry import OpenedStore
+from cache_service.core.units import show_size
+from cache_service.service.settings import Settings
+
+log = logging.getLogger("cache_service")
+
+
+def store_identity(settings: Settings) -> StoreIdentity:
+    """The identity these settings record in the store they open."""
+    return identity_of(
+        seed=settings.seed,
+        default_block_size=settings.block_size,
+        model_block_sizes=settings.model_block_sizes(),
+        retention_ttl_seconds=settings.retention_policy().ttl_seconds,
+        capacity_bytes=settings.capacity,
+        high_water=settings.high_water,
+        low_water=settings.low_water,
+        eviction_policy=settings.eviction_policy,
+    )
+
+
+def open_store(settings: Settings) -> OpenedStore:
+    """The store --store (or --data-dir) names; SettingsMismatch if its data was made with
+    other settings. Logs what changed since the last run."""
+    identity = store_identity(settings)
+    opened = registry.open_store(
+        settings.store_url(),
+        map_size_bytes=settings.map_size_bytes(),
+        sync_mode=settings.lmdb_sync,
+        identity=identity,
+        policy=make_policy(settings.eviction_policy),
+        removal_log_entries=settings.removal_log_entries,
+    )
+    for note in identity.notes:
+        log.info("%s", note)
+    return opened
+
+
+def serving_line(settings: Settings, where: str) -> str:
+    """The start-up line: which process serves which data, how much, to whom, where."""
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    return (
+        f"process {os.getpid()} serves {where} (capacity {show_size(settings.capacity)}, "
+        f"auth {settings.auth}) on http://{host}:{settings.port}"
+    )

@@ -1,6 +1,0 @@
-"""Block stores: one protocol, swappable backends (memory reference model, LMDB)."""
-
-from cache_service.store.base import BlockStore
-from cache_service.store.memory import MemoryStore
-
-__all__ = ["BlockStore", "MemoryStore"]

@@ -1,0 +1,108 @@
+"""Capacity curves for a replay: LRU at every capacity, and the offline optimum at a few."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cache_service.tools.replay.accesses import Accesses
+from cache_service.tools.replay.belady import belady_hits, next_uses
+from cache_service.tools.replay.mrc import lru_curve
+
+CURVE_POINTS = 48  # log-spaced capacities in the report (the curve itself is exact everywhere)
+BELADY_FRACTIONS = (1 / 1024, 1 / 256, 1 / 64, 1 / 16, 1 / 4, 1)  # of the distinct blocks
+# Round capacities (tokens) always reported, so runs of different traces line up.
+ROUND_CAPACITY_TOKENS = (10**5, 3 * 10**5, 10**6, 3 * 10**6, 10**7, 3 * 10**7, 10**8)
+
+
+@dataclass(frozen=True, slots=True)
+class CurvePlan:
+    """What to compute: extra capacities (tokens), bytes per token, and how LRU is measured."""
+
+    extra_capacity_tokens: Sequence[int]
+    kv_bytes_per_token: int
+    stack_distance: bool  # False: TTLs or another policy matter, so replay once per capacity
+
+
+def capacity_points(distinct: int, extra_blocks: Sequence[int]) -> list[int]:
+    """Log-spaced capacities from 1 block to every distinct block, plus the extra ones."""
+    points = {max(distinct, 1)}
+    for step in range(CURVE_POINTS):
+        points.add(max(1, round(distinct ** (step / (CURVE_POINTS - 1)))))
+    points.update(block for block in extra_blocks if block > 0)
+    return sorted(points)
+
+
+@dataclass(frozen=True, slots=True)
+class _Scale:
+    """What turns hit counts at a capacity into a report point."""
+
+    block_tokens: int
+    total_blocks: int
+    total_tokens: int
+    kv_bytes_per_token: int
+
+    def point(self, capacity_blocks: int, hits: tuple[int, int]) -> dict[str, Any]:
+        tokens = capacity_blocks * self.block_tokens
+        return {
+            "capacity_blocks": capacity_blocks,
+            "capacity_tokens": tokens,
+            "capacity_bytes": tokens * self.kv_bytes_per_token,
+            "block_hit_ratio": round(hits[0] / self.total_blocks, 6) if self.total_blocks else 0.0,
+            "token_hit_ratio": round(hits[1] / self.total_tokens, 6) if self.total_tokens else 0.0,
+        }
+
+
+def capacity_curves(
+    accesses: Accesses,
+    plan: CurvePlan,
+    replay_at: Callable[[int], tuple[int, int]] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The `mrc` and `belady` sections of the report.
+
+    `replay_at(capacity_tokens) -> (hit blocks, hit tokens)` replays the trace once at a
+    capacity; it is used instead of stack distances when those would not be exact.
+    """
+    scale = _Scale(
+        block_tokens=accesses.block_tokens,
+        total_blocks=sum(len(blocks) for blocks in accesses.blocks),
+        total_tokens=sum(accesses.input_lengths),
+        kv_bytes_per_token=plan.kv_bytes_per_token,
+    )
+    whole = accesses.distinct * accesses.block_tokens
+    rounds = [tokens for tokens in ROUND_CAPACITY_TOKENS if tokens < whole]
+    requested = [tokens // accesses.block_tokens for tokens in plan.extra_capacity_tokens]
+    extra = [*requested, *(tokens // accesses.block_tokens for tokens in rounds)]
+    belady_capacities = sorted(
+        {max(1, int(accesses.distinct * f)) for f in BELADY_FRACTIONS} | {b for b in extra if b > 0}
+    )
+    upcoming = next_uses(accesses)
+    belady: dict[str, Any] = {
+        "method": "belady-min-with-bypass, per-block hits",
+        "kv_bytes_per_token": plan.kv_bytes_per_token,
+        "points": [scale.point(c, belady_hits(accesses, c, upcoming)) for c in belady_capacities],
+        # The capacities the user asked for (--capacities, --capacity-tokens): always summarised.
+        "requested_capacity_blocks": sorted({b for b in requested if b > 0}),
+    }
+    mrc: dict[str, Any] = {"kv_bytes_per_token": plan.kv_bytes_per_token}
+    if plan.stack_distance:
+        curve = lru_curve(accesses)
+        points = capacity_points(accesses.distinct, extra + belady_capacities)
+        mrc["method"] = "lru-stack-distance"
+        mrc["points"] = [scale.point(c, curve.at(c)) for c in points]
+    else:
+        assert replay_at is not None
+        mrc["method"] = "replay-per-capacity"
+        mrc["points"] = [
+            scale.point(c, replay_at(c * accesses.block_tokens)) for c in belady_capacities
+        ]
+    return mrc, belady
+
+
+def capacity_for_share(mrc: dict[str, Any], ceiling_ratio: float, share: float) -> int | None:
+    """The smallest listed capacity (tokens) whose token hit ratio reaches share x ceiling."""
+    for point in mrc["points"]:
+        if point["token_hit_ratio"] >= share * ceiling_ratio:
+            return int(point["capacity_tokens"])
+    return None

@@ -1,0 +1,87 @@
+"""The one-screen summary printed at the end of a replay."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cache_service.tools.replay.curves import capacity_for_share
+
+GIB = 2**30
+MAX_CURVE_ROWS = 6
+
+
+def _ratio(figures: dict[str, Any]) -> str:
+    return f"tokens {figures['token_hit_ratio']:.1%}, blocks {figures['block_hit_ratio']:.1%}"
+
+
+def format_summary(report: dict[str, Any], written: Sequence[tuple[str, Path]] = ()) -> str:
+    """Plain text, at most a screen; `written` names the files the run wrote, (what, path)."""
+    capacity = report["capacity_tokens"]
+    lines = [
+        f"Replayed {report['requests']:,} requests from {len(report['traces'])} trace(s) in "
+        f"{report['elapsed_seconds']:.1f} s ({report['requests_per_second']:,.0f} requests/s), "
+        f"{report['mode']}, policy {report['policy']}, capacity "
+        + ("unbounded" if capacity is None else f"{capacity:,} tokens"),
+        f"Prompt tokens {report['prompt_tokens']:,}: hit {report['hit_tokens']:,}, "
+        f"miss {report['miss_tokens']:,}; output tokens {report['output_tokens']:,}",
+        f"Hit ratio: {_ratio(report)}; requests with a hit {report['requests_with_hit']:,}",
+        f"Ceiling (unbounded capacity): {_ratio(report['ceiling'])}",
+    ]
+    if len(report["by_retention"]) > 1:
+        lines.append(
+            "By retention (token hit ratio): "
+            + "; ".join(
+                f"{k} {v['token_hit_ratio']:.1%}" for k, v in report["by_retention"].items()
+            )
+        )
+    tenants = report.get("by_tenant") or {}
+    if len(tenants) > 1:
+        shown = list(tenants.items())[:6]
+        lines.append(
+            "By tenant (token hit ratio): "
+            + "; ".join(f"{k or '(none)'} {v['token_hit_ratio']:.1%}" for k, v in shown)
+            + (" ..." if len(tenants) > len(shown) else "")
+        )
+    cost = report["cost"]
+    lines.append(
+        f"Cost: ${cost['with_cache_usd']:,.2f} with the cache vs ${cost['without_cache_usd']:,.2f} "
+        f"without: saves ${cost['saved_usd']:,.2f} ({cost['saved_share']:.1%}); "
+        f"prefill compute saved {cost['prefill_flops_saved']:.3g} FLOPs"
+    )
+    mrc, belady = report.get("mrc"), report.get("belady")
+    if mrc and belady:
+        ceiling = report["ceiling"]["token_hit_ratio"]
+        for share in (0.5, 0.9):
+            tokens = capacity_for_share(mrc, ceiling, share)
+            if tokens is not None:
+                lines.append(
+                    f"{report['policy'].upper()} reaches {share:.0%} of the token ceiling at "
+                    f"{tokens:,} tokens ({tokens * mrc['kv_bytes_per_token'] / GIB:,.1f} GiB of KV)"
+                )
+        lru = {p["capacity_blocks"]: p for p in mrc["points"]}
+        points = belady["points"]
+        requested = set(belady.get("requested_capacity_blocks", ()))
+        sampled = points[:: max(1, -(-len(points) // MAX_CURVE_ROWS))]
+        shown = [p for p in points if p in sampled or p["capacity_blocks"] in requested]
+        policy = report["policy"].upper()
+        lines.append(
+            f"Hit ratio by capacity:  {'tokens':>11} {'blocks':>7}  {policy + ' token':>9} "
+            f"{'block':>6}  {'Belady token':>12} {'block':>6}"
+        )
+        for point in shown:
+            ours = lru.get(point["capacity_blocks"])
+            lines.append(
+                f"{'':23} {point['capacity_tokens']:>11,} {point['capacity_blocks']:>7,}  "
+                + (
+                    f"{ours['token_hit_ratio']:9.1%} {ours['block_hit_ratio']:6.1%}"
+                    if ours is not None
+                    else f"{'-':>9} {'-':>6}"
+                )
+                + f"  {point['token_hit_ratio']:12.1%} {point['block_hit_ratio']:6.1%}"
+            )
+    if report["skipped_lines"]:
+        lines.append(f"Skipped {report['skipped_lines']:,} malformed lines (listed above)")
+    lines.extend(f"Wrote {what}: {path}" for what, path in written)
+    return "\n".join(lines)
