@@ -367,3 +367,15 @@ def test_a_tenant_over_its_quota_evicts_its_own_blocks_first(
         clock.advance(1)
         cache.insert(NS, blocks_of(1000 + label), [b"a" * 100])
     assert matched(cache, pinned) == 1  # a pin holds even against its own tenant's quota
+
+
+def test_explain_names_blocks_removed_on_request(store: BlockStore, clock: VirtualClock) -> None:
+    cache, ops = make(store, clock)
+    put(cache, blocks_of(1, 2, 3))
+    chain = cache.hasher.keys(NS, blocks_of(1, 2, 3), block_size=cache.config.block_size_for("m"))
+    clock.advance(5)
+    assert len(cache.remove_block(NS, chain[1])) == 2  # block 1 and the block under it
+    removed = ops.explain(NS, blocks_of(1, 2, 3))
+    assert (removed.reason, removed.matched_blocks) == ("removed", 1)
+    assert removed.facts["removed_at"] == clock()
+    assert "removed on request" in removed.detail

@@ -49,10 +49,10 @@ class FailOpenCounts:
     @property
     def total(self) -> int:
         """Every fail-open miss, whatever its reason."""
-        return sum(getattr(self, name) for name in REASONS)
+        return sum(getattr(self, name) for name in FAIL_OPEN_REASONS)
 
 
-REASONS = tuple(field.name for field in fields(FailOpenCounts))
+FAIL_OPEN_REASONS = tuple(field.name for field in fields(FailOpenCounts))
 
 
 def transport_reason(exc: httpx.HTTPError) -> str:
@@ -68,7 +68,7 @@ class FailOpenTally:
     """One client's fail-open counts, and their Prometheus counter if given a registry."""
 
     def __init__(self, registry: CollectorRegistry | None) -> None:
-        self._counts = dict.fromkeys(REASONS, 0)
+        self._counts = dict.fromkeys(FAIL_OPEN_REASONS, 0)
         self._lock = threading.Lock()  # a blocking client may be shared by threads
         self._counter = None if registry is None else _registry_counter(registry)
 
@@ -103,7 +103,7 @@ def _registry_counter(registry: CollectorRegistry) -> Counter:
                 ["reason"],
                 registry=registry,
             )
-            for reason in REASONS:  # every reason exported from the start, at 0
+            for reason in FAIL_OPEN_REASONS:  # every reason exported from the start, at 0
                 counter.labels(reason)
             _COUNTERS[registry] = counter
         return counter

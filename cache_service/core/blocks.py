@@ -229,12 +229,20 @@ class Touch:
     partition: bytes = b""  # of the namespace hit; the store prefixes `keys` with it
 
 
+# Why a block left the store: its TTL ran out, room for everyone, an operator's purge, room
+# for its tenant's quota, or a request to remove it (with the blocks under it). The removal log
+# stores a reason by its index here: a new reason goes at the end.
+REMOVAL_REASONS = ("expired", "capacity", "purged", "tenant_quota", "removed")
+# The reasons that take a block before its TTL to make room.
+ROOM_REASONS = frozenset({"capacity", "tenant_quota"})
+
+
 @dataclass(frozen=True, slots=True)
 class Evicted:
     """A block the store removed, and why."""
 
     key: StoreKey
-    reason: str  # "expired", "capacity", "tenant_quota" or "removed"
+    reason: str  # one of REMOVAL_REASONS
     retention: str
     expires_at: float
     payload_size: int

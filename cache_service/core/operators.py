@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cache_service.core.blocks import (
+    ROOM_REASONS,
     BlockKey,
     Chain,
     ChainLink,
@@ -25,7 +26,7 @@ from cache_service.core.hashing import BlockHasher, decode_namespace, tenant_par
 from cache_service.core.store.base import BlockStore
 from cache_service.core.store.removals import HINT_TOKENS
 
-REASONS = {
+EXPLANATIONS = {  # why a lookup stopped where it did -> the sentence that says so
     "complete": "every full block of the prompt is cached",
     "partial_block": "every full block is cached; the rest is shorter than a block",
     "never_stored": "the block is not stored, and the store has no record of removing it "
@@ -33,6 +34,7 @@ REASONS = {
     "evicted": "the block was evicted to make room",
     "expired": "the block's retention ran out",
     "purged": "an operator purged the block",
+    "removed": "the block, or one above it, was removed on request (an engine dropped it)",
     "other_namespace": "the prompt's first block is stored under another model, KV layout "
     "or salt of this tenant",
     "block_size_differs": "the prompt's first block is stored with another block size",
@@ -56,7 +58,7 @@ class Explanation:
     @property
     def detail(self) -> str:
         """The reason in words."""
-        return REASONS[self.reason]
+        return EXPLANATIONS[self.reason]
 
 
 class Operators:
@@ -236,7 +238,7 @@ class Operators:
             facts = {"expired_at": state.expires_at, "retention": state.retention}
         elif state.removal is not None:
             removal = state.removal
-            evicted = removal.reason in ("capacity", "tenant_quota")
+            evicted = removal.reason in ROOM_REASONS
             reason = "evicted" if evicted else removal.reason
             facts = {"removed_at": removal.at, "retention": removal.retention}
             if evicted:

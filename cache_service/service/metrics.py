@@ -16,12 +16,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, multiproces
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cache_service.core.blocks import Evicted, StoreUsage
+from cache_service.core.blocks import REMOVAL_REASONS, ROOM_REASONS, Evicted, StoreUsage
 from cache_service.core.events import CacheEvents
 
-EVICTION_REASONS = ("expired", "capacity", "tenant_quota", "removed")
-# Reasons that take a block before its TTL to make room: counted in evicted_before_ttl.
-ROOM_REASONS = frozenset({"capacity", "tenant_quota"})
+# Purges are not evictions: an operator's purge answers with what it removed.
+EVICTION_REASONS = tuple(reason for reason in REMOVAL_REASONS if reason != "purged")
 LATENCY_BUCKETS = (
     0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip

@@ -12,13 +12,18 @@ import struct
 
 import xxhash
 
-from cache_service.core.blocks import KEY_BYTES, BlockKey, BlockMeta, Removal, StoreKey
+from cache_service.core.blocks import (
+    KEY_BYTES,
+    REMOVAL_REASONS,
+    BlockKey,
+    BlockMeta,
+    Removal,
+    StoreKey,
+)
 from cache_service.core.store.backend import FIRSTS, REMOVAL_ORDER, REMOVALS, Txn
 
 DEFAULT_REMOVAL_LOG_ENTRIES = 0  # off unless the owner turns it on (the service does)
 HINT_TOKENS = 16  # a first-block hint fingerprints this many leading tokens (or the block)
-# Stored by index: a new reason goes at the end.
-REASONS = ("expired", "capacity", "purged", "tenant_quota", "removed")
 _REMOVAL = struct.Struct("<QBdd")  # removal sequence, reason, at, expires_at; then retention
 _SEQ = struct.Struct(">Q")
 _SIZE = struct.Struct("<I")
@@ -38,7 +43,7 @@ class RemovalLog:
         if earlier is not None:
             txn.aux_delete(REMOVAL_ORDER, _SEQ.pack(_REMOVAL.unpack_from(earlier)[0]))
         seq = txn.next_seq(1)
-        record = _REMOVAL.pack(seq, REASONS.index(reason), at, meta.expires_at)
+        record = _REMOVAL.pack(seq, REMOVAL_REASONS.index(reason), at, meta.expires_at)
         txn.aux_put(REMOVALS, meta.key, record + meta.retention.encode())
         txn.aux_put(REMOVAL_ORDER, _SEQ.pack(seq), meta.key)
         excess = txn.aux_count(REMOVAL_ORDER) - self.entries
@@ -55,7 +60,7 @@ class RemovalLog:
             return None
         _, reason, at, expires_at = _REMOVAL.unpack_from(record)
         retention = record[_REMOVAL.size :].decode()
-        return Removal(REASONS[reason], at, retention, expires_at)
+        return Removal(REMOVAL_REASONS[reason], at, retention, expires_at)
 
 
 def fingerprint(token_bytes: bytes) -> bytes:

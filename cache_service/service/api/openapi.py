@@ -37,7 +37,7 @@ FRAMES_DOC = (
     "Frame body: magic 'PCF1' | u32_le header length | JSON header | u32_le frame count | "
     "frames (u64_le length | bytes; length 2^64-1 = absent). See README.md."
 )
-_REASONS = {
+_STATUS_MEANINGS = {
     400: "Malformed body",
     408: "The body did not arrive within body_timeout",
     403: "The key may not act for that tenant, or a quota would be passed",
@@ -101,7 +101,7 @@ def responses(success: dict[str, Any], *errors: int) -> dict[int | str, dict[str
     out: dict[int | str, dict[str, Any]] = {200: {"description": "Success", "content": content}}
     for status in errors:
         out[status] = {
-            "description": _REASONS[status],
+            "description": _STATUS_MEANINGS[status],
             "content": {"application/problem+json": {"schema": _ref("Problem")}},
         }
     return out

@@ -144,7 +144,7 @@ class ExplainResponse(BaseModel):
     first_unmatched_block: int | None
     reason: str = Field(
         description="complete, partial_block, never_stored, evicted, expired, purged, "
-        "other_namespace, block_size_differs, collision_rejected or stored_since."
+        "removed, other_namespace, block_size_differs, collision_rejected or stored_since."
     )
     detail: str
     facts: dict[str, str | int | float | None] = Field(
