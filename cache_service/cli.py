@@ -135,7 +135,9 @@ def serve(settings: Settings) -> None:
         "log_level": settings.log_level,
         "log_config": logging_config,
         "access_log": settings.access_log,
-        "timeout_graceful_shutdown": 10,
+        # Open connections get this long to finish; then the lifespan's stop gives the
+        # writes still running as long again (Service.stop).
+        "timeout_graceful_shutdown": settings.shutdown_timeout,
     }
     if settings.workers == 1:
         uvicorn.run(create_app(settings), **options)  # type: ignore[arg-type]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -11,8 +13,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from cache_service.core.blocks import Namespace
+from cache_service.core.errors import Overloaded
+from cache_service.core.store.lmdb import LmdbStore
 from cache_service.core.store.memory import MemoryStore
-from cache_service.service.api.service import Service
+from cache_service.service.api.service import Service, given_store
+from cache_service.service.api.state import ServiceState, WriteGate
 from cache_service.service.metrics import CacheMetrics
 from cache_service.service.settings import Settings
 
@@ -71,33 +76,104 @@ def test_stop_with_a_write_that_never_finishes_returns_within_the_timeout(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="cache_service")
-    store = MemoryStore()
+    stuck = threading.Event()
 
     async def run() -> float:
-        running = service(Settings(shutdown_timeout=0.3), store)
+        running = service(Settings(shutdown_timeout=0.3), MemoryStore())
         state = await running.start()
-        stuck = state.writes.admit()
-        stuck.__enter__()  # a store request that holds its place and never returns
+        request = asyncio.ensure_future(state.writes.run(lambda: stuck.wait(10)))
+        await asyncio.sleep(0.05)
         started = time.monotonic()
         await running.stop()
-        return time.monotonic() - started
+        took = time.monotonic() - started
+        stuck.set()  # let the thread go once the stop is measured
+        await request
+        return took
 
     took = asyncio.run(run())
     assert 0.3 <= took < 2.0
     assert any("1 store requests still running after 0.3s" in m for m in caplog.messages)
 
 
+def test_a_cancelled_store_request_keeps_its_place_until_its_write_ends(tmp_path: Path) -> None:
+    """uvicorn cancels the requests still open when it shuts down, before the lifespan's
+    stop: the write a cancelled request started still runs in its thread, so the stop must
+    wait for it and close the store only after it committed."""
+    release = threading.Event()
+    outcome: list[object] = []
+
+    def slow_write(state: ServiceState) -> None:
+        release.wait(5)
+        try:
+            outcome.append(state.cache.insert(Namespace("m"), list(range(64)), [b"kv"]).stored)
+        except Exception as exc:  # a store closed under the write would land here
+            outcome.append(exc)
+
+    async def run() -> tuple[int, int, float]:
+        running = service(Settings(store=str(tmp_path / "data"), shutdown_timeout=5.0))
+        state = await running.start()
+        request = asyncio.ensure_future(state.writes.run(lambda: slow_write(state)))
+        await asyncio.sleep(0.05)  # the write's thread has started
+        request.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+        pending_after_cancel = state.writes.pending
+        asyncio.get_running_loop().call_later(0.3, release.set)
+        started = time.monotonic()
+        await running.stop()
+        return pending_after_cancel, state.writes.pending, time.monotonic() - started
+
+    pending_after_cancel, pending_after_stop, took = asyncio.run(run())
+    assert (pending_after_cancel, pending_after_stop) == (1, 0)
+    assert took >= 0.25  # the stop waited for the write
+    assert outcome == [1]  # which committed its block before the store was closed
+    reopened = LmdbStore(tmp_path / "data", map_size_bytes=1 << 30)
+    try:
+        assert reopened.usage().blocks == 1
+    finally:
+        reopened.close()
+
+
 def test_stop_waits_for_a_write_that_finishes_in_time() -> None:
     async def run() -> tuple[float, int]:
         running = service(Settings(shutdown_timeout=5.0), MemoryStore())
         state = await running.start()
-        place = state.writes.admit()
-        place.__enter__()
-        asyncio.get_running_loop().call_later(0.2, place.__exit__, None, None, None)
+        request = asyncio.ensure_future(state.writes.run(lambda: time.sleep(0.2)))
+        await asyncio.sleep(0.01)
         started = time.monotonic()
         await running.stop()
+        await request
         return time.monotonic() - started, state.writes.pending
 
     took, pending = asyncio.run(run())
-    assert 0.2 <= took < 2.0
+    assert 0.15 <= took < 2.0
     assert pending == 0
+
+
+def test_a_full_gate_refuses_a_store_at_once() -> None:
+    async def run() -> None:
+        gate = WriteGate(1)
+        release = threading.Event()
+        first = asyncio.ensure_future(gate.run(lambda: release.wait(5)))
+        await asyncio.sleep(0.01)
+        with pytest.raises(Overloaded, match="max_pending_writes"):
+            await gate.run(lambda: None)
+        release.set()
+        await first
+        assert gate.pending == 0
+
+    asyncio.run(run())
+
+
+def test_a_store_given_to_the_service_is_held_to_its_settings() -> None:
+    store = MemoryStore()
+
+    async def run() -> tuple[int, str]:
+        running = service(Settings(removal_log_entries=1000), store)
+        state = await running.start()
+        await running.stop()
+        return store.removal_log_entries, state.store_kind
+
+    assert asyncio.run(run()) == (1000, "memory")
+    with pytest.raises(ValueError, match=r"orders eviction by 'lru'.*'fifo'"):
+        given_store(store, Settings.model_construct(eviction_policy="fifo"))

@@ -134,6 +134,9 @@ def test_a_true_false_setting_is_also_a_bare_switch() -> None:
         ({"eviction_policy": "fifo"}, "unknown eviction policy 'fifo' \\(known: lru\\)"),
         ({"store": "redis://cache:6379"}, "unknown store scheme 'redis'.*lmdb://, memory://"),
         ({"store": "memory://", "workers": 2}, "memory:// store lives in one process"),
+        # Checked with the settings, so that `serve` says so rather than a worker's traceback.
+        ({"store": "lmdb://"}, "lmdb:// needs a folder"),
+        ({"store": "memory://somewhere"}, "memory:// takes no path"),
     ],
 )
 def test_store_and_eviction_policy_settings_are_checked(

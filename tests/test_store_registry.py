@@ -9,7 +9,12 @@ import pytest
 from cache_service.core.eviction import LruPolicy
 from cache_service.core.store.lmdb import LmdbStore
 from cache_service.core.store.memory import MemoryStore
-from cache_service.core.store.registry import BACKENDS, open_store, parse_store_url
+from cache_service.core.store.registry import (
+    BACKENDS,
+    describe_store,
+    open_store,
+    parse_store_url,
+)
 
 MAP_SIZE_BYTES = 64 * 2**20
 
@@ -41,9 +46,21 @@ def test_an_lmdb_url_without_a_leading_slash_is_relative_to_the_working_director
     assert (tmp_path / "relative" / "data" / "data.mdb").exists()
 
 
-def test_an_lmdb_url_needs_a_path() -> None:
+def test_an_lmdb_url_needs_a_path_and_a_memory_url_takes_none() -> None:
     with pytest.raises(ValueError, match="needs a folder"):
         open_store("lmdb://", map_size_bytes=MAP_SIZE_BYTES)
+    with pytest.raises(ValueError, match="takes no path"):
+        parse_store_url("memory://elsewhere")
+
+
+def test_a_store_its_caller_opened_is_named_by_its_registry_entry(tmp_path: Path) -> None:
+    lmdb_store = LmdbStore(tmp_path, map_size_bytes=MAP_SIZE_BYTES)
+    try:
+        described = describe_store(lmdb_store)
+        assert (described.kind, described.folder) == ("lmdb", None)
+    finally:
+        lmdb_store.close()
+    assert describe_store(MemoryStore()).kind == "memory"
 
 
 def test_memory_is_one_process_store_with_no_folder() -> None:

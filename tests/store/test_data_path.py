@@ -20,6 +20,7 @@ from tests.store.chains import (
     assert_prefix_closed,
     chain,
     matched,
+    payload_of,
     put,
 )
 
@@ -103,6 +104,23 @@ def test_insert_with_missing_parent_raises_and_changes_nothing(
     assert raw.blocks() == before_blocks
     assert matched(store, links) == 1
     assert store.match(NSID, links[2:], now=T0).matched == 0
+
+
+def test_insert_with_missing_parent_in_a_new_namespace_records_no_namespace(
+    store: BlockStore,
+) -> None:
+    links = chain([1, 2, 3], OTHER_NS)
+    with pytest.raises(MissingParent):
+        store.insert(
+            OTHER_NSID,
+            [NewBlock(links[2], payload_of(links[2]))],
+            parent=links[1],
+            now=T0,
+            retention="chat",
+            ttl_seconds=TTL,
+        )
+    # The memory backend changes records in place: a refusal must come before any write.
+    assert store.encoded_namespace(OTHER_NSID.scope) is None
 
 
 def test_insert_under_an_expired_parent_raises_missing_parent(store: BlockStore) -> None:

@@ -139,7 +139,7 @@ class BlockStore(OperatorControls, Protocol):
         ...
 
     def batch(self) -> AbstractContextManager[None]:
-        """Group this thread's calls into one transaction (all or nothing)."""
+        """Group this thread's calls into one transaction (all or nothing on LMDB)."""
         ...
 
     def close(self) -> None:

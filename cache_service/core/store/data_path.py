@@ -174,13 +174,13 @@ class DataPath:
         records, tenants = self.records, self.records.tenants
         with self.txns.write() as txn:
             held_namespace = txn.get_namespace(namespace.scope)
-            if held_namespace is None:
-                txn.put_namespace(namespace.scope, namespace.encoded)
-            elif held_namespace != namespace.encoded:
+            if held_namespace is not None and held_namespace != namespace.encoded:
                 # Another namespace hashed to the same root: it keeps it, this one stores nothing.
                 return InsertResult(collisions=len(blocks))
-            if parent is not None:
+            if parent is not None:  # before any write: a refused request changes nothing
                 _check_parent(txn, namespace, parent, now)
+            if held_namespace is None:
+                txn.put_namespace(namespace.scope, namespace.encoded)
             first_seq = txn.next_seq(len(blocks))
             first_expiry, first_class = expires_at, retention
             for index, block in enumerate(blocks):

@@ -53,9 +53,17 @@ class OpenedStore:
 Opener = Callable[[str, StoreOptions], OpenedStore]
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One backend in the registry: how to open it, what its URL's location must be, and the
+    class of the stores it opens (to name a store a caller opened itself)."""
+
+    open: Opener
+    location: str  # "folder": a path is needed; "none": the URL takes no path
+    store_class: type
+
+
 def _open_lmdb(location: str, options: StoreOptions) -> OpenedStore:
-    if not location:
-        raise ValueError("an lmdb store needs a folder: lmdb:///absolute/path or lmdb://relative")
     store = LmdbStore(
         location,
         map_size_bytes=options.map_size_bytes,
@@ -68,32 +76,49 @@ def _open_lmdb(location: str, options: StoreOptions) -> OpenedStore:
 
 
 def _open_memory(location: str, options: StoreOptions) -> OpenedStore:
-    if location:
-        raise ValueError(f"memory:// takes no path (got memory://{location})")
+    del location  # parse_store_url made sure there is none
     # No identity record: the data lives as long as the process that chose the settings.
     store = MemoryStore(policy=options.policy, removal_log_entries=options.removal_log_entries)
     return OpenedStore(store, "memory", None, "memory://")
 
 
-BACKENDS: dict[str, Opener] = {
-    "lmdb": _open_lmdb,
-    "memory": _open_memory,
+BACKENDS: dict[str, Entry] = {
+    "lmdb": Entry(_open_lmdb, "folder", LmdbStore),
+    "memory": Entry(_open_memory, "none", MemoryStore),
 }
 
 
 def parse_store_url(url_or_path: str) -> tuple[str, str]:
     """(scheme, location) of a store URL or plain folder path; ValueError naming the known
-    schemes for an unknown one."""
+    schemes for an unknown one, or saying what the location lacks or has too much of."""
     scheme, sep, location = str(url_or_path).partition("://")
     if not sep:
-        return FOLDER_SCHEME, str(url_or_path)
-    if scheme.lower() not in BACKENDS:
+        scheme, location = FOLDER_SCHEME, str(url_or_path)
+    scheme = scheme.lower()
+    entry = BACKENDS.get(scheme)
+    if entry is None:
         known = ", ".join(f"{name}://" for name in BACKENDS)
         raise ValueError(
             f"unknown store scheme {scheme!r} in {url_or_path!r} (known: {known}, "
             "or a plain folder path for lmdb)"
         )
-    return scheme.lower(), location
+    if entry.location == "folder" and not location:
+        raise ValueError(
+            f"{scheme}:// needs a folder: {scheme}:///absolute/path or {scheme}://relative"
+        )
+    if entry.location == "none" and location:
+        raise ValueError(f"{scheme}:// takes no path (got {url_or_path!r})")
+    return scheme, location
+
+
+def describe_store(store: BlockStore) -> OpenedStore:
+    """A store its caller opened (tests, embedders): named by the entry whose class it is,
+    with no folder for shared files; the caller closes it."""
+    kind = next(
+        (name for name, entry in BACKENDS.items() if isinstance(store, entry.store_class)),
+        type(store).__name__,
+    )
+    return OpenedStore(store, kind, None, f"a {kind} store opened by its caller")
 
 
 def open_store(
@@ -108,4 +133,4 @@ def open_store(
     """Open the store `url_or_path` names (see the module docstring)."""
     scheme, location = parse_store_url(url_or_path)
     options = StoreOptions(map_size_bytes, sync_mode, identity, policy, removal_log_entries)
-    return BACKENDS[scheme](location, options)
+    return BACKENDS[scheme].open(location, options)

@@ -41,8 +41,10 @@ class Transactions:
     def batch(self) -> Iterator[None]:
         """Run this thread's store calls inside one write transaction (one commit).
 
-        All or nothing: an error anywhere aborts every call in the batch. Meant for the
-        replay, whose store is private; a server keeps its transactions short instead.
+        On LMDB all or nothing: an error anywhere aborts every call in the batch. The memory
+        backend changes records in place and cannot roll back, so every operation refuses
+        before it writes. Meant for the replay, whose store is private; a server keeps its
+        transactions short instead.
         """
         if getattr(self._batch, "txn", None) is not None:
             yield

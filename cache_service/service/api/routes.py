@@ -131,8 +131,8 @@ async def store_blocks(request: Request) -> Response:
     check_token_room(frame_header_length(raw), state.settings.max_tokens_per_request)
     # The queue is of writes waiting for the store, not of uploads: a slow upload holds no
     # place, so a trickling client cannot shut others' writes out.
-    with state.writes.admit():
-        return await run_in_threadpool(_store, state, principal(request).tenant, raw)
+    tenant = principal(request).tenant
+    return await state.writes.run(lambda: _store(state, tenant, raw))
 
 
 def _store(state: ServiceState, tenant: str, raw: bytes) -> Response:

@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from cache_service.core.cache import Clock, PrefixCache
 from cache_service.core.hashing import BlockHasher
 from cache_service.core.store.base import BlockStore
-from cache_service.core.store.registry import OpenedStore
+from cache_service.core.store.registry import OpenedStore, describe_store
 from cache_service.service.api.background import (
     METRICS_RETRY_SECONDS,
     ElectionLock,
@@ -32,10 +32,16 @@ from cache_service.service.usage import UsageLog
 log = logging.getLogger("cache_service")
 
 
-def given_store(store: BlockStore) -> OpenedStore:
-    """A store the caller opened (tests): no registry entry, no folder, the caller closes it."""
-    name = type(store).__name__
-    return OpenedStore(store, name, None, f"a {name}")
+def given_store(store: BlockStore, settings: Settings) -> OpenedStore:
+    """A store the caller opened (tests, embedders), held to the settings that steer a store:
+    its removal log keeps `--removal-log-entries`, and its policy must be `--eviction-policy`."""
+    if store.policy.name != settings.eviction_policy:
+        raise ValueError(
+            f"the store given orders eviction by {store.policy.name!r}, the settings by "
+            f"{settings.eviction_policy!r} (--eviction-policy)"
+        )
+    store.removal_log_entries = settings.removal_log_entries
+    return describe_store(store)
 
 
 @dataclass
@@ -80,7 +86,7 @@ class Service:
         settings = self.settings
         # `cache-service serve` checks the store first, so that a refusal exits with the
         # message rather than a worker's traceback.
-        opened = open_store(settings) if self._given is None else given_store(self._given)
+        opened = open_store(settings) if self._given is None else given_store(self._given, settings)
         try:
             self._running = self._wire(opened)
         except BaseException:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from cache_service.core.cache import PrefixCache
@@ -19,6 +20,7 @@ from cache_service.service.settings import Settings
 from cache_service.service.usage import UsageLog
 
 _IDLE_POLL_SECONDS = 0.01
+T = TypeVar("T")
 
 
 class WriteGate:
@@ -30,9 +32,14 @@ class WriteGate:
         self.limit = limit
         self.pending = 0
 
-    @contextmanager
-    def admit(self) -> Iterator[None]:
-        """Hold a place for one store request; Overloaded if none is free."""
+    async def run(self, work: Callable[[], T]) -> T:
+        """Run one store request's `work` in a worker thread, holding a place until the
+        thread is done; Overloaded if no place is free.
+
+        The place is held by a task of its own, shielded from the request: a request that is
+        cancelled (a client gone, a server shutting down) leaves its write running in the
+        thread, and the place stays taken until that write ends, so a stop that waits for
+        the gate to empty never closes the store under a writer."""
         if self.pending >= self.limit:
             raise Overloaded(
                 f"{self.pending} store requests are already waiting for the store "
@@ -41,10 +48,18 @@ class WriteGate:
                 limit="max_pending_writes",
             )
         self.pending += 1
-        try:
-            yield
-        finally:
-            self.pending -= 1
+
+        async def held() -> T:
+            try:
+                return await run_in_threadpool(work)
+            finally:
+                self.pending -= 1
+
+        task = asyncio.ensure_future(held())
+        # Retrieve the outcome even when the request is gone, so that nothing is logged as
+        # an exception never retrieved.
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return await asyncio.shield(task)
 
     async def wait_idle(self, timeout_seconds: float) -> bool:
         """Wait until no store request holds a place, at most `timeout_seconds`; whether
