@@ -321,4 +321,7 @@ def test_a_memory_store_keeps_no_record_and_any_settings_serve_it(
     store = MemoryStore()
     asyncio.run(_start_and_stop(Settings(), store))
     asyncio.run(_start_and_stop(Settings(seed="other", block_size=16), store))
-    assert sum("serves a MemoryStore" in message for message in caplog.messages) == 2
+    assert (
+        sum("serves a memory store opened by its caller" in message for message in caplog.messages)
+        == 2
+    )

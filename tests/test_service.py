@@ -16,6 +16,7 @@ from cache_service.core.blocks import Namespace
 from cache_service.core.errors import Overloaded
 from cache_service.core.store.lmdb import LmdbStore
 from cache_service.core.store.memory import MemoryStore
+from cache_service.service.api.background import ElectionLock, sweeper
 from cache_service.service.api.service import Service, given_store
 from cache_service.service.api.state import ServiceState, WriteGate
 from cache_service.service.metrics import CacheMetrics
@@ -92,7 +93,7 @@ def test_stop_with_a_write_that_never_finishes_returns_within_the_timeout(
 
     took = asyncio.run(run())
     assert 0.3 <= took < 2.0
-    assert any("1 store requests still running after 0.3s" in m for m in caplog.messages)
+    assert any("1 writes still running after 0.3s" in m for m in caplog.messages)
 
 
 def test_a_cancelled_store_request_keeps_its_place_until_its_write_ends(tmp_path: Path) -> None:
@@ -177,3 +178,30 @@ def test_a_store_given_to_the_service_is_held_to_its_settings() -> None:
     assert asyncio.run(run()) == (1000, "memory")
     with pytest.raises(ValueError, match=r"orders eviction by 'lru'.*'fifo'"):
         given_store(store, Settings.model_construct(eviction_policy="fifo"))
+
+
+def test_a_cancelled_sweep_keeps_its_place_until_its_batch_ends(tmp_path: Path) -> None:
+    """The sweeper's batches go through the write gate too: a stop cancels the job, and the
+    batch already running in its thread is waited for before the store closes."""
+    release = threading.Event()
+
+    def slow_batch() -> int:
+        release.wait(5)
+        return 0
+
+    async def run() -> tuple[int, int]:
+        gate = WriteGate(1)
+        lock = ElectionLock(tmp_path, "sweeper.lock")
+        job = sweeper(slow_batch, lock, lambda work: gate.run(work, refusable=False))
+        task = asyncio.ensure_future(job())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        during = gate.pending
+        release.set()
+        await gate.wait_idle(5)
+        lock.release()
+        return during, gate.pending
+
+    assert asyncio.run(run()) == (1, 0)

@@ -13,7 +13,6 @@ from typing import IO, Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
-from starlette.concurrency import run_in_threadpool
 
 from cache_service.core.capacity import EVICT_BATCH_BLOCKS
 
@@ -60,15 +59,20 @@ class ElectionLock:
             self._file = None
 
 
-def sweeper(sweep_batch: Callable[[], int], lock: ElectionLock) -> Callable[[], Awaitable[None]]:
+def sweeper(
+    sweep_batch: Callable[[], int],
+    lock: ElectionLock,
+    run_write: Callable[[Callable[[], int]], Awaitable[int]],
+) -> Callable[[], Awaitable[None]]:
     """The expiry sweep job: `sweep_batch` (one batch, returning the blocks it removed) run
-    by the worker holding `lock` only."""
+    by the worker holding `lock` only, each batch through `run_write` (the write gate, so
+    that a stop waits for a batch in progress)."""
 
     async def sweep() -> None:
         if not lock.held():
             return  # another worker sweeps: deleting the same blocks twice would only contend
         # Short batches, each its own transaction, so writers never wait long for the lock.
-        while await run_in_threadpool(sweep_batch) >= EVICT_BATCH_BLOCKS:
+        while await run_write(sweep_batch) >= EVICT_BATCH_BLOCKS:
             await asyncio.sleep(0)
 
     return sweep

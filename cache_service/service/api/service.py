@@ -154,7 +154,11 @@ class Service:
             asyncio.create_task(
                 repeat(
                     settings.sweep_interval,
-                    sweeper(cache.capacity.sweep_expired, running.sweeper_lock),
+                    sweeper(
+                        cache.capacity.sweep_expired,
+                        running.sweeper_lock,
+                        lambda work: running.state.writes.run(work, refusable=False),
+                    ),
                     "sweeper",
                 )
             ),
@@ -172,28 +176,30 @@ class Service:
         if state is None:
             return
         if state.cache.touches.pending:
-            await run_in_threadpool(state.cache.touches.flush)
+            await state.writes.run(state.cache.touches.flush, refusable=False)
         if state.usage_log is not None:
             await run_in_threadpool(state.usage_log.flush)
 
     async def stop(self) -> None:
-        """Wait for store requests in progress (at most --shutdown-timeout), stop the workers,
-        flush touches and usage, and close; returns within the timeout plus the flushes."""
+        """Stop the background jobs, wait for every write still running in a thread (store
+        requests and the jobs' own, at most --shutdown-timeout), flush touches and usage, and
+        close; returns within the timeout plus the flushes."""
         running, self._running = self._running, None
         if running is None:
             return
         state = running.state
-        drained = await state.writes.wait_idle(self.settings.shutdown_timeout)
         for task in running.workers:
             task.cancel()
         await asyncio.gather(*running.workers, return_exceptions=True)
+        # A cancelled job's or request's write goes on in its thread, holding its place.
+        drained = await state.writes.wait_idle(self.settings.shutdown_timeout)
         if drained:
             state.cache.touches.flush()
         else:
             # A write still in progress holds the store's writer: a flush would wait for it,
             # and closing under it is unsafe. Committed data is kept; its touches are lost.
             log.warning(
-                "%d store requests still running after %.1fs; stopping without flushing "
+                "%d writes still running after %.1fs; stopping without flushing "
                 "touches or closing the store",
                 state.writes.pending,
                 self.settings.shutdown_timeout,

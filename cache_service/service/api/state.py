@@ -26,21 +26,23 @@ T = TypeVar("T")
 class WriteGate:
     """Bounds the stores one worker process has waiting for (or in) the store at once: past
     the bound a store is refused at once (503, Retry-After) instead of queueing for LMDB's
-    single writer, and the threads it would have held stay free for reads."""
+    single writer, and the threads it would have held stay free for reads. It also counts
+    every write still running in a thread, so that a stop can wait for them all."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.pending = 0
 
-    async def run(self, work: Callable[[], T]) -> T:
-        """Run one store request's `work` in a worker thread, holding a place until the
-        thread is done; Overloaded if no place is free.
+    async def run(self, work: Callable[[], T], *, refusable: bool = True) -> T:
+        """Run one store write's `work` in a worker thread, holding a place until the
+        thread is done; Overloaded if no place is free (`refusable=False`: the service's own
+        background writes, a sweep or a touch flush, are counted but never refused).
 
         The place is held by a task of its own, shielded from the request: a request that is
         cancelled (a client gone, a server shutting down) leaves its write running in the
         thread, and the place stays taken until that write ends, so a stop that waits for
         the gate to empty never closes the store under a writer."""
-        if self.pending >= self.limit:
+        if refusable and self.pending >= self.limit:
             raise Overloaded(
                 f"{self.pending} store requests are already waiting for the store "
                 f"(max_pending_writes); retry shortly. Lookups and fetches are still served.",
