@@ -134,3 +134,36 @@ def raw(store: BlockStore) -> RawAccess:
 def raw_of() -> Callable[[BlockStore], RawAccess]:
     """Raw access to any store a test opened itself."""
     return raw_access
+
+
+# -- the reliability suite's scale and its findings (tests/reliability) --------------------------
+
+FINDINGS: list[str] = []
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--reliability",
+        choices=("short", "long"),
+        default="short",
+        help="tests/reliability at CI scale (short, the default) or at full scale (long)",
+    )
+
+
+@pytest.fixture
+def report(request: pytest.FixtureRequest) -> Callable[..., None]:
+    """report(**figures): what a reliability test measured, printed in the run's summary."""
+
+    def write(**figures: object) -> None:
+        shown = " ".join(f"{name}={value}" for name, value in figures.items())
+        FINDINGS.append(f"{request.node.name}: {shown}")
+
+    return write
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Print what the reliability suite measured: its counts and times, one line a test."""
+    if FINDINGS:
+        terminalreporter.write_sep("=", "reliability findings")
+        for line in FINDINGS:
+            terminalreporter.write_line(line)

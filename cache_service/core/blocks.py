@@ -232,7 +232,8 @@ class Touch:
 # Why a block left the store: its TTL ran out, room for everyone, an operator's purge, room
 # for its tenant's quota, or a request to remove it (with the blocks under it). The removal log
 # stores a reason by its index here: a new reason goes at the end.
-REMOVAL_REASONS = ("expired", "capacity", "purged", "tenant_quota", "removed")
+# "corrupt": a block whose record or payload failed verification, dropped with its subtree.
+REMOVAL_REASONS = ("expired", "capacity", "purged", "tenant_quota", "removed", "corrupt")
 # The reasons that take a block before its TTL to make room.
 ROOM_REASONS = frozenset({"capacity", "tenant_quota"})
 

@@ -22,6 +22,7 @@ The hierarchy::
     ├── StorageError                 5xx: the store could not do what was asked
     │   ├── InsufficientStorage      507  full, and nothing can be evicted
     │   ├── StoreFull                (internal) the backend ran out of room mid-write; retried
+    │   │   └── DiskFull             507  the file system is full (after eviction could not help)
     │   └── SettingsMismatch         (start-up) the store's data was made with other settings
     └── ServiceError                 raised by the client: the service answered with a problem
         └── ServiceUnavailable       the service could not be reached or timed out
@@ -224,6 +225,15 @@ class StoreFull(StorageError):
     status = 507
     problem = "insufficient-storage"
     title = "Insufficient storage"
+
+
+class DiskFull(StoreFull):
+    """The file system holding the store ran out of space (ENOSPC, or the I/O error of a
+    commit that could not be written); reads go on, and room freed inside the store (by
+    eviction or a purge) lets writes recover."""
+
+    problem = "disk-full"
+    title = "Disk full"
 
 
 class SettingsMismatch(StorageError):

@@ -35,5 +35,9 @@ class CacheEvents:
     def on_corrupt(self, count: int) -> None:
         """Payloads that failed their checksum and were not served."""
 
+    def on_corrupt_records(self, count: int) -> None:
+        """Block records that failed verification (their checksum or their decoding): read
+        as misses, never served."""
+
     def on_evicted(self, evicted: Sequence[Evicted], *, now: float) -> None:
         """Blocks removed for expiry, capacity, a tenant's quota, or on request."""

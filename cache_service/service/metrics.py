@@ -79,10 +79,17 @@ class CacheMetrics(CacheEvents):
             "Payloads that failed their checksum and were treated as misses.",
             registry=registry,
         )
+        self.corrupt_records = Counter(
+            "prompt_cache_corrupt_records",
+            "Block records (metadata) that failed their checksum or their decoding and were "
+            "treated as misses; the block is dropped with its subtree.",
+            registry=registry,
+        )
         self.evicted_blocks = Counter(
             "prompt_cache_evicted_blocks",
             "Blocks removed, by reason: expired, capacity, tenant_quota (a tenant over "
-            "its quota evicting its own), or removed (on request, with the blocks under it).",
+            "its quota evicting its own), removed (on request, with the blocks under it), or "
+            "corrupt (its record or payload failed verification, with the blocks under it).",
             ["reason"],
             registry=registry,
         )
@@ -174,6 +181,10 @@ class CacheMetrics(CacheEvents):
     def on_corrupt(self, count: int) -> None:
         """Count payloads that failed their checksum."""
         self.corrupt_payloads.inc(count)
+
+    def on_corrupt_records(self, count: int) -> None:
+        """Count block records that failed verification."""
+        self.corrupt_records.inc(count)
 
     def on_evicted(self, evicted: Sequence[Evicted], *, now: float) -> None:
         """Count evictions by reason, and capacity evictions that came before the TTL."""

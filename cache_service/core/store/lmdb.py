@@ -28,7 +28,7 @@ from cache_service.core.blocks import (
     StoreKey,
     StoreUsage,
 )
-from cache_service.core.errors import StorageError, StoreFull
+from cache_service.core.errors import DiskFull, StorageError, StoreFull
 from cache_service.core.eviction import EvictionPolicy
 from cache_service.core.store import generic
 from cache_service.core.store.backend import AUX_TABLES, INDEXES, SORT_KEY_BYTES
@@ -367,6 +367,11 @@ class LmdbBackend:
                 wrapped.flush()
         except lmdb.MapFullError as exc:
             raise StoreFull("the LMDB map is full") from exc
+        except lmdb.DiskError as exc:  # ENOSPC, or the commit's I/O error that follows it
+            raise DiskFull(
+                f"the file system holding {self.path} is full ({exc}); reads go on, and "
+                "writes resume once eviction or a purge frees room in the store"
+            ) from exc
 
     def close(self) -> None:
         """Close the environment."""
