@@ -1,0 +1,405 @@
+"""kill -9 under load: every acknowledged store survives, nothing returned is ever wrong.
+
+Writer threads store prompts (whole, or continuing an acknowledged prefix) and reader
+threads look them up and fetch them, checking every byte, while the server is killed with
+SIGKILL at random moments and restarted on the same folder. After each restart, with the load
+paused, every prompt touched is checked: each acknowledged store (a 2xx received before the
+kill) is complete, every byte is right, and what is stored is prefix-closed (a fetch by the
+prompt's keys has no hole before a present block, and finds what the lookup matched).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import statistics
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from cache_service.client import CacheClient
+from cache_service.core.errors import ServiceError, ServiceUnavailable
+from tests.integration.conftest import ServerProcess
+from tests.reliability.workload import Prompt, PromptSet, Verifier
+
+WRITERS = 3
+READERS = 3
+LOAD_SECONDS = (0.1, 0.4)  # load between a restart and the next kill, drawn per cycle
+SERVER_FLAGS = {
+    "lmdb_sync": "full",
+    "capacity": "1GiB",  # far above what the test stores: nothing is evicted, nothing may go
+    "block_size": "16",
+    "touch_flush_interval": "0.05",
+}
+# Refusals the load may meet while the server is starting, stopping or busy (all retried).
+RETRIED_STATUSES = {503}
+
+
+class KillLoad:
+    """Writer and reader threads over one PromptSet, paused and resumed around each kill."""
+
+    def __init__(self, url: str, prompts: PromptSet, verifier: Verifier, seed: int) -> None:
+        self.url = url
+        self.prompts = prompts
+        self.verifier = verifier
+        self.acked: dict[str, int] = {}  # prompt -> blocks acknowledged stored (never shrinks)
+        self.acked_stores = 0  # 2xx store answers, each checked after the next restart
+        self.touched: set[str] = set()  # prompts sent since the last check
+        self.outcomes: Counter[str] = Counter()
+        self.unexpected: list[str] = []
+        self.lock = threading.Lock()
+        self.go = threading.Event()
+        self.done = threading.Event()
+        self.busy = 0
+        self.threads = [
+            threading.Thread(target=self._run, args=(work, seed * 100 + n), daemon=True)
+            for n, work in enumerate([self._write] * WRITERS + [self._read] * READERS)
+        ]
+
+    def start(self) -> None:
+        """Start the threads (paused)."""
+        for thread in self.threads:
+            thread.start()
+
+    def resume(self) -> None:
+        """Let the threads send requests."""
+        self.go.set()
+
+    def pause(self) -> None:
+        """Stop sending and wait for every request in flight to end."""
+        self.go.clear()
+        while self.in_flight():
+            time.sleep(0.005)
+
+    def in_flight(self) -> int:
+        """Requests sent and not yet answered."""
+        with self.lock:
+            return self.busy
+
+    def stop(self) -> None:
+        """End the threads."""
+        self.done.set()
+        self.go.set()
+        for thread in self.threads:
+            thread.join(timeout=30)
+
+    def _run(self, work: Callable[[CacheClient, random.Random], None], seed: int) -> None:
+        rng = random.Random(seed)
+        with CacheClient(self.url, timeout=10.0) as client:
+            while not self.done.is_set():
+                if not self.go.wait(0.05):
+                    continue
+                with self.lock:
+                    self.busy += 1
+                try:
+                    work(client, rng)
+                except ServiceError as error:
+                    self._refused(error)
+                finally:
+                    with self.lock:
+                        self.busy -= 1
+
+    def _refused(self, error: ServiceError) -> None:
+        if isinstance(error, ServiceUnavailable):
+            kind = "transport"  # the server was killed, or is not listening yet
+        elif error.status in RETRIED_STATUSES:
+            kind = f"{error.status} {error.problem_type.rsplit('/', 1)[-1]}"
+        else:
+            kind = "unexpected"
+            with self.lock:
+                self.unexpected.append(f"{error.status}: {error.detail}")
+        with self.lock:
+            self.outcomes[kind] += 1
+        if kind != "unexpected":
+            time.sleep(0.005)  # the server is down or busy: do not spin
+
+    def _write(self, client: CacheClient, rng: random.Random) -> None:
+        prompt = self.prompts.pick(rng)
+        with self.lock:
+            done = self.acked.get(prompt.name, 0)
+            self.touched.add(prompt.name)
+        if done >= prompt.blocks:
+            start = rng.randrange(prompt.blocks)  # a refresh of stored blocks, from anywhere
+        else:
+            start = done if done and rng.random() < 0.7 else 0  # continue the stored prefix
+        end = rng.randint(start + 1, prompt.blocks)
+        tokens = prompt.tokens[: end * prompt.block_size]
+        try:
+            result = client.store(
+                prompt.model, tokens, prompt.payloads(start, end), start_block=start
+            )
+        except ServiceError as error:
+            if error.status == 409 and start and start <= done:
+                self.verifier.lost.append(f"{prompt.name}: 409 on a stored parent: {error}")
+                return
+            raise
+        if not result.as_sent or result.truncated_blocks or result.keys != prompt.keys[start:end]:
+            self.verifier.wrong.append(f"{prompt.name}: store answered {result}")
+        with self.lock:
+            self.acked[prompt.name] = max(self.acked.get(prompt.name, 0), end)
+            self.acked_stores += 1
+            self.outcomes["store"] += 1
+
+    def _read(self, client: CacheClient, rng: random.Random) -> None:
+        prompt = self.prompts.pick(rng)
+        with self.lock:
+            at_least = self.acked.get(prompt.name, 0)  # acknowledged before this request
+        if rng.random() < 0.5:
+            match = client.lookup(prompt.model, prompt.tokens, fetch=True)
+            self.verifier.check_match(prompt, match, at_least=at_least)
+            kind = "lookup"
+        else:
+            payloads = client.get_blocks(prompt.model, prompt.keys)
+            self.verifier.check_fetch(prompt, payloads, at_least=at_least)
+            kind = "fetch"
+        with self.lock:
+            self.outcomes[kind] += 1
+
+    def take_touched(self) -> list[Prompt]:
+        """The prompts sent since the last call (the load is paused)."""
+        names, self.touched = self.touched, set()
+        return [prompt for prompt in self.prompts.made() if prompt.name in names]
+
+
+def check_prompts(
+    url: str, prompts: list[Prompt], acked: dict[str, int], verifier: Verifier
+) -> int:
+    """Check each prompt on an idle server: its acknowledged blocks are all there, lookup and
+    fetch agree, every byte is right; the number of prompts with acknowledged blocks."""
+    checked = 0
+    with CacheClient(url, timeout=30.0) as client:
+        for prompt in prompts:
+            at_least = acked.get(prompt.name, 0)
+            matched = verifier.check_match(
+                prompt, client.lookup(prompt.model, prompt.tokens, fetch=True), at_least=at_least
+            )
+            found = verifier.check_fetch(
+                prompt, client.get_blocks(prompt.model, prompt.keys), at_least=at_least
+            )
+            if found != matched:
+                verifier.wrong.append(f"{prompt.name}: lookup matched {matched}, fetch {found}")
+            checked += at_least > 0
+    return checked
+
+
+def kill_now(pid: int) -> None:
+    """SIGKILL one process by its PID."""
+    with contextlib.suppress(ProcessLookupError):  # it died already
+        os.kill(pid, signal.SIGKILL)
+
+
+def children(pid: int) -> list[int]:
+    """The PIDs of a process's children, from /proc (every thread's list)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):  # the thread or the process ended meanwhile
+            found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, children first."""
+    below = children(pid)
+    return below + [grandchild for child in below for grandchild in descendants(child)]
+
+
+def worker_pids(supervisor: int) -> set[int]:
+    """uvicorn's worker processes: the supervisor's children started by multiprocessing spawn
+    (its resource tracker is a child too, and is not a worker)."""
+    workers = set()
+    for child in children(supervisor):
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in command:
+            workers.add(child)
+    return workers
+
+
+def wait_gone(pids: list[int], timeout_seconds: float = 10.0) -> None:
+    """Wait until none of `pids` runs (reaped, or a zombie)."""
+    deadline = time.monotonic() + timeout_seconds
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                break
+            if state == "Z":
+                break
+            time.sleep(0.01)
+
+
+def kill_server(server: ServerProcess) -> None:
+    """SIGKILL the server and every process below it (collected first: an orphan would keep
+    serving the socket), then forget the dead process."""
+    assert server.proc is not None
+    below = descendants(server.proc.pid)
+    kill_now(server.proc.pid)  # the supervisor first, so it restarts nothing
+    for pid in below:
+        kill_now(pid)
+    server.proc.wait()
+    wait_gone(below)
+    server.stop()  # it has exited: this only forgets it
+
+
+def restart(server: ServerProcess) -> float:
+    """Start the killed server again on its folder and port; seconds until it was ready."""
+    began = time.monotonic()
+    server.start()
+    return time.monotonic() - began
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
+    """Servers on fresh data folders; each is stopped (by its PID) when the test ends."""
+    started: list[ServerProcess] = []
+
+    def factory(**flags: str) -> ServerProcess:
+        server = ServerProcess(tmp_path / f"data{len(started)}", tmp_path / "server.log", **flags)
+        started.append(server)
+        server.start()
+        return server
+
+    yield factory
+    for server in started:
+        if server.proc is not None:
+            kill_server(server)  # whatever it left running goes too (--workers children)
+
+
+@pytest.fixture
+def scratch_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """TMPDIR for the servers: a killed --workers supervisor leaves its metrics folder."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setenv("TMPDIR", str(folder))
+    return folder
+
+
+def summary(load: KillLoad, verifier: Verifier, restarts: list[float]) -> dict[str, object]:
+    """The figures every kill test reports."""
+    return {
+        "acked_stores": load.acked_stores,
+        "bytes_verified": verifier.checked_bytes,
+        "blocks_verified": verifier.checked_blocks,
+        "lost": len(verifier.lost),
+        "wrong": len(verifier.wrong),
+        "restart_p50_s": f"{statistics.median(restarts):.2f}",
+        "restart_max_s": f"{max(restarts):.2f}",
+        "requests": dict(load.outcomes),
+    }
+
+
+def assert_clean(load: KillLoad, verifier: Verifier) -> None:
+    """Nothing lost, nothing wrong, no refusal the load should never meet."""
+    assert not verifier.lost, verifier.lost[:10]
+    assert not verifier.wrong, verifier.wrong[:10]
+    assert not load.unexpected, load.unexpected[:10]
+    assert load.acked_stores > 0 and load.outcomes["lookup"] and load.outcomes["fetch"]
+
+
+def test_sigkill_under_load_loses_no_acknowledged_store(
+    make_server: Callable[..., ServerProcess],
+    scale: Callable[[int, int], int],
+    report: Callable[..., None],
+    scratch_tmpdir: Path,
+) -> None:
+    cycles = scale(30, 1000)
+    prompts = PromptSet(families=scale(64, 512), seed=1)
+    verifier = Verifier()
+    server = make_server(**SERVER_FLAGS)
+    load = KillLoad(server.url, prompts, verifier, seed=1)
+    rng = random.Random(1)
+    restarts: list[float] = []
+    in_flight_at_kill: list[int] = []
+    acked_checked = 0
+    load.start()
+    try:
+        for _ in range(cycles):
+            load.resume()
+            time.sleep(rng.uniform(*LOAD_SECONDS))
+            in_flight_at_kill.append(load.in_flight())
+            kill_server(server)
+            load.pause()
+            restarts.append(restart(server))
+            acked_checked += check_prompts(server.url, load.take_touched(), load.acked, verifier)
+        acked_checked += check_prompts(server.url, prompts.made(), load.acked, verifier)
+    finally:
+        load.stop()
+    report(
+        cycles=cycles,
+        acked_prompt_checks=acked_checked,
+        kills_with_requests_in_flight=sum(1 for n in in_flight_at_kill if n),
+        **summary(load, verifier, restarts),
+    )
+    assert_clean(load, verifier)
+
+
+def test_sigkill_of_workers_loses_no_acknowledged_store(
+    make_server: Callable[..., ServerProcess],
+    scale: Callable[[int, int], int],
+    report: Callable[..., None],
+    scratch_tmpdir: Path,
+) -> None:
+    """--workers 2: a killed worker is replaced while the other serves; then all die."""
+    cycles = scale(4, 100)
+    prompts = PromptSet(families=scale(64, 512), seed=2)
+    verifier = Verifier()
+    server = make_server(workers="2", **SERVER_FLAGS)
+    load = KillLoad(server.url, prompts, verifier, seed=2)
+    rng = random.Random(2)
+    restarts: list[float] = []
+    replacements: list[float] = []
+    served_while_one_down = 0
+    load.start()
+    try:
+        for _ in range(cycles):
+            assert server.proc is not None
+            workers = wait_workers(server.proc.pid, count=2)
+            load.resume()
+            time.sleep(rng.uniform(*LOAD_SECONDS))
+            victim = rng.choice(sorted(workers))
+            before = sum(load.outcomes.values())
+            killed_at = time.monotonic()
+            kill_now(victim)
+            replaced = wait_workers(server.proc.pid, count=2, without=victim)
+            replacements.append(time.monotonic() - killed_at)
+            assert victim not in replaced
+            time.sleep(rng.uniform(*LOAD_SECONDS))
+            served_while_one_down += sum(load.outcomes.values()) - before
+            kill_server(server)
+            load.pause()
+            restarts.append(restart(server))
+            check_prompts(server.url, load.take_touched(), load.acked, verifier)
+        acked_checked = check_prompts(server.url, prompts.made(), load.acked, verifier)
+    finally:
+        load.stop()
+    report(
+        cycles=cycles,
+        acked_prompt_checks=acked_checked,
+        worker_replaced_p50_s=f"{statistics.median(replacements):.2f}",
+        worker_replaced_max_s=f"{max(replacements):.2f}",
+        **summary(load, verifier, restarts),
+    )
+    assert served_while_one_down > 0
+    assert_clean(load, verifier)
+
+
+def wait_workers(
+    supervisor: int, *, count: int, without: int | None = None, timeout_seconds: float = 30.0
+) -> set[int]:
+    """The supervisor's workers once there are `count` of them, none of them `without`."""
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        workers = worker_pids(supervisor)
+        if len(workers) == count and without not in workers:
+            return workers
+        time.sleep(0.02)
+    raise AssertionError(f"{count} workers not running after {timeout_seconds}s: {workers}")
