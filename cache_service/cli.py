@@ -109,8 +109,9 @@ def check_store(settings: Settings) -> None:
         sys.exit(f"cache-service: {exc}")
 
 
-def serve(settings: Settings) -> None:
-    """Run uvicorn: the app in this process, or `--workers` processes sharing one LMDB."""
+def serve(settings: Settings) -> int:
+    """Run uvicorn, the app in this process or `--workers` processes sharing one LMDB, until
+    a signal; the exit status (0 after a clean stop)."""
     # Imported here so that `--help` and configuration errors answer without loading the app.
     import uvicorn  # noqa: PLC0415
 
@@ -121,6 +122,7 @@ def serve(settings: Settings) -> None:
     from cache_service.service.api.protocol import (  # noqa: PLC0415
         LimitedHttpToolsProtocol,
     )
+    from cache_service.service.server import run_single, run_workers  # noqa: PLC0415
 
     logging_config = log_config(settings.log_level)
     logging.config.dictConfig(logging_config)  # uvicorn applies it again, in every worker
@@ -136,23 +138,24 @@ def serve(settings: Settings) -> None:
         "log_config": logging_config,
         "access_log": settings.access_log,
         # Open connections get this long to finish; then the lifespan's stop gives the
-        # writes still running as long again (Service.stop).
+        # store calls still running as long again (Service.stop). A watchdog bounds the
+        # whole (service/server.py: exit_bound_seconds).
         "timeout_graceful_shutdown": settings.shutdown_timeout,
     }
     if settings.workers == 1:
-        uvicorn.run(create_app(settings), **options)  # type: ignore[arg-type]
-        return
+        return run_single(uvicorn.Config(create_app(settings), **options))  # type: ignore[arg-type]
     # Workers are new processes: they read the settings back from the environment, and count
     # metrics in files of one folder that /metrics adds up (Prometheus multiprocess mode).
     with tempfile.TemporaryDirectory(prefix="cache-service-metrics-") as metrics_dir:
         os.environ.update(settings_environment(settings))
         os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", metrics_dir)
-        uvicorn.run(
+        config = uvicorn.Config(
             "cache_service.service.api.app:app_from_environment",
             factory=True,
             workers=settings.workers,
             **options,  # type: ignore[arg-type]
         )
+        return run_workers(config)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -164,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(run_admin_command(parsed))
     args = vars(parsed)
     args.pop("command")
-    serve(load_settings(args))
+    sys.exit(serve(load_settings(args)))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from cache_service.service.api.background import (
     repeat,
     sweeper,
 )
+from cache_service.service.api.guard import StoreGuard
 from cache_service.service.api.startup import open_store, serving_line
 from cache_service.service.api.state import ServiceState, WriteGate
 from cache_service.service.api_keys import KeyRing
@@ -30,6 +31,15 @@ from cache_service.service.settings import Settings
 from cache_service.service.usage import UsageLog
 
 log = logging.getLogger("cache_service")
+
+# The stop's last touch flush gets what is left of --shutdown-timeout, but at least this.
+FINAL_FLUSH_SECONDS = 1.0
+
+
+def stop_bound_seconds(settings: Settings) -> float:
+    """The longest a stop may take: --shutdown-timeout for the work in flight, then the
+    final touch flush; the flushes of small files and the close come on top (milliseconds)."""
+    return settings.shutdown_timeout + FINAL_FLUSH_SECONDS
 
 
 def given_store(store: BlockStore, settings: Settings) -> OpenedStore:
@@ -50,6 +60,7 @@ class _Running:
 
     opened: OpenedStore
     state: ServiceState
+    guard: StoreGuard
     collector: StoreCollector
     sweeper_lock: ElectionLock
     metrics_port: MetricsPort
@@ -123,7 +134,10 @@ class Service:
 
     def _wire(self, opened: OpenedStore) -> _Running:
         settings, metrics = self.settings, self.metrics
-        cache = self._build_cache(opened.store)
+        # Everything reaches the store through the guard (routes, operators, collectors,
+        # jobs), so that the stop knows when no thread is inside it.
+        guard = StoreGuard()
+        cache = self._build_cache(guard.wrap(opened.store))
         collector = StoreCollector(cache.capacity.usage, settings.capacity)
         metrics.scrape_registry.register(collector)
         # Jobs one worker process runs are elected through lock files beside the data;
@@ -145,7 +159,7 @@ class Service:
         quotas = QuotaBook(list(self.keys), folder) if self.keys is not None else None
         writes = WriteGate(settings.max_pending_writes)
         state = ServiceState(cache, metrics, settings, opened.kind, writes, usage_log, quotas)
-        return _Running(opened, state, collector, sweeper_lock, metrics_port)
+        return _Running(opened, state, guard, collector, sweeper_lock, metrics_port)
 
     def _start_workers(self, running: _Running) -> list[asyncio.Task[None]]:
         settings, cache = self.settings, running.state.cache
@@ -181,36 +195,61 @@ class Service:
             await run_in_threadpool(state.usage_log.flush)
 
     async def stop(self) -> None:
-        """Stop the background jobs, wait for every write still running in a thread (store
-        requests and the jobs' own, at most --shutdown-timeout), flush touches and usage, and
-        close; returns within the timeout plus the flushes."""
+        """Stop the background jobs; give the writes in flight until --shutdown-timeout to
+        commit; then refuse new store calls and wait (same deadline) for those in progress in
+        any thread, reads too; flush touches and usage, and close. Returns within
+        `stop_bound_seconds`: a store call still running then keeps the store open (closing
+        under it would wait forever, or unmap a reader's pages), which the log says; LMDB
+        keeps every committed write."""
         running, self._running = self._running, None
         if running is None:
             return
-        state = running.state
+        state, guard = running.state, running.guard
+        timeout = self.settings.shutdown_timeout
+        deadline = time.monotonic() + timeout
         for task in running.workers:
             task.cancel()
         await asyncio.gather(*running.workers, return_exceptions=True)
+        running.metrics_port.close()  # its scrapes read the store too
         # A cancelled job's or request's write goes on in its thread, holding its place.
-        drained = await state.writes.wait_idle(self.settings.shutdown_timeout)
-        if drained:
-            state.cache.touches.flush()
-        else:
-            # A write still in progress holds the store's writer: a flush would wait for it,
-            # and closing under it is unsafe. Committed data is kept; its touches are lost.
+        if not await state.writes.wait_idle(max(deadline - time.monotonic(), 0)):
             log.warning(
-                "%d writes still running after %.1fs; stopping without flushing "
-                "touches or closing the store",
+                "%d writes still running after %.1fs; the store refuses them from now on",
                 state.writes.pending,
-                self.settings.shutdown_timeout,
+                timeout,
+            )
+        guard.close()
+        idle = await guard.wait_idle(deadline) and await self._final_flush(running, deadline)
+        if not idle:
+            log.warning(
+                "%d store calls still running after %.1fs; stopping without flushing touches "
+                "or closing the store (its committed writes are safe)",
+                guard.active,
+                timeout,
             )
         if state.usage_log is not None:
             state.usage_log.flush()
         running.sweeper_lock.release()
-        running.metrics_port.close()
         if state.quotas is not None:
             state.quotas.close()
         self.metrics.scrape_registry.unregister(running.collector)
         self.metrics.close()
-        if drained and self._given is None:
+        if idle and self._given is None:
             running.opened.store.close()
+
+    async def _final_flush(self, running: _Running, deadline: float) -> bool:
+        """Apply the deferred touches past the closed guard, in a thread, for at most what is
+        left until `deadline` (or FINAL_FLUSH_SECONDS); whether the store is idle after it."""
+        touches, guard = running.state.cache.touches, running.guard
+        if not touches.pending:
+            return True
+        flush = asyncio.ensure_future(run_in_threadpool(guard.admitted(touches.flush)))
+        flush.add_done_callback(lambda done: done.cancelled() or done.exception())
+        allowed = max(deadline - time.monotonic(), FINAL_FLUSH_SECONDS)
+        try:
+            await asyncio.wait_for(asyncio.shield(flush), allowed)
+        except TimeoutError:
+            log.warning("the final touch flush did not end in %.1fs", allowed)
+        except Exception:  # the touches stay pending; the data they refresh is safe
+            log.exception("the final touch flush failed")
+        return not guard.active
