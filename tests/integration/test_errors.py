@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -319,3 +320,52 @@ def test_stored_data_is_intact_after_all_refusals(limited: ServerProcess) -> Non
     )
     assert response.status_code == 200
     assert response.content.endswith(b"\x01\x00\x00\x00\x00\x00\x00\x00b")
+
+
+# Requests uvicorn's HTTP parser refuses before the app sees them, and the cause it names.
+UNPARSABLE = [
+    (
+        "bad chunk size",
+        b"POST /v1/lookup HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\nzz\r\n",
+        "chunk size",
+    ),
+    (
+        "content-length with transfer-encoding",
+        b"POST /v1/lookup HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n",
+        "Content-Length",
+    ),
+    ("invalid method", b"G@T /healthz HTTP/1.1\r\nHost: x\r\n\r\n", "method"),
+    ("invalid request target", b"GET /\x01 HTTP/1.1\r\nHost: x\r\n\r\n", "url"),
+    ("invalid version", b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n", "version"),
+    ("invalid header line", b"GET /healthz HTTP/1.1\r\nHost x\r\n\r\n", "header"),
+]
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "cause"),
+    [case[1:] for case in UNPARSABLE],
+    ids=[case[0] for case in UNPARSABLE],
+)
+def test_unparsable_http_gets_problem_json_naming_the_cause(
+    limited: ServerProcess, request_bytes: bytes, cause: str
+) -> None:
+    with socket.create_connection(("127.0.0.1", limited.port), timeout=10) as conn:
+        conn.sendall(request_bytes)
+        answer = b""
+        while chunk := conn.recv(65536):  # the server closes the connection after answering
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    assert lines[0] == "HTTP/1.1 400 Bad Request"
+    assert headers["content-type"] == PROBLEM
+    assert headers["connection"] == "close"
+    assert int(headers["content-length"]) == len(body)
+    problem = json.loads(body)
+    assert problem["status"] == 400
+    assert problem["type"].startswith("https://")
+    assert cause.lower() in problem["cause"].lower()
+    assert problem["cause"] in problem["detail"]
+    assert httpx.get(limited.url + "/healthz").status_code == 200  # and it goes on serving

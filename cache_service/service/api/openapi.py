@@ -44,7 +44,10 @@ _STATUS_MEANINGS = {
     409: "Parent block (or prefix to pin) not stored",
     413: "Body, tokens or blocks over a limit",
     415: "Wrong Content-Type",
-    422: "Invalid field (named in `errors`)",
+    422: "Invalid field (named in `errors`). Two refusals depend on the service's "
+    "configuration (GET /v1/info), so the schema can only describe them: problem type "
+    "block-size-mismatch (block_size is not this service's for the model) and "
+    "unknown-retention (a retention class it does not configure).",
     429: "A key's rate quota is spent (Retry-After)",
     503: "Writes backed up (Retry-After); reads are still served",
     507: "Full, and nothing can be evicted",

@@ -1,4 +1,5 @@
-"""uvicorn's httptools protocol with a limit on the request line and headers (431).
+"""uvicorn's httptools protocol with a limit on the request line and headers (431), and its
+own refusals (a request it cannot parse) as problem+json naming the cause, like the app's.
 
 uvicorn sets no such limit for httptools, and the ASGI application only sees a request once
 its headers are complete, so the limit lives here. The request line and headers are counted
@@ -9,12 +10,15 @@ it ended (the limit plus one read's worth, since a read may also hold the start 
 from __future__ import annotations
 
 import os
+import sys
+from http import HTTPStatus
 from typing import Any
 
+import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from cache_service.core.errors import HeadersTooLarge
+from cache_service.core.errors import HeadersTooLarge, RequestError
 
 ENV_NAME = "CACHE_SERVICE_MAX_HEADER_BYTES"  # set by `serve` for every worker process
 DEFAULT_MAX_HEADER_BYTES = 16384
@@ -73,21 +77,43 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             raise HeadersTooLarge("over the limit")
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to a bad request; 431 problem+json when the head was too long."""
-        if not self._refused:
-            super().send_400_response(msg)
-            return
-        error = HeadersTooLarge(
-            f"the request line and headers are over the limit of {self.max_header_bytes} "
-            "bytes (max_header_bytes)",
-            limit="max_header_bytes",
-            limit_bytes=self.max_header_bytes,
-        )
-        body = orjson.dumps(error.to_problem())
-        self.transport.write(
-            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-            b"content-type: application/problem+json\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\n"
-            b"connection: close\r\n\r\n" + body
-        )
+        """uvicorn's answer to a request it cannot parse, as problem+json naming the cause
+        (431 when the head was too long), and the connection closed."""
+        if self._refused:
+            error: RequestError = HeadersTooLarge(
+                f"the request line and headers are over the limit of {self.max_header_bytes} "
+                "bytes (max_header_bytes)",
+                limit="max_header_bytes",
+                limit_bytes=self.max_header_bytes,
+            )
+        else:
+            cause = parse_error_cause(sys.exc_info()[1], msg)
+            error = RequestError(
+                f"the request is not valid HTTP/1.1: {cause}; the connection is closed",
+                cause=cause,
+            )
+        self.transport.write(problem_message(error, self.server_state.default_headers))
         self.transport.close()
+
+
+def parse_error_cause(exc: BaseException | None, fallback: str) -> str:
+    """What the HTTP parser objected to ('Invalid character in chunk size'), or `fallback`."""
+    # uvicorn calls send_400_response inside its `except HttpParserError`, so the parser's
+    # own message, which names the cause, is the exception being handled.
+    if isinstance(exc, httptools.HttpParserError) and str(exc):
+        return str(exc)
+    return fallback.rstrip(".") or "invalid HTTP request"
+
+
+def problem_message(error: RequestError, default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """A whole HTTP/1.1 response carrying `error` as problem+json, for a connection closing."""
+    body = orjson.dumps(error.to_problem())
+    status = HTTPStatus(error.status)
+    head = [f"HTTP/1.1 {status.value} {status.phrase}\r\n".encode()]
+    head += [name + b": " + value + b"\r\n" for name, value in default_headers]  # server, date
+    head += [
+        b"content-type: application/problem+json\r\n",
+        b"content-length: " + str(len(body)).encode() + b"\r\n",
+        b"connection: close\r\n\r\n",
+    ]
+    return b"".join(head) + body

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,16 +23,31 @@ class NamespaceFields(BaseModel):
     salt: Name = Field("", description="Cache salt; requests with different salts never share.")
 
 
+# Rules that depend on the service's configuration, so no static schema can state them: they
+# are described here, and refused with a 422 of their own problem type (see openapi.py).
+RETENTION_DOC = (
+    "Retention class: one this service configures (GET /v1/info, retention.classes), else 422 "
+    "unknown-retention; the default class if omitted."
+)
+BLOCK_SIZE_DOC = (
+    "The block size the caller expects: if the service cuts this model into blocks of another "
+    "size (GET /v1/info, block_size), 422 block-size-mismatch. Omit it to take the service's."
+)
+BlockSize = Annotated[int, Field(ge=1, description=BLOCK_SIZE_DOC)]
+
+
 class PromptOptions(NamespaceFields):
     """How to cache a prompt."""
 
-    retention: Name | None = Field(None, description="Retention class; the default if omitted.")
-    block_size: Annotated[int, Field(ge=1)] | None = Field(
-        None, description="The block size the caller expects; 422 if the service's differs."
-    )
+    retention: Name | None = Field(None, description=RETENTION_DOC)
+    block_size: BlockSize | None = Field(None, description=BLOCK_SIZE_DOC)
 
 
 TOKENS_DOC = "Token ids, unsigned 32-bit integers."
+PREFIX_TOKENS_DOC = (
+    "A prefix's token ids, unsigned 32-bit integers: its full blocks count, so at least one "
+    "block's worth (block_size, GET /v1/info), else 422."
+)
 TOKENS_FRAME_DOC = (
     "Token ids; omit them to send the tokens as the first frame instead, as uint32 "
     "little-endian (4 bytes a token): no JSON to encode or parse."
@@ -83,14 +98,28 @@ TenantName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 TENANT_DOC = "Whose blocks: an admin key may name any tenant; other keys only their own."
 
 
+# A rule of two fields, stated in the schema as well as checked by the route: exactly one of
+# `tokens` and `keys` is given (an array; null counts as not given).
+EXACTLY_ONE_OF_TOKENS_AND_KEYS: dict[str, Any] = {
+    "oneOf": [
+        {"required": ["tokens"], "properties": {"tokens": {"type": "array"}}},
+        {"required": ["keys"], "properties": {"keys": {"type": "array"}}},
+    ]
+}
+
+
 class PinRequest(NamespaceFields):
     """POST /v1/pin and /v1/unpin: a prefix by its tokens (every full block) or its keys."""
 
-    tokens: list[Token] | None = Field(None, description=TOKENS_DOC)
-    keys: list[HexKey] | None = Field(None, description="The prefix's keys, from block 0.")
-    block_size: Annotated[int, Field(ge=1)] | None = Field(
-        None, description="The block size the caller expects; 422 if the service's differs."
+    model_config = ConfigDict(json_schema_extra=EXACTLY_ONE_OF_TOKENS_AND_KEYS)
+
+    tokens: Annotated[list[Token], Field(min_length=1)] | None = Field(
+        None, description=PREFIX_TOKENS_DOC
     )
+    keys: Annotated[list[HexKey], Field(min_length=1)] | None = Field(
+        None, description="The prefix's keys, from block 0."
+    )
+    block_size: BlockSize | None = Field(None, description=BLOCK_SIZE_DOC)
     tenant: TenantName | None = Field(None, description=TENANT_DOC)
 
 
@@ -110,18 +139,32 @@ class UnpinResponse(BaseModel):
     released_blocks: int = Field(description="Blocks the pin held; 0 if there was no such pin.")
 
 
+# A purge by namespace or prefix names its model: kv_layout, salt and tokens (each null if
+# given) only with a model. Stated in the schema as well as checked by the route.
+MODEL_FOR_NAMESPACE_OR_PREFIX: dict[str, Any] = {
+    "anyOf": [
+        {"required": ["model"], "properties": {"model": {"type": "string"}}},
+        {"properties": {name: {"type": "null"} for name in ("kv_layout", "salt", "tokens")}},
+    ]
+}
+
+
 class PurgeRequest(BaseModel):
     """POST /v1/purge: a tenant; one of its namespaces (model, kv_layout, salt); or, with
     tokens, that prompt's last full block and every block stored under it."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(
+        extra="forbid", strict=True, json_schema_extra=MODEL_FOR_NAMESPACE_OR_PREFIX
+    )
 
     tenant: TenantName | None = Field(None, description=TENANT_DOC)
     model: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     kv_layout: Name | None = None
     salt: Name | None = None
-    tokens: list[Token] | None = Field(None, description=TOKENS_DOC)
-    block_size: Annotated[int, Field(ge=1)] | None = None
+    tokens: Annotated[list[Token], Field(min_length=1)] | None = Field(
+        None, description=PREFIX_TOKENS_DOC
+    )
+    block_size: BlockSize | None = Field(None, description=BLOCK_SIZE_DOC)
 
 
 class PurgeResponse(BaseModel):
