@@ -13,14 +13,17 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import signal
 import statistics
+import subprocess
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from cache_service.client import CacheClient
@@ -37,6 +40,7 @@ SERVER_FLAGS = {
     "block_size": "16",
     "touch_flush_interval": "0.05",
 }
+STARTUP_KILL_SHARE = 0.25  # cycles whose restart is itself killed before it is ready
 # Refusals the load may meet while the server is starting, stopping or busy (all retried).
 RETRIED_STATUSES = {503}
 
@@ -44,10 +48,13 @@ RETRIED_STATUSES = {503}
 class KillLoad:
     """Writer and reader threads over one PromptSet, paused and resumed around each kill."""
 
-    def __init__(self, url: str, prompts: PromptSet, verifier: Verifier, seed: int) -> None:
+    def __init__(
+        self, url: str, prompts: PromptSet, verifier: Verifier, seed: int, *, evicting: bool
+    ) -> None:
         self.url = url
         self.prompts = prompts
         self.verifier = verifier
+        self.evicting = evicting  # eviction may remove acknowledged blocks: none is "lost"
         self.acked: dict[str, int] = {}  # prompt -> blocks acknowledged stored (never shrinks)
         self.acked_stores = 0  # 2xx store answers, each checked after the next restart
         self.touched: set[str] = set()  # prompts sent since the last check
@@ -136,7 +143,11 @@ class KillLoad:
             )
         except ServiceError as error:
             if error.status == 409 and start and start <= done:
-                self.verifier.lost.append(f"{prompt.name}: 409 on a stored parent: {error}")
+                if self.evicting:  # the stored parent may have been evicted since
+                    with self.lock:
+                        self.outcomes["409 parent evicted"] += 1
+                else:
+                    self.verifier.lost.append(f"{prompt.name}: 409 on a stored parent: {error}")
                 return
             raise
         if not result.as_sent or result.truncated_blocks or result.keys != prompt.keys[start:end]:
@@ -149,7 +160,7 @@ class KillLoad:
     def _read(self, client: CacheClient, rng: random.Random) -> None:
         prompt = self.prompts.pick(rng)
         with self.lock:
-            at_least = self.acked.get(prompt.name, 0)  # acknowledged before this request
+            at_least = self.acked_blocks(prompt)  # acknowledged before this request
         if rng.random() < 0.5:
             match = client.lookup(prompt.model, prompt.tokens, fetch=True)
             self.verifier.check_match(prompt, match, at_least=at_least)
@@ -161,21 +172,24 @@ class KillLoad:
         with self.lock:
             self.outcomes[kind] += 1
 
+    def acked_blocks(self, prompt: Prompt) -> int:
+        """Blocks of `prompt` acknowledged stored, which must be found (0 while evicting)."""
+        return 0 if self.evicting else self.acked.get(prompt.name, 0)
+
     def take_touched(self) -> list[Prompt]:
         """The prompts sent since the last call (the load is paused)."""
         names, self.touched = self.touched, set()
         return [prompt for prompt in self.prompts.made() if prompt.name in names]
 
 
-def check_prompts(
-    url: str, prompts: list[Prompt], acked: dict[str, int], verifier: Verifier
-) -> int:
+def check_prompts(url: str, prompts: list[Prompt], load: KillLoad) -> int:
     """Check each prompt on an idle server: its acknowledged blocks are all there, lookup and
     fetch agree, every byte is right; the number of prompts with acknowledged blocks."""
     checked = 0
+    verifier = load.verifier
     with CacheClient(url, timeout=30.0) as client:
         for prompt in prompts:
-            at_least = acked.get(prompt.name, 0)
+            at_least = load.acked_blocks(prompt)
             matched = verifier.check_match(
                 prompt, client.lookup(prompt.model, prompt.tokens, fetch=True), at_least=at_least
             )
@@ -186,6 +200,30 @@ def check_prompts(
                 verifier.wrong.append(f"{prompt.name}: lookup matched {matched}, fetch {found}")
             checked += at_least > 0
     return checked
+
+
+def check_accounting(url: str, prompts: list[Prompt], verifier: Verifier) -> int:
+    """On an idle server, the store's own counts (/v1/stats blocks and payload bytes) equal
+    what fetching every prompt finds: a crash left no counter out of step with the data.
+    Every block stored comes from `prompts`. The number of distinct blocks found."""
+    found: dict[str, int] = {}
+    with CacheClient(url, timeout=30.0) as client:
+        for prompt in prompts:
+            payloads = client.get_blocks(prompt.model, prompt.keys)
+            verifier.check_fetch(prompt, payloads)
+            found.update(
+                (key, len(payload))
+                for key, payload in zip(prompt.keys, payloads, strict=True)
+                if payload is not None
+            )
+        stats = client.stats()
+    counted = (stats["blocks"], stats["payload_bytes"])
+    if counted != (len(found), sum(found.values())):
+        verifier.wrong.append(
+            f"/v1/stats counts {counted} (blocks, payload bytes); fetches find "
+            f"{(len(found), sum(found.values()))}"
+        )
+    return len(found)
 
 
 def kill_now(pid: int) -> None:
@@ -237,16 +275,43 @@ def wait_gone(pids: list[int], timeout_seconds: float = 10.0) -> None:
             time.sleep(0.01)
 
 
-def kill_server(server: ServerProcess) -> None:
-    """SIGKILL the server and every process below it (collected first: an orphan would keep
-    serving the socket), then forget the dead process."""
-    assert server.proc is not None
-    below = descendants(server.proc.pid)
-    kill_now(server.proc.pid)  # the supervisor first, so it restarts nothing
+def kill_tree(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a server process and every process below it (collected first: an orphan
+    would keep serving the socket), and wait until they are gone."""
+    below = descendants(process.pid)
+    kill_now(process.pid)  # the supervisor first, so it restarts nothing
     for pid in below:
         kill_now(pid)
-    server.proc.wait()
+    process.wait()
     wait_gone(below)
+
+
+def kill_server(server: ServerProcess) -> None:
+    """SIGKILL the server and its children, then forget the dead process."""
+    assert server.proc is not None
+    kill_tree(server.proc)
+    server.stop()  # it has exited: this only forgets it
+
+
+def kill_while_starting(server: ServerProcess, delay_seconds: float) -> None:
+    """Start the killed server and SIGKILL it `delay_seconds` later, most often before it is
+    ready (opening, checking or repairing its store); it may have become ready."""
+    failures: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            server.start()
+        except RuntimeError as error:  # "server exited early": the kill came first
+            failures.append(error)
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    while server.proc is None and starter.is_alive():
+        time.sleep(0.001)
+    time.sleep(delay_seconds)
+    if server.proc is not None:
+        kill_tree(server.proc)
+    starter.join()
     server.stop()  # it has exited: this only forgets it
 
 
@@ -305,41 +370,85 @@ def assert_clean(load: KillLoad, verifier: Verifier) -> None:
     assert load.acked_stores > 0 and load.outcomes["lookup"] and load.outcomes["fetch"]
 
 
+def kill_cycles(
+    server: ServerProcess, load: KillLoad, cycles: int, rng: random.Random
+) -> dict[str, object]:
+    """Load, SIGKILL, restart and check the prompts touched, `cycles` times; the figures."""
+    restarts: list[float] = []
+    in_flight_at_kill: list[int] = []
+    acked_checked = evicted = startup_kills = 0
+    for _ in range(cycles):
+        load.resume()
+        time.sleep(rng.uniform(*LOAD_SECONDS))
+        evicted += evicted_blocks(server.url)  # counted per process: read before the kill
+        in_flight_at_kill.append(load.in_flight())
+        kill_server(server)
+        load.pause()
+        if rng.random() < STARTUP_KILL_SHARE:
+            kill_while_starting(server, rng.uniform(0, statistics.median(restarts or [0.5])))
+            startup_kills += 1
+        restarts.append(restart(server))
+        acked_checked += check_prompts(server.url, load.take_touched(), load)
+    acked_checked += check_prompts(server.url, load.prompts.made(), load)
+    distinct_blocks = check_accounting(server.url, load.prompts.made(), load.verifier)
+    return {
+        "cycles": cycles,
+        "acked_prompt_checks": acked_checked,
+        "kills_with_requests_in_flight": sum(1 for n in in_flight_at_kill if n),
+        "blocks_at_end": distinct_blocks,
+        "evicted_blocks": evicted,
+        "kills_while_starting": startup_kills,
+        **summary(load, load.verifier, restarts),
+    }
+
+
 def test_sigkill_under_load_loses_no_acknowledged_store(
     make_server: Callable[..., ServerProcess],
     scale: Callable[[int, int], int],
     report: Callable[..., None],
     scratch_tmpdir: Path,
 ) -> None:
-    cycles = scale(30, 1000)
-    prompts = PromptSet(families=scale(64, 512), seed=1)
     verifier = Verifier()
     server = make_server(**SERVER_FLAGS)
-    load = KillLoad(server.url, prompts, verifier, seed=1)
-    rng = random.Random(1)
-    restarts: list[float] = []
-    in_flight_at_kill: list[int] = []
-    acked_checked = 0
+    prompts = PromptSet(families=scale(64, 512), seed=1)
+    load = KillLoad(server.url, prompts, verifier, seed=1, evicting=False)
     load.start()
     try:
-        for _ in range(cycles):
-            load.resume()
-            time.sleep(rng.uniform(*LOAD_SECONDS))
-            in_flight_at_kill.append(load.in_flight())
-            kill_server(server)
-            load.pause()
-            restarts.append(restart(server))
-            acked_checked += check_prompts(server.url, load.take_touched(), load.acked, verifier)
-        acked_checked += check_prompts(server.url, prompts.made(), load.acked, verifier)
+        figures = kill_cycles(server, load, scale(30, 1000), random.Random(1))
     finally:
         load.stop()
-    report(
-        cycles=cycles,
-        acked_prompt_checks=acked_checked,
-        kills_with_requests_in_flight=sum(1 for n in in_flight_at_kill if n),
-        **summary(load, verifier, restarts),
-    )
+    report(**figures)
     assert_clean(load, verifier)
+
+
+def test_sigkill_while_evicting_keeps_the_store_prefix_closed_and_counted(
+    make_server: Callable[..., ServerProcess],
+    scale: Callable[[int, int], int],
+    report: Callable[..., None],
+    scratch_tmpdir: Path,
+) -> None:
+    """A small capacity: kills land in evictions too; what stays is right, reachable and
+    counted (eviction takes leaves only, so a crash that broke a child count would show as a
+    hole)."""
+    verifier = Verifier()
+    server = make_server(**{**SERVER_FLAGS, "capacity": "2MiB"})
+    prompts = PromptSet(families=scale(64, 512), seed=4)
+    load = KillLoad(server.url, prompts, verifier, seed=4, evicting=True)
+    load.start()
+    try:
+        figures = kill_cycles(server, load, scale(15, 300), random.Random(4))
+    finally:
+        load.stop()
+    report(**figures)
+    assert_clean(load, verifier)
+    assert figures["evicted_blocks"], "the store never evicted: more load or less capacity"
+
+
+def evicted_blocks(url: str) -> int:
+    """Blocks evicted since the server last started, every reason, from /metrics."""
+    text = httpx.get(url + "/metrics", timeout=30.0).text
+    found = re.findall(r"^prompt_cache_evicted_blocks_total\{[^}]*\} (\S+)$", text, re.MULTILINE)
+    return int(sum(float(value) for value in found))
 
 
 def test_sigkill_of_workers_loses_no_acknowledged_store(
@@ -353,7 +462,7 @@ def test_sigkill_of_workers_loses_no_acknowledged_store(
     prompts = PromptSet(families=scale(64, 512), seed=2)
     verifier = Verifier()
     server = make_server(workers="2", **SERVER_FLAGS)
-    load = KillLoad(server.url, prompts, verifier, seed=2)
+    load = KillLoad(server.url, prompts, verifier, seed=2, evicting=False)
     rng = random.Random(2)
     restarts: list[float] = []
     replacements: list[float] = []
@@ -377,8 +486,8 @@ def test_sigkill_of_workers_loses_no_acknowledged_store(
             kill_server(server)
             load.pause()
             restarts.append(restart(server))
-            check_prompts(server.url, load.take_touched(), load.acked, verifier)
-        acked_checked = check_prompts(server.url, prompts.made(), load.acked, verifier)
+            check_prompts(server.url, load.take_touched(), load)
+        acked_checked = check_prompts(server.url, prompts.made(), load)
     finally:
         load.stop()
     report(
