@@ -40,6 +40,7 @@ FRAMES_DOC = (
 _STATUS_MEANINGS = {
     400: "Malformed body",
     408: "The body did not arrive within body_timeout",
+    401: "No API key, or an unknown one",
     403: "The key may not act for that tenant, or a quota would be passed",
     409: "Parent block (or prefix to pin) not stored",
     413: "Body, tokens or blocks over a limit",
@@ -103,11 +104,28 @@ def responses(success: dict[str, Any], *errors: int) -> dict[int | str, dict[str
             content[media] = {"schema": _ref(name)}
     out: dict[int | str, dict[str, Any]] = {200: {"description": "Success", "content": content}}
     for status in errors:
-        out[status] = {
-            "description": _STATUS_MEANINGS[status],
-            "content": {"application/problem+json": {"schema": _ref("Problem")}},
-        }
+        out[status] = problem_answer(status)
     return out
+
+
+def problem_answer(status: int) -> dict[str, Any]:
+    """The `responses` entry of a problem+json answer with `status`."""
+    return {
+        "description": _STATUS_MEANINGS[status],
+        "content": {"application/problem+json": {"schema": _ref("Problem")}},
+    }
+
+
+def _document_key_refusals(schema: dict[str, Any]) -> None:
+    """With API keys, every route that needs one may answer 401 (no key, or an unknown one),
+    403 (its role does not allow the route) or 429 (its rate quota is spent)."""
+    for operations in schema["paths"].values():
+        for operation in operations.values():
+            if operation.get("security") == []:  # the health checks
+                continue
+            answers = operation.setdefault("responses", {})
+            for status in (401, 403, 429):
+                answers.setdefault(str(status), problem_answer(status))
 
 
 def install_openapi(app: FastAPI, *, bearer_auth: bool = False) -> None:
@@ -133,6 +151,7 @@ def install_openapi(app: FastAPI, *, bearer_auth: bool = False) -> None:
             for path in ("/healthz", "/readyz"):
                 for operation in schema["paths"].get(path, {}).values():
                     operation["security"] = []
+            _document_key_refusals(schema)
         app.openapi_schema = schema
         return schema
 
