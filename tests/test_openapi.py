@@ -1,0 +1,52 @@
+"""The OpenAPI schema states what the service enforces (the rest of the agreement is checked
+against a real server in tests/integration/test_schema_agreement.py and by the fuzz suite)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from cache_service.service.api import create_app
+from cache_service.service.api_keys import Role, key_file_entry, new_key
+from cache_service.service.settings import Settings
+
+PROBLEM = "application/problem+json"
+
+
+def schema_of(settings: Settings) -> dict[str, Any]:
+    """The schema the app would serve at /openapi.json."""
+    return create_app(settings).openapi()
+
+
+def test_with_keys_every_route_that_needs_one_documents_its_refusals(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys.toml"
+    keys_file.write_text(key_file_entry("k", "team", Role.WRITER, new_key()))
+    settings = Settings(data_dir=tmp_path / "data", auth="keys", api_keys_file=keys_file)
+    paths = schema_of(settings)["paths"]
+    for path, operations in paths.items():
+        for operation in operations.values():
+            answers = operation["responses"]
+            if path in ("/healthz", "/readyz"):
+                assert operation["security"] == [] and "401" not in answers
+                continue
+            for status in ("401", "403", "429"):
+                assert PROBLEM in answers[status]["content"], (path, status)
+
+
+def test_without_keys_no_route_documents_a_401(tmp_path: Path) -> None:
+    paths = schema_of(Settings(data_dir=tmp_path / "data"))["paths"]
+    assert not [
+        path for path, ops in paths.items() for op in ops.values() if "401" in op["responses"]
+    ]
+
+
+def test_the_rules_of_two_fields_are_in_the_schema(tmp_path: Path) -> None:
+    models = schema_of(Settings(data_dir=tmp_path / "data"))["components"]["schemas"]
+    assert [branch["required"] for branch in models["PinRequest"]["oneOf"]] == [
+        ["tokens"],
+        ["keys"],
+    ]
+    assert models["PurgeRequest"]["anyOf"][0]["required"] == ["model"]
+    for name in ("LookupRequest", "StoreHeader", "PinRequest", "PurgeRequest"):
+        assert "block-size-mismatch" in models[name]["properties"]["block_size"]["description"]
+    assert "unknown-retention" in models["LookupRequest"]["properties"]["retention"]["description"]
