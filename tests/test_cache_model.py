@@ -11,7 +11,7 @@ copies are kept:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,11 +26,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from cache_service.core.blocks import BlockKey, Evicted, Namespace
+from cache_service.core.blocks import BlockKey, Namespace
 from cache_service.core.cache import PrefixCache
 from cache_service.core.retention import RetentionPolicy
 from cache_service.core.store.base import BlockStore
 from cache_service.core.store.lmdb import LmdbStore
+from tests.reliability.model_chains import Chain, Recorder, flat
 
 if TYPE_CHECKING:
     from conftest import RawAccess, VirtualClock
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 BLOCK = 2
 NS = Namespace(model="model-under-test")
 TTLS = {"short": 10.0, "long": 25.0}
-Chain = tuple[tuple[int, ...], ...]
 
 # Two-token blocks over a three-token alphabet: prompts share prefixes all the time.
 blocks = st.tuples(st.integers(0, 2), st.integers(0, 2))
@@ -46,43 +46,9 @@ prompts = st.lists(blocks, min_size=1, max_size=4).map(tuple)
 retentions = st.sampled_from(sorted(TTLS))
 
 
-def flat(chain: Chain) -> list[int]:
-    return [token for block in chain for token in block]
-
-
 def payload(chain: Chain) -> bytes:
     """The payload of a chain's last block: names the whole prefix, so a wrong one shows."""
     return repr(chain).encode()
-
-
-class Recorder:
-    """Collects the blocks the cache reports evicted."""
-
-    def __init__(self) -> None:
-        self.evicted: list[Evicted] = []
-
-    def on_lookup(
-        self,
-        *,
-        retention: str,
-        hit_tokens: int,
-        miss_tokens: int,
-        complete: bool,
-        tenant: str = "",
-    ) -> None:
-        assert hit_tokens + miss_tokens >= 0
-
-    def on_insert(self, *, stored: int, refreshed: int, conflicts: int) -> None:
-        assert conflicts == 0, "payloads are a function of the prefix: no conflict possible"
-
-    def on_collision(self, count: int) -> None:
-        raise AssertionError(f"{count} collisions with a real hash")
-
-    def on_corrupt(self, count: int) -> None:
-        raise AssertionError(f"{count} corrupt payloads in an undamaged store")
-
-    def on_evicted(self, evicted: Sequence[Evicted], *, now: float) -> None:
-        self.evicted.extend(evicted)
 
 
 class CacheMachine(RuleBasedStateMachine):
