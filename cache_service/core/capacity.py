@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TypeVar
 
 from cache_service.core.blocks import Evicted, NewBlock, StoreKey, StoreUsage
+from cache_service.core.disk import DiskRoom, DiskWarning, measure_room
+from cache_service.core.errors import DiskFull
 from cache_service.core.events import CacheEvents
 from cache_service.core.hashing import tenant_partition
+from cache_service.core.reserve import DiskReserve
 from cache_service.core.store.base import BlockStore
 
 EVICT_BATCH_BLOCKS = 1024  # blocks per eviction transaction: keeps the write lock short
+DISK_MEASURE_SECONDS = 1.0  # the disk's room is measured at most this often for writes
+
+log = logging.getLogger("cache_service")
+T = TypeVar("T")
 
 
 class Capacity:
@@ -43,10 +53,63 @@ class Capacity:
         self.tenant_capacity_bytes = dict(tenant_capacity_bytes or {})
         self.clock = clock
         self.events = events or CacheEvents()
+        self.disk_warning = DiskWarning()
+        folder = getattr(store, "path", None)  # a store on a disk has a folder (LMDB)
+        self._folder = Path(folder) if folder is not None else None
+        self.reserve = DiskReserve(self._folder) if self._folder is not None else None
+        self._room: tuple[float, DiskRoom | None] | None = None
 
     def usage(self) -> StoreUsage:
         """What the store holds now."""
         return self.store.usage()
+
+    def disk(self) -> DiskRoom | None:
+        """The room the store's file system has now (None for a store not on a disk), and a
+        rate-limited warning when the disk cannot back the capacity or is full."""
+        file_bytes = getattr(self.space, "file_bytes", None)
+        if self._folder is None or file_bytes is None:
+            return None
+        room = measure_room(self._folder, int(file_bytes()), self.capacity_bytes)
+        self._room = (time.monotonic(), room)
+        self.disk_warning.check(room)
+        if self.reserve is not None and not room.full:
+            self.reserve.ensure()  # given up on a full disk: made again once there is room
+        return room
+
+    def limit_bytes(self) -> int | None:
+        """The bytes the store may use: the capacity, or less where the disk cannot back it
+        (what it can, less a margin kept for deletions); None without a byte capacity."""
+        if self.capacity_bytes is None:
+            return None
+        measured = self._room
+        if measured is None or time.monotonic() - measured[0] >= DISK_MEASURE_SECONDS:
+            room = self.disk()
+        else:
+            room = measured[1]
+        if room is None:
+            return self.capacity_bytes
+        return min(self.capacity_bytes, room.limit_bytes)
+
+    def on_full_disk(self, write: Callable[[], T]) -> T:
+        """Run an operator's deletion (a purge); if the disk is too full for it, give the
+        reserve up and run it once more (a deletion needs fresh pages before it frees any).
+        Only a purge takes the reserve: it is the way out when eviction is stuck."""
+        try:
+            return write()
+        except DiskFull:
+            if not self._release_reserve():
+                raise
+            return write()
+
+    def _release_reserve(self) -> bool:
+        if self.reserve is None or not self.reserve.release():
+            return False
+        log.warning(
+            "the disk under %s is full: gave up its %d-byte reserve so that deletions can run",
+            self._folder,
+            self.reserve.size_bytes,
+        )
+        return True
 
     def tenant_bytes(self, tenant: str) -> int:
         """The estimated bytes a tenant's blocks take now."""
@@ -70,32 +133,50 @@ class Capacity:
         return blocks
 
     def make_room(self, needed_bytes: int, now: float) -> bool:
-        """Evict for a write the backend refused as full; False if nothing could go."""
+        """Evict for a write the backend refused as full; False if nothing could go. When
+        the disk is what is full and nothing could go, DiskFull says so (a 507 naming the
+        disk, not the store's capacity)."""
         usage = self.store.usage()
         target = max(usage.used_bytes - needed_bytes, 0)
-        if self.capacity_bytes is not None:
-            target = min(target, int(self.capacity_bytes * self.low_water))
-        return bool(self._evict_until(now=now, target_used_bytes=target))
+        limit = self.limit_bytes()
+        if limit is not None:
+            target = min(target, int(limit * self.low_water))
+        # Eviction only deletes: LMDB reuses the pages the last commits freed for it.
+        if self._evict_until(now=now, target_used_bytes=target):
+            return True
+        room = self.disk()
+        if room is not None and room.full:
+            raise DiskFull(
+                f"{room.describe()}; nothing in the store can be evicted to make room (pinned "
+                "or none left): purge, unpin or free space on the disk"
+            )
+        return False
 
     def enforce(self, protected: set[StoreKey] | None = None) -> list[Evicted]:
-        """Evict down to the capacity: to the low-water mark once above the high-water mark."""
+        """Evict down to the capacity: to the low-water mark once above the high-water mark.
+        On a full disk it evicts what it can and leaves the rest for the next time: what
+        was just written is stored, and a write that needs room makes its own."""
+        return _until_disk_full(lambda: self._enforce(protected))
+
+    def _enforce(self, protected: set[StoreKey] | None) -> list[Evicted]:
         now = self.clock()
         if self.capacity_blocks is not None:
             if self.store.usage().blocks <= self.capacity_blocks:
                 return []
             return self._evict_until(now=now, target_blocks=self.capacity_blocks)
-        if self.capacity_bytes is None:
+        limit = self.limit_bytes()  # the capacity, or what the disk can back
+        if limit is None:
             return []
-        if self.store.usage().used_bytes <= self.capacity_bytes * self.high_water:
+        if self.store.usage().used_bytes <= limit * self.high_water:
             return []
         # Older blocks go first; the blocks just written only if they alone overflow the cache.
         evicted = self._evict_until(
             now=now,
-            target_used_bytes=int(self.capacity_bytes * self.low_water),
+            target_used_bytes=int(limit * self.low_water),
             protected=frozenset(protected or ()),
         )
-        if self.store.usage().used_bytes > self.capacity_bytes:
-            evicted += self._evict_until(now=now, target_used_bytes=self.capacity_bytes)
+        if self.store.usage().used_bytes > limit:
+            evicted += self._evict_until(now=now, target_used_bytes=limit)
         return evicted
 
     def _evict_until(
@@ -107,9 +188,9 @@ class Capacity:
         protected: frozenset[StoreKey] = frozenset(),
     ) -> list[Evicted]:
         return self._in_batches(
-            lambda: self.store.evict(
+            lambda max_blocks: self.store.evict(
                 now=now,
-                max_blocks=EVICT_BATCH_BLOCKS,
+                max_blocks=max_blocks,
                 target_used_bytes=target_used_bytes,
                 target_blocks=target_blocks,
                 protected=protected,
@@ -117,22 +198,37 @@ class Capacity:
             now=now,
         )
 
-    def _in_batches(self, evict: Callable[[], list[Evicted]], *, now: float) -> list[Evicted]:
-        """Run `evict` (one short transaction of up to a batch) until a batch falls short."""
+    def _in_batches(self, evict: Callable[[int], list[Evicted]], *, now: float) -> list[Evicted]:
+        """Run `evict` (one short transaction of up to `max_blocks`) until a batch falls
+        short. On a full disk a batch is tried smaller, down to one block: a deletion needs
+        fresh pages before it frees any, and what one small batch frees lets the next be
+        larger."""
         evicted: list[Evicted] = []
+        size = EVICT_BATCH_BLOCKS
         while True:
-            batch = evict()
+            try:
+                batch = evict(size)
+            except DiskFull:
+                if size == 1:  # the reserve is kept for a purge: the operator's way out
+                    raise
+                size = max(size // 8, 1)
+                continue
             evicted += batch
             if batch:
                 self.events.on_evicted(batch, now=now)
-            if len(batch) < EVICT_BATCH_BLOCKS:
+            if len(batch) < size:
                 return evicted
+            size = min(size * 2, EVICT_BATCH_BLOCKS)
 
     def enforce_tenant(
         self, tenant: str, *, protected: frozenset[StoreKey] = frozenset()
     ) -> list[Evicted]:
         """Evict a tenant's own blocks down to its quota's low-water mark once it is above
-        the quota's high-water mark (never the `protected` blocks just written)."""
+        the quota's high-water mark (never the `protected` blocks just written); on a full
+        disk, as far as it can (as `enforce`)."""
+        return _until_disk_full(lambda: self._enforce_tenant(tenant, protected))
+
+    def _enforce_tenant(self, tenant: str, protected: frozenset[StoreKey]) -> list[Evicted]:
         quota_bytes = self.tenant_capacity_bytes.get(tenant)
         if quota_bytes is None:
             return []
@@ -141,11 +237,11 @@ class Capacity:
             return []
         now = self.clock()
         return self._in_batches(
-            lambda: self.store.evict_tenant(
+            lambda max_blocks: self.store.evict_tenant(
                 partition,
                 target_bytes=int(quota_bytes * self.low_water),
                 now=now,
-                max_blocks=EVICT_BATCH_BLOCKS,
+                max_blocks=max_blocks,
                 protected=protected,
             ),
             now=now,
@@ -158,3 +254,13 @@ class Capacity:
         if batch:
             self.events.on_evicted(batch, now=now)
         return len(batch)
+
+
+def _until_disk_full(evict: Callable[[], list[Evicted]]) -> list[Evicted]:
+    """Run an eviction down to a limit; on a full disk, stop (batches already committed
+    stay done) and leave the rest for the next write, which makes its own room."""
+    try:
+        return evict()
+    except DiskFull as exc:
+        log.warning("eviction down to the capacity waits for disk room: %s", exc)
+        return []

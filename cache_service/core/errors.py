@@ -23,6 +23,7 @@ The hierarchy::
     │   ├── InsufficientStorage      507  full, and nothing can be evicted
     │   ├── StoreFull                (internal) the backend ran out of room mid-write; retried
     │   │   └── DiskFull             507  the file system is full (after eviction could not help)
+    │   ├── StorageFailure           503  the disk failed a write (I/O error), or LMDB gave up
     │   └── SettingsMismatch         (start-up) the store's data was made with other settings
     └── ServiceError                 raised by the client: the service answered with a problem
         └── ServiceUnavailable       the service could not be reached or timed out
@@ -234,6 +235,15 @@ class DiskFull(StoreFull):
 
     problem = "disk-full"
     title = "Disk full"
+
+
+class StorageFailure(StorageError):
+    """The store's disk failed a write for another reason than room (an I/O error), or the
+    LMDB environment failed; nothing was stored, and reads go on where they can."""
+
+    status = 503
+    problem = "storage-failure"
+    title = "Storage failure"
 
 
 class SettingsMismatch(StorageError):

@@ -17,6 +17,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from cache_service.core.blocks import REMOVAL_REASONS, ROOM_REASONS, Evicted, StoreUsage
+from cache_service.core.disk import DiskRoom
 from cache_service.core.events import CacheEvents
 
 # Purges are not evictions: an operator's purge answers with what it removed.
@@ -218,11 +219,18 @@ class CacheMetrics(CacheEvents):
 
 
 class StoreCollector(Collector):
-    """Store gauges computed at scrape time from the store itself."""
+    """Store gauges computed at scrape time from the store itself, and from its disk."""
 
-    def __init__(self, usage: Callable[[], StoreUsage], capacity_bytes: int | None) -> None:
+    def __init__(
+        self,
+        usage: Callable[[], StoreUsage],
+        capacity_bytes: int | None,
+        disk: Callable[[], DiskRoom | None] | None = None,
+    ) -> None:
         self._usage = usage
         self._capacity_bytes = capacity_bytes
+        # Given the capacity's own `usage` (as the service gives it), its disk report too.
+        self._disk = disk or getattr(getattr(usage, "__self__", None), "disk", None)
 
     def collect(self) -> Iterator[Metric]:
         """Read the store's usage now."""
@@ -240,3 +248,26 @@ class StoreCollector(Collector):
             yield GaugeMetricFamily(
                 "prompt_cache_capacity_bytes", "Configured capacity.", value=self._capacity_bytes
             )
+        room = self._disk() if self._disk is not None else None
+        if room is not None:
+            yield from disk_gauges(room)
+
+
+def disk_gauges(room: DiskRoom) -> Iterator[Metric]:
+    """The disk under the store: its free room, the data file, the capacity it cannot back."""
+    yield GaugeMetricFamily(
+        "prompt_cache_disk_free_bytes",
+        "Bytes the file system holding the store can still give it (beyond its data file).",
+        value=room.free_bytes,
+    )
+    yield GaugeMetricFamily(
+        "prompt_cache_disk_file_bytes",
+        "Bytes the store's data file takes on disk (live pages and LMDB's free pages).",
+        value=room.file_bytes,
+    )
+    yield GaugeMetricFamily(
+        "prompt_cache_disk_shortfall_bytes",
+        "Capacity the disk cannot back: the capacity minus the data file and the free "
+        "bytes; above 0, the store stops growing at the disk's size (it evicts there).",
+        value=room.shortfall_bytes,
+    )

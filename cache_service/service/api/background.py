@@ -7,6 +7,7 @@ import asyncio
 import fcntl
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import IO, Any
@@ -14,21 +15,48 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from cache_service.core.capacity import EVICT_BATCH_BLOCKS
+from cache_service.core.capacity import EVICT_BATCH_BLOCKS, Capacity
+from cache_service.core.errors import StorageError
 
 log = logging.getLogger("cache_service")
 
 METRICS_RETRY_SECONDS = 5.0
+DISK_CHECK_SECONDS = 30.0
+# A store error (a full disk) repeats on every run of a job until it clears: say it once a
+# minute with its reason, not a traceback every 50 ms.
+STORE_ERROR_LOG_SECONDS = 60.0
 
 
 async def repeat(interval_seconds: float, job: Callable[[], Awaitable[Any]], name: str) -> None:
-    """Run `job` every `interval_seconds` until cancelled; a failure is logged, not fatal."""
+    """Run `job` every `interval_seconds` until cancelled; a failure is logged, not fatal (a
+    store error at most once every STORE_ERROR_LOG_SECONDS while it lasts)."""
+    logged_at: float | None = None
     while True:
         await asyncio.sleep(interval_seconds)
         try:
             await job()
+        except StorageError as exc:
+            now = time.monotonic()
+            if logged_at is None or now - logged_at >= STORE_ERROR_LOG_SECONDS:
+                logged_at = now
+                log.warning("background job %s: %s; retrying every %.1fs", name, exc,
+                            interval_seconds)  # fmt: skip
         except Exception:
             log.exception("background job %s failed; retrying in %.1fs", name, interval_seconds)
+        else:
+            if logged_at is not None:
+                log.info("background job %s runs again", name)
+                logged_at = None
+
+
+def disk_check(capacity: Capacity) -> Callable[[], Awaitable[None]]:
+    """The disk check job: measure the room the store's file system has left (its warning,
+    rate-limited, is the capacity's; the gauges read the same measure at scrape time)."""
+
+    async def check() -> None:
+        await asyncio.to_thread(capacity.disk)
+
+    return check
 
 
 class ElectionLock:

@@ -117,7 +117,7 @@ async def _pin_request(request: Request) -> _PinCall:
     "/v1/pin",
     summary="Pin a prefix: never evicted nor expired until unpinned",
     openapi_extra=json_body("PinRequest"),
-    responses=responses({JSON: PinResponse}, 400, 403, 408, 409, 413, 415, 422),
+    responses=responses({JSON: PinResponse}, 400, 403, 408, 409, 413, 415, 422, 503, 507),
 )
 async def pin(request: Request) -> Response:
     """Pin every full block of `tokens` (or the blocks of `keys`); a writer's pins count
@@ -148,7 +148,7 @@ async def pin(request: Request) -> Response:
     "/v1/unpin",
     summary="Release a pin",
     openapi_extra=json_body("PinRequest"),
-    responses=responses({JSON: UnpinResponse}, 400, 403, 408, 413, 415, 422),
+    responses=responses({JSON: UnpinResponse}, 400, 403, 408, 413, 415, 422, 503, 507),
 )
 async def unpin(request: Request) -> Response:
     """Release the pin of exactly this prefix; its blocks then expire as if just used under
@@ -179,7 +179,7 @@ async def pins(request: Request, tenant: str | None = None) -> dict[str, Any]:
     "/v1/purge",
     summary="Delete a tenant's blocks, a namespace's, or those under a prefix",
     openapi_extra=json_body("PurgeRequest"),
-    responses=responses({JSON: PurgeResponse}, 400, 403, 408, 413, 415, 422),
+    responses=responses({JSON: PurgeResponse}, 400, 403, 408, 413, 415, 422, 503, 507),
 )
 async def purge(request: Request) -> Response:
     """Remove blocks for good (durable once answered) and say how many and how many bytes."""
@@ -193,10 +193,12 @@ async def purge(request: Request) -> Response:
         )
     elif body.kv_layout is not None or body.salt is not None or body.tokens is not None:
         raise InvalidField("model", "a namespace or prefix purge names its model")
+    # On a full disk a purge may need the disk reserve to start: it frees room, for good.
     result = await run_in_threadpool(
+        state.cache.capacity.on_full_disk,
         lambda: state.operators.purge(
             tenant, namespace=namespace, tokens=body.tokens, block_size=body.block_size
-        )
+        ),
     )
     return JSONResponse(
         {

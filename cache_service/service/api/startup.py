@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
+from cache_service.core.disk import DiskWarning, measure_room
 from cache_service.core.eviction import make_policy
 from cache_service.core.identity import StoreIdentity, identity_of
 from cache_service.core.store import registry
@@ -45,7 +47,22 @@ def open_store(settings: Settings) -> OpenedStore:
     )
     for note in identity.notes:
         log.info("%s", note)
+    check_disk(opened, settings.capacity)
     return opened
+
+
+def check_disk(opened: OpenedStore, capacity_bytes: int) -> None:
+    """Warn when the disk under the store cannot hold its capacity or is full, and when a
+    full disk kept the opening checks' record from being written."""
+    backend = getattr(opened.store, "backend", None)
+    unrecorded = getattr(backend, "unrecorded", None)
+    if unrecorded is not None:
+        log.warning("opened read-mostly, the settings record not updated: %s", unrecorded)
+    folder = getattr(opened.store, "path", None)
+    file_bytes = getattr(opened.store.space, "file_bytes", None)
+    if folder is None or file_bytes is None:  # not on a disk (memory://)
+        return
+    DiskWarning().check(measure_room(Path(folder), int(file_bytes()), capacity_bytes))
 
 
 def serving_line(settings: Settings, where: str) -> str:

@@ -1,0 +1,144 @@
+"""A full disk: a real server whose data folder is on a small tmpfs, with a --capacity larger
+than the disk. It must never answer 500: a write with no room is 507 disk-full, reads go on,
+a purge frees room and writes recover, a restart on the full disk works, and the metrics
+show the capacity the disk cannot back."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import ServerProcess
+from tests.reliability.small_disk import PROBLEM_JSON, Session, fill, payload, tmpfs
+
+DISK_BYTES = 64 * 2**20
+BLOCKS = 8  # per prompt
+PAYLOAD_BYTES = 64 * 2**10  # a small model's KV block; 512 KiB a prompt
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs, unmounted at teardown (after the test stopped its server)."""
+    with tmpfs(tmp_path / "disk", DISK_BYTES) as mount_point:
+        yield mount_point
+
+
+@pytest.fixture
+def full_disk_server(small_disk: Path, tmp_path: Path) -> Iterator[ServerProcess]:
+    """A server on the small disk, its capacity 1 GiB; stopped before the disk is unmounted."""
+    server = ServerProcess(
+        small_disk / "data",
+        tmp_path / "server.log",
+        capacity="1GiB",
+        block_size="16",
+        touch_flush_interval="0.05",
+        sweep_interval="0.2",
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def assert_disk_full(answer_status: int, content_type: str, body: dict[str, object]) -> None:
+    """A 507 problem+json that names the full disk."""
+    assert answer_status == 507, body
+    assert content_type.startswith(PROBLEM_JSON)
+    assert str(body["type"]).endswith("/disk-full"), body
+    assert "file system" in str(body["detail"]), body
+
+
+def test_full_disk_answers_507_keeps_reads_and_recovers_after_purge(
+    full_disk_server: ServerProcess,
+    small_disk: Path,
+    scale: Callable[[int, int], int],
+    report: Callable[..., None],
+) -> None:
+    server = full_disk_server
+    session = Session(server.url)
+    started = time.monotonic()
+    try:
+        # 1. More than the disk holds, unpinned: the store evicts at what the disk can back.
+        unpinned = scale(240, 2000)
+        for index in range(unpinned):
+            answer = session.store(index, BLOCKS, PAYLOAD_BYTES)
+            if answer.status_code != 200:
+                assert_disk_full(answer.status_code, answer.headers["content-type"], answer.json())
+        stored_unpinned = session.statuses[200]
+        evicted = session.metric('prompt_cache_evicted_blocks_total{reason="capacity"}') or 0
+        assert evicted > 0
+        assert stored_unpinned >= unpinned * 0.9, session.statuses
+        assert (session.metric("prompt_cache_disk_shortfall_bytes") or 0) > 0
+
+        # 2. Pinned prompts up to what the disk can back, then another program fills the
+        # disk: a store larger than the data file's free pages has no room, nothing can be
+        # evicted for it, and it answers 507 disk-full.
+        assert session.post("/v1/purge", json={}).status_code == 200
+        held: list[int] = []
+        for index in range(unpinned, unpinned + 400):
+            stored = session.store(index, BLOCKS, PAYLOAD_BYTES)
+            if stored.status_code != 200 or stored.json()["stored_blocks"] < BLOCKS:
+                break  # at the limit the disk sets, the newest blocks are truncated
+            if session.pin(index, BLOCKS).status_code != 200:
+                break
+            held.append(index)
+        assert len(held) > 4, session.statuses
+        filler = fill(small_disk / "filler")
+        assert os.statvfs(small_disk).f_bavail == 0
+        file_bytes = session.metric("prompt_cache_disk_file_bytes") or 0
+        used_bytes = session.metric("prompt_cache_bytes") or 0
+        big = int((file_bytes - used_bytes) // PAYLOAD_BYTES) + 64  # more than the free pages
+        refused = session.store(30_000, big, PAYLOAD_BYTES)
+        assert_disk_full(refused.status_code, refused.headers["content-type"], refused.json())
+        again = session.store(30_001, big, PAYLOAD_BYTES)  # the same answer, never a 500
+        assert_disk_full(again.status_code, again.headers["content-type"], again.json())
+        first_pinned = held[0]
+
+        # 3. Reads go on, with the right bytes.
+        assert session.matched_blocks(first_pinned, BLOCKS) == BLOCKS
+        fetched = session.fetch(first_pinned, BLOCKS)
+        assert fetched == [payload(first_pinned, b, PAYLOAD_BYTES) for b in range(BLOCKS)]
+        assert session.metric("prompt_cache_disk_free_bytes") == 0
+        time.sleep(0.5)  # touch flushes and sweeps run against the full disk
+        assert server.proc is not None and server.proc.poll() is None
+
+        # 4. A restart on the full disk opens the store; reads still work, writes still 507.
+        server.restart()
+        restarted = Session(server.url)
+        assert restarted.matched_blocks(first_pinned, BLOCKS) == BLOCKS
+        again = restarted.store(40_000, big, PAYLOAD_BYTES)
+        assert_disk_full(again.status_code, again.headers["content-type"], again.json())
+        assert (restarted.metric("prompt_cache_disk_shortfall_bytes") or 0) > 0
+
+        # 5. A purge frees room inside the data file; stores recover.
+        purged = restarted.post("/v1/purge", json={})
+        assert purged.status_code == 200, purged.text
+        assert purged.json()["blocks"] > 0
+        recovered = restarted.store(40_001, BLOCKS, PAYLOAD_BYTES)
+        assert recovered.status_code == 200, recovered.text
+        assert restarted.matched_blocks(40_001, BLOCKS) == BLOCKS
+        assert restarted.fetch(40_001, BLOCKS)[0] == payload(40_001, 0, PAYLOAD_BYTES)
+
+        statuses = session.statuses + restarted.statuses
+        server_errors = session.server_errors + restarted.server_errors
+        restarted.close()
+    finally:
+        session.close()
+    assert not server_errors, server_errors
+    assert set(statuses) <= {200, 409, 507}, statuses
+    log = server.log_path.read_text()
+    assert "Traceback" not in log, log[-3000:]
+    report(
+        stores_unpinned=unpinned,
+        stored_unpinned=stored_unpinned,
+        evicted_for_disk=int(evicted),
+        pinned_prompts=len(held),
+        filler_bytes=filler,
+        statuses=dict(sorted(statuses.items())),
+        seconds=round(time.monotonic() - started, 1),
+    )
