@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
@@ -9,6 +10,8 @@ from prometheus_client import CollectorRegistry
 from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache
 from cache_service.core.store.base import BlockStore
+from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.memory import MemoryStore
 from cache_service.service.metrics import EVICTION_REASONS, CacheMetrics, StoreCollector
 
 if TYPE_CHECKING:
@@ -143,3 +146,24 @@ def test_store_collector_reports_usage_and_capacity_at_scrape_time(
     assert sample(registry, "prompt_cache_blocks") == 2
     assert sample(registry, "prompt_cache_payload_bytes") == 5
     assert sample(registry, "prompt_cache_capacity_bytes") == 10_000
+
+
+def test_store_collector_shows_the_disk_under_an_lmdb_store(tmp_path: Path) -> None:
+    store = LmdbStore(tmp_path / "lmdb", map_size_bytes=1 << 30)
+    cache = PrefixCache(store, default_block_size=BLOCK, capacity_bytes=1 << 60)
+    registry = CollectorRegistry()
+    # As the service wires it: the capacity's own usage brings its disk report along.
+    registry.register(StoreCollector(cache.capacity.usage, 1 << 60))
+    free = sample(registry, "prompt_cache_disk_free_bytes")
+    assert free is not None and free > 0
+    assert sample(registry, "prompt_cache_disk_file_bytes") == store.space.file_bytes()
+    shortfall = sample(registry, "prompt_cache_disk_shortfall_bytes")
+    assert shortfall is not None and shortfall > 0  # no disk here holds 2**60 bytes
+    store.close()
+
+
+def test_store_collector_shows_no_disk_for_a_memory_store() -> None:
+    cache = PrefixCache(MemoryStore(), default_block_size=BLOCK)
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(cache.capacity.usage, None))
+    assert sample(registry, "prompt_cache_disk_free_bytes") is None
