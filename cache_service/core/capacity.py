@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from cache_service.core.blocks import Evicted, NewBlock, StoreKey, StoreUsage
 from cache_service.core.disk import DiskRoom, DiskWarning, measure_room
-from cache_service.core.errors import DiskFull
+from cache_service.core.errors import DiskFull, StoreFull
 from cache_service.core.events import CacheEvents
 from cache_service.core.hashing import tenant_partition
 from cache_service.core.reserve import DiskReserve
@@ -208,7 +208,7 @@ class Capacity:
         while True:
             try:
                 batch = evict(size)
-            except DiskFull:
+            except StoreFull:  # a full disk or a full map: no fresh pages for the batch
                 if size == 1:  # the reserve is kept for a purge: the operator's way out
                     raise
                 size = max(size // 8, 1)
@@ -261,6 +261,6 @@ def _until_disk_full(evict: Callable[[], list[Evicted]]) -> list[Evicted]:
     stay done) and leave the rest for the next write, which makes its own room."""
     try:
         return evict()
-    except DiskFull as exc:
-        log.warning("eviction down to the capacity waits for disk room: %s", exc)
+    except StoreFull as exc:  # a full disk or map
+        log.warning("eviction down to the capacity waits for room: %s", exc)
         return []

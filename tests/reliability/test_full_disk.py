@@ -12,8 +12,17 @@ from pathlib import Path
 
 import pytest
 
+from cache_service.core.store.lmdb import LmdbStore
+from cache_service.service.settings import Settings
 from tests.integration.conftest import ServerProcess
-from tests.reliability.small_disk import PROBLEM_JSON, Session, fill, payload, tmpfs
+from tests.reliability.small_disk import (
+    PROBLEM_JSON,
+    Session,
+    ThreadServer,
+    fill,
+    payload,
+    tmpfs,
+)
 
 DISK_BYTES = 64 * 2**20
 BLOCKS = 8  # per prompt
@@ -140,5 +149,50 @@ def test_full_disk_answers_507_keeps_reads_and_recovers_after_purge(
         pinned_prompts=len(held),
         filler_bytes=filler,
         statuses=dict(sorted(statuses.items())),
+        seconds=round(time.monotonic() - started, 1),
+    )
+
+
+def test_a_tiny_map_evicts_or_answers_507_never_500(
+    tmp_path: Path, scale: Callable[[int, int], int], report: Callable[..., None]
+) -> None:
+    # A 1 MiB LMDB map under a 1 GiB capacity: the map, not the capacity, runs out. No flag
+    # sets the map (it is 2 x --capacity + 256 MiB), so the store is opened here and given.
+    store = LmdbStore(tmp_path / "lmdb", map_size_bytes=2**20)
+    settings = Settings(
+        data_dir=tmp_path / "lmdb", capacity=2**30, block_size=16, touch_flush_interval=0.05
+    )
+    server = ThreadServer(settings, store)
+    server.start()
+    session = Session(server.url)
+    started = time.monotonic()
+    prompts, small = scale(300, 3000), 1500  # small blocks: many leaf pages per eviction
+    last_whole = None
+    try:
+        for index in range(prompts):
+            answer = session.store(index, BLOCKS, small)
+            if answer.status_code == 200 and answer.json()["stored_blocks"] == BLOCKS:
+                last_whole = index
+            elif answer.status_code != 200:
+                assert answer.status_code == 507, answer.text
+                assert answer.headers["content-type"].startswith(PROBLEM_JSON)
+        assert last_whole is not None
+        assert session.fetch(last_whole, BLOCKS) == [
+            payload(last_whole, b, small) for b in range(BLOCKS)
+        ]
+        too_big = session.store(prompts, BLOCKS, 256 * 2**10)  # 2 MiB: more than the map
+        assert too_big.status_code == 507, too_big.text
+        evicted = session.metric('prompt_cache_evicted_blocks_total{reason="capacity"}') or 0
+    finally:
+        session.close()
+        server.stop()
+        store.close()
+    assert not session.server_errors, session.server_errors
+    assert set(session.statuses) <= {200, 507}, session.statuses
+    assert session.statuses[200] >= prompts * 0.5, session.statuses
+    report(
+        prompts=prompts,
+        statuses=dict(sorted(session.statuses.items())),
+        evicted=int(evicted),
         seconds=round(time.monotonic() - started, 1),
     )
