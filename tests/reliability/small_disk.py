@@ -110,10 +110,20 @@ class Session:
         """GET, counted."""
         return self._seen(self.client.get(path))
 
-    def store(self, index: int, blocks: int, size: int) -> httpx.Response:
-        """Store prompt `index`'s blocks (a framed binary body, tokens in the JSON header)."""
-        payloads = [payload(index, block, size) for block in range(blocks)]
-        header = {"model": "m", "tokens": prompt_tokens(index, blocks)}
+    def store(
+        self, index: int, blocks: int, size: int, *, binary_tokens: bool = False
+    ) -> httpx.Response:
+        """Store prompt `index`'s blocks: a frame body, the tokens in its JSON header or, with
+        `binary_tokens`, in its first frame (uint32 little-endian)."""
+        payloads: list[bytes | memoryview | None] = [
+            payload(index, block, size) for block in range(blocks)
+        ]
+        tokens = prompt_tokens(index, blocks)
+        header: dict[str, Any] = {"model": "m"}
+        if binary_tokens:
+            payloads.insert(0, b"".join(t.to_bytes(4, "little") for t in tokens))
+        else:
+            header["tokens"] = tokens
         body = join_frames(encode_frames(header, payloads))
         return self.post("/v1/blocks", content=body, headers={"content-type": MEDIA_TYPE})
 

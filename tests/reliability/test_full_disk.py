@@ -21,6 +21,7 @@ from tests.reliability.small_disk import (
     ThreadServer,
     fill,
     payload,
+    prompt_tokens,
     tmpfs,
 )
 
@@ -104,8 +105,14 @@ def test_full_disk_answers_507_keeps_reads_and_recovers_after_purge(
         big = int((file_bytes - used_bytes) // PAYLOAD_BYTES) + 64  # more than the free pages
         refused = session.store(30_000, big, PAYLOAD_BYTES)
         assert_disk_full(refused.status_code, refused.headers["content-type"], refused.json())
-        again = session.store(30_001, big, PAYLOAD_BYTES)  # the same answer, never a 500
+        again = session.store(30_001, big, PAYLOAD_BYTES, binary_tokens=True)  # the same
         assert_disk_full(again.status_code, again.headers["content-type"], again.json())
+        # Pins and unpins write too: done, or 507 (the scan at the end finds no 500).
+        assert session.pin(held[-1], BLOCKS).status_code in {200, 507}
+        unpin = session.post(
+            "/v1/unpin", json={"model": "m", "tokens": prompt_tokens(held[-1], BLOCKS)}
+        )
+        assert unpin.status_code in {200, 507}, unpin.text
         first_pinned = held[0]
 
         # 3. Reads go on, with the right bytes.
