@@ -56,7 +56,7 @@ def test_no_room_errors_are_disk_full(error: lmdb.Error, tmp_path: Path) -> None
 def test_an_io_error_on_a_full_disk_is_the_short_write_of_a_full_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(lmdb_disk, "free_bytes", lambda folder: 0)
+    monkeypatch.setattr(lmdb_disk, "free_and_margin", lambda folder: (0, 2**20))
     found = write_error(lmdb.Error("mdb_txn_commit: Input/output error"), tmp_path)
     assert isinstance(found, DiskFull)
 
@@ -64,7 +64,7 @@ def test_an_io_error_on_a_full_disk_is_the_short_write_of_a_full_disk(
 def test_an_io_error_with_room_left_is_a_storage_failure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(lmdb_disk, "free_bytes", lambda folder: 1 << 40)
+    monkeypatch.setattr(lmdb_disk, "free_and_margin", lambda folder: (1 << 40, 2**20))
     found = write_error(lmdb.Error("mdb_txn_commit: Input/output error"), tmp_path)
     assert isinstance(found, StorageFailure) and found.status == 503
 

@@ -92,8 +92,14 @@ def free_bytes(folder: Path) -> int:
 
 def margin_bytes(folder: Path) -> int:
     """The room kept free for deletions on the file system holding `folder`."""
+    return free_and_margin(folder)[1]
+
+
+def free_and_margin(folder: Path) -> tuple[int, int]:
+    """`free_bytes` and `margin_bytes` of one statvfs (the write path asks for both)."""
     stat = os.statvfs(folder)
-    return min(MARGIN_MAX_BYTES, int(stat.f_blocks * stat.f_frsize * MARGIN_SHARE))
+    margin = min(MARGIN_MAX_BYTES, int(stat.f_blocks * stat.f_frsize * MARGIN_SHARE))
+    return stat.f_bavail * stat.f_frsize, margin
 
 
 def measure_room(folder: Path, file_bytes: int, capacity_bytes: int | None) -> DiskRoom:

@@ -23,7 +23,7 @@ from typing import Any
 
 import lmdb
 
-from cache_service.core.disk import free_bytes, margin_bytes
+from cache_service.core.disk import free_and_margin
 from cache_service.core.errors import DiskFull, StorageError, StorageFailure, StoreFull
 
 _RELEASE = b"release"  # the meta key the tiny commit writes
@@ -80,6 +80,7 @@ def disk_has_room(folder: Path) -> bool:
     """Whether the file system holding `folder` has room: twice its margin free (see disk),
     so that a purge running on the reserve it was given keeps reusing what it frees."""
     try:
-        return free_bytes(folder) >= 2 * margin_bytes(folder)
+        free, margin = free_and_margin(folder)
+        return free >= 2 * margin
     except OSError:  # the folder is gone or unreadable: a write failed for that, not room
         return True
