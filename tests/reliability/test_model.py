@@ -88,6 +88,7 @@ class LmdbModelMachine(RuleBasedStateMachine):
         self.events = Recorder()
         self.model = CacheModel(longest_ttl_seconds=LONGEST_TTL)
         self.capacity: int | None = None
+        self.made_room = False  # the last evictions taken included one for room
         self.defer = False
         self.abandoned: list[BlockStore] = []
         self.store_keys: dict[Entry, StoreKey] = {}
@@ -133,9 +134,11 @@ class LmdbModelMachine(RuleBasedStateMachine):
         return self.store_keys[entry]
 
     def apply_evictions(self) -> int:
-        """Check each reported eviction is legal, then drop it from the model."""
+        """Check each reported eviction is legal, then drop it from the model. Returns how
+        many blocks went."""
         taken = self.events.take()
         now = self.clock()
+        self.made_room = any(gone.reason == "capacity" for gone in taken)
         for gone in taken:
             entry = self.entries[gone.key]
             held = self.model.blocks[entry]
@@ -145,15 +148,20 @@ class LmdbModelMachine(RuleBasedStateMachine):
                 assert now >= held.expires_at, f"evicted the alive block {entry} as expired"
             else:
                 assert gone.reason == "capacity", gone
+                assert self.capacity is not None, "evicted for room in a cache without a limit"
             del self.model.blocks[entry]
         type(self).stats["evicted"] += len(taken)
         return len(taken)
 
     def check_within_capacity(self) -> None:
-        """After a write or an enforce: at most the capacity, or the pinned blocks if more."""
+        """After a write or an enforce: at most the capacity (or the pinned blocks, if more),
+        and no block evicted for room that was not needed (down to the capacity, not below)."""
         if self.capacity is not None:
-            limit = max(self.capacity, self.model.pinned_blocks())
-            assert self.cache.capacity.usage().blocks <= limit
+            held = self.cache.capacity.usage().blocks
+            assert held == len(self.model.blocks)
+            assert held <= max(self.capacity, self.model.pinned_blocks())
+            if self.made_room:
+                assert held >= self.capacity, "evicted below the capacity"
 
     def held_entry(self, data: st.DataObject) -> Entry | None:
         """Mostly a block the model holds (None when it holds none): random prompts alone
