@@ -108,6 +108,9 @@ class KillLoad:
                     work(client, rng)
                 except ServiceError as error:
                     self._refused(error)
+                except Exception as error:  # a broken answer: recorded, and the load goes on
+                    with self.lock:
+                        self.unexpected.append(f"{type(error).__name__}: {error}")
                 finally:
                     with self.lock:
                         self.busy -= 1

@@ -172,6 +172,7 @@ def test_soak_keeps_memory_and_file_flat_under_constant_eviction(
     rss_end = statistics.median(s["rss_kib"] for s in last)
     growth = rss_end / rss_after_warm_up - 1
     live_end = samples[-1]["used_bytes"]
+    used_max = max(s["used_bytes"] for s in samples)
     evicted_in_last_third = last[-1]["evicted"] - middle[-1]["evicted"]
     report(
         seconds=soak_seconds,
@@ -188,12 +189,14 @@ def test_soak_keeps_memory_and_file_flat_under_constant_eviction(
         file_mib=f"{data_file_bytes / 2**20:.1f}",
         live_mib=f"{live_end / 2**20:.1f}",
         capacity_mib=CAPACITY_BYTES // 2**20,
+        used_max_of_capacity=f"{used_max / CAPACITY_BYTES:.1%}",
         evicted_blocks=samples[-1]["evicted"],
     )
     assert not state.errors, state.errors[:10]
     assert not verifier.wrong, verifier.wrong[:10]
     assert state.requests["store"] and state.requests["fetch"] and state.requests["lookup"]
     assert evicted_in_last_third > 0, "eviction stopped: the store is not above high water"
+    assert used_max <= CAPACITY_BYTES, f"{used_max} bytes used, over the capacity"
     assert growth < RSS_GROWTH_LIMIT, f"RSS grew {growth:.1%} after warm-up"
     assert data_file_bytes < FILE_TO_LIVE_LIMIT * live_end, (
         f"data.mdb is {data_file_bytes} bytes for {live_end} live"
