@@ -6,29 +6,37 @@ SIGKILL at random moments and restarted on the same folder. After each restart, 
 paused, every prompt touched is checked: each acknowledged store (a 2xx received before the
 kill) is complete, every byte is right, and what is stored is prefix-closed (a fetch by the
 prompt's keys has no hole before a present block, and finds what the lookup matched).
+
+Variants: a small capacity, so that kills land in evictions too (nothing acknowledged is
+owed then, but the store must stay prefix-closed and its counts right); a quarter of the
+restarts killed again before they are ready; and `--workers 2`, where one worker is killed
+and replaced by uvicorn's supervisor while the other serves, then the whole tree is killed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
-import re
-import signal
 import statistics
-import subprocess
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from cache_service.client import CacheClient
 from cache_service.core.errors import ServiceError, ServiceUnavailable
 from tests.integration.conftest import ServerProcess
+from tests.reliability.processes import (
+    evicted_blocks,
+    kill_now,
+    kill_server,
+    kill_while_starting,
+    restart,
+    wait_serving,
+    wait_workers,
+)
 from tests.reliability.workload import Prompt, PromptSet, Verifier
 
 WRITERS = 3
@@ -179,6 +187,11 @@ class KillLoad:
         """Blocks of `prompt` acknowledged stored, which must be found (0 while evicting)."""
         return 0 if self.evicting else self.acked.get(prompt.name, 0)
 
+    def answered(self) -> int:
+        """Requests answered so far (2xx)."""
+        with self.lock:
+            return sum(self.outcomes[kind] for kind in ("store", "lookup", "fetch"))
+
     def take_touched(self) -> list[Prompt]:
         """The prompts sent since the last call (the load is paused)."""
         names, self.touched = self.touched, set()
@@ -227,102 +240,6 @@ def check_accounting(url: str, prompts: list[Prompt], verifier: Verifier) -> int
             f"{(len(found), sum(found.values()))}"
         )
     return len(found)
-
-
-def kill_now(pid: int) -> None:
-    """SIGKILL one process by its PID."""
-    with contextlib.suppress(ProcessLookupError):  # it died already
-        os.kill(pid, signal.SIGKILL)
-
-
-def children(pid: int) -> list[int]:
-    """The PIDs of a process's children, from /proc (every thread's list)."""
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):  # the thread or the process ended meanwhile
-            found += [int(child) for child in (task / "children").read_text().split()]
-    return found
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, children first."""
-    below = children(pid)
-    return below + [grandchild for child in below for grandchild in descendants(child)]
-
-
-def worker_pids(supervisor: int) -> set[int]:
-    """uvicorn's worker processes: the supervisor's children started by multiprocessing spawn
-    (its resource tracker is a child too, and is not a worker)."""
-    workers = set()
-    for child in children(supervisor):
-        try:
-            command = Path(f"/proc/{child}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"spawn_main" in command:
-            workers.add(child)
-    return workers
-
-
-def wait_gone(pids: list[int], timeout_seconds: float = 10.0) -> None:
-    """Wait until none of `pids` runs (reaped, or a zombie)."""
-    deadline = time.monotonic() + timeout_seconds
-    for pid in pids:
-        while time.monotonic() < deadline:
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                break
-            if state == "Z":
-                break
-            time.sleep(0.01)
-
-
-def kill_tree(process: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a server process and every process below it (collected first: an orphan
-    would keep serving the socket), and wait until they are gone."""
-    below = descendants(process.pid)
-    kill_now(process.pid)  # the supervisor first, so it restarts nothing
-    for pid in below:
-        kill_now(pid)
-    process.wait()
-    wait_gone(below)
-
-
-def kill_server(server: ServerProcess) -> None:
-    """SIGKILL the server and its children, then forget the dead process."""
-    assert server.proc is not None
-    kill_tree(server.proc)
-    server.stop()  # it has exited: this only forgets it
-
-
-def kill_while_starting(server: ServerProcess, delay_seconds: float) -> None:
-    """Start the killed server and SIGKILL it `delay_seconds` later, most often before it is
-    ready (opening, checking or repairing its store); it may have become ready."""
-    failures: list[BaseException] = []
-
-    def start() -> None:
-        try:
-            server.start()
-        except RuntimeError as error:  # "server exited early": the kill came first
-            failures.append(error)
-
-    starter = threading.Thread(target=start)
-    starter.start()
-    while server.proc is None and starter.is_alive():
-        time.sleep(0.001)
-    time.sleep(delay_seconds)
-    if server.proc is not None:
-        kill_tree(server.proc)
-    starter.join()
-    server.stop()  # it has exited: this only forgets it
-
-
-def restart(server: ServerProcess) -> float:
-    """Start the killed server again on its folder and port; seconds until it was ready."""
-    began = time.monotonic()
-    server.start()
-    return time.monotonic() - began
 
 
 @pytest.fixture
@@ -447,13 +364,6 @@ def test_sigkill_while_evicting_keeps_the_store_prefix_closed_and_counted(
     assert figures["evicted_blocks"], "the store never evicted: more load or less capacity"
 
 
-def evicted_blocks(url: str) -> int:
-    """Blocks evicted since the server last started, every reason, from /metrics."""
-    text = httpx.get(url + "/metrics", timeout=30.0).text
-    found = re.findall(r"^prompt_cache_evicted_blocks_total\{[^}]*\} (\S+)$", text, re.MULTILINE)
-    return int(sum(float(value) for value in found))
-
-
 def test_sigkill_of_workers_loses_no_acknowledged_store(
     make_server: Callable[..., ServerProcess],
     scale: Callable[[int, int], int],
@@ -475,17 +385,19 @@ def test_sigkill_of_workers_loses_no_acknowledged_store(
         for _ in range(cycles):
             assert server.proc is not None
             workers = wait_workers(server.proc.pid, count=2)
+            for pid in workers:
+                wait_serving(server.log_path, pid)
             load.resume()
             time.sleep(rng.uniform(*LOAD_SECONDS))
             victim = rng.choice(sorted(workers))
-            before = sum(load.outcomes.values())
+            before = load.answered()
             killed_at = time.monotonic()
             kill_now(victim)
-            replaced = wait_workers(server.proc.pid, count=2, without=victim)
+            (replacement,) = wait_workers(server.proc.pid, count=2, without=victim) - workers
+            wait_serving(server.log_path, replacement)
             replacements.append(time.monotonic() - killed_at)
-            assert victim not in replaced
-            time.sleep(rng.uniform(*LOAD_SECONDS))
-            served_while_one_down += sum(load.outcomes.values()) - before
+            served_while_one_down += load.answered() - before
+            time.sleep(rng.uniform(*LOAD_SECONDS))  # the replacement takes its share
             kill_server(server)
             load.pause()
             restarts.append(restart(server))
@@ -498,20 +410,8 @@ def test_sigkill_of_workers_loses_no_acknowledged_store(
         acked_prompt_checks=acked_checked,
         worker_replaced_p50_s=f"{statistics.median(replacements):.2f}",
         worker_replaced_max_s=f"{max(replacements):.2f}",
+        answered_while_one_worker_down=served_while_one_down,
         **summary(load, verifier, restarts),
     )
     assert served_while_one_down > 0
     assert_clean(load, verifier)
-
-
-def wait_workers(
-    supervisor: int, *, count: int, without: int | None = None, timeout_seconds: float = 30.0
-) -> set[int]:
-    """The supervisor's workers once there are `count` of them, none of them `without`."""
-    deadline = time.monotonic() + timeout_seconds
-    while time.monotonic() < deadline:
-        workers = worker_pids(supervisor)
-        if len(workers) == count and without not in workers:
-            return workers
-        time.sleep(0.02)
-    raise AssertionError(f"{count} workers not running after {timeout_seconds}s: {workers}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import statistics
 import time
 from collections import Counter
@@ -24,6 +23,7 @@ import httpx
 from cache_service.client import AsyncCacheClient
 from cache_service.core.errors import ServiceError, ServiceUnavailable
 from tests.integration.conftest import ServerProcess
+from tests.reliability.processes import evicted_in
 from tests.reliability.workload import PromptSet, Verifier
 
 CLIENTS = 64
@@ -34,7 +34,6 @@ PROMPTS = PromptSet(families=256, variants=8, payload_bytes=(4096, 16384), seed=
 SAMPLE_SECONDS = 0.5
 RSS_GROWTH_LIMIT = 0.10
 FILE_TO_LIVE_LIMIT = 1.5
-EVICTED = re.compile(r"^prompt_cache_evicted_blocks_total\{[^}]*\} (\S+)$", re.MULTILINE)
 
 
 def refusal_kind(error: ServiceError, *, start_block: int) -> str | None:
@@ -108,11 +107,6 @@ def rss_kib(pid: int) -> int:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
-def evicted_blocks(metrics_text: str) -> int:
-    """Blocks evicted so far, every reason, from /metrics."""
-    return int(sum(float(value) for value in EVICTED.findall(metrics_text)))
-
-
 async def watch(server: ServerProcess, deadline: float, samples: list[dict[str, float]]) -> None:
     """Sample the server's RSS, live data, file size and evictions until the deadline."""
     assert server.proc is not None
@@ -127,7 +121,7 @@ async def watch(server: ServerProcess, deadline: float, samples: list[dict[str, 
                     "rss_kib": rss_kib(server.proc.pid),
                     "used_bytes": stats["used_bytes"],
                     "file_bytes": data_file.stat().st_size,
-                    "evicted": evicted_blocks(metrics),
+                    "evicted": evicted_in(metrics),
                 }
             )
             await asyncio.sleep(SAMPLE_SECONDS)
