@@ -15,6 +15,7 @@ from cache_service import __version__
 from cache_service.core.cache import Clock
 from cache_service.core.store.base import BlockStore
 from cache_service.service.api.auth import Authenticator
+from cache_service.service.api.cancels import AnswerCancelled
 from cache_service.service.api.docs import install_docs
 from cache_service.service.api.limits import QuotaGate
 from cache_service.service.api.openapi import install_openapi
@@ -99,4 +100,5 @@ def create_app(
     app.add_middleware(QuotaGate)  # inside: it needs the key the Authenticator found
     app.add_middleware(Authenticator, keys=keys)
     app.add_middleware(RequestTimer, metrics=metrics)
+    app.add_middleware(AnswerCancelled)  # outermost: a stopping server's cancel is a 503
     return app
