@@ -15,13 +15,16 @@ import signal
 import subprocess
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
 
 from tests.integration.conftest import ServerProcess
 
-EVICTED = re.compile(r"^prompt_cache_evicted_blocks_total\{[^}]*\} (\S+)$", re.MULTILINE)
+EVICTED = re.compile(
+    r'^prompt_cache_evicted_blocks_total\{[^}]*reason="([^"]+)"[^}]*\} (\S+)$', re.MULTILINE
+)
 
 
 def kill_now(pid: int) -> None:
@@ -143,9 +146,12 @@ def wait_serving(log_path: Path, pid: int, timeout_seconds: float = 60.0) -> Non
 
 def evicted_blocks(url: str) -> int:
     """Blocks evicted since the server last started, every reason, from /metrics."""
-    return evicted_in(httpx.get(url + "/metrics", timeout=30.0).text)
+    return sum(evicted_in(httpx.get(url + "/metrics", timeout=30.0).text).values())
 
 
-def evicted_in(metrics_text: str) -> int:
-    """Blocks evicted, every reason, in a /metrics answer."""
-    return int(sum(float(value) for value in EVICTED.findall(metrics_text)))
+def evicted_in(metrics_text: str) -> Counter[str]:
+    """Blocks removed by reason (capacity, expired, ...) in a /metrics answer."""
+    found: Counter[str] = Counter()
+    for reason, value in EVICTED.findall(metrics_text):
+        found[reason] += int(float(value))
+    return found
