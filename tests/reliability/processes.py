@@ -155,3 +155,10 @@ def evicted_in(metrics_text: str) -> Counter[str]:
     for reason, value in EVICTED.findall(metrics_text):
         found[reason] += int(float(value))
     return found
+
+
+def logged_errors(log_path: Path) -> list[str]:
+    """The server log's error lines and tracebacks (a failure no answer showed, such as one
+    in a background job)."""
+    lines = log_path.read_text(errors="replace").splitlines()
+    return [line for line in lines if line.startswith(("ERROR", "CRITICAL", "Traceback"))]

@@ -33,6 +33,7 @@ from tests.reliability.processes import (
     kill_now,
     kill_server,
     kill_while_starting,
+    logged_errors,
     restart,
     wait_serving,
     wait_workers,
@@ -282,8 +283,9 @@ def summary(load: KillLoad, verifier: Verifier, restarts: list[float]) -> dict[s
     }
 
 
-def assert_clean(load: KillLoad, verifier: Verifier) -> None:
-    """Nothing lost, nothing wrong, no refusal the load should never meet."""
+def assert_clean(load: KillLoad, verifier: Verifier, server: ServerProcess) -> None:
+    """Nothing lost, nothing wrong, no refusal the load should never meet, no error logged."""
+    assert not logged_errors(server.log_path), logged_errors(server.log_path)[:10]
     assert not verifier.lost, verifier.lost[:10]
     assert not verifier.wrong, verifier.wrong[:10]
     assert not load.unexpected, load.unexpected[:10]
@@ -338,7 +340,7 @@ def test_sigkill_under_load_loses_no_acknowledged_store(
     finally:
         load.stop()
     report(**figures)
-    assert_clean(load, verifier)
+    assert_clean(load, verifier, server)
 
 
 def test_sigkill_while_evicting_keeps_the_store_prefix_closed_and_counted(
@@ -360,7 +362,7 @@ def test_sigkill_while_evicting_keeps_the_store_prefix_closed_and_counted(
     finally:
         load.stop()
     report(**figures)
-    assert_clean(load, verifier)
+    assert_clean(load, verifier, server)
     assert figures["evicted_blocks"], "the store never evicted: more load or less capacity"
 
 
@@ -414,4 +416,4 @@ def test_sigkill_of_workers_loses_no_acknowledged_store(
         **summary(load, verifier, restarts),
     )
     assert served_while_one_down > 0
-    assert_clean(load, verifier)
+    assert_clean(load, verifier, server)

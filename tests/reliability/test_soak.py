@@ -24,7 +24,7 @@ import httpx
 from cache_service.client import AsyncCacheClient
 from cache_service.core.errors import ServiceError, ServiceUnavailable
 from tests.integration.conftest import ServerProcess
-from tests.reliability.processes import evicted_in
+from tests.reliability.processes import evicted_in, logged_errors
 from tests.reliability.workload import PromptSet, Verifier
 
 CLIENTS = 64
@@ -206,6 +206,7 @@ def test_soak_keeps_memory_and_file_flat_under_constant_eviction(
         removed_blocks={k[8:]: v for k, v in samples[-1].items() if k.startswith("removed_")},
     )
     assert not state.errors, state.errors[:10]
+    assert not logged_errors(server.log_path), logged_errors(server.log_path)[:10]
     assert not verifier.wrong, verifier.wrong[:10]
     assert state.requests["store"] and state.requests["fetch"] and state.requests["lookup"]
     assert evicted_in_last_third > 0, "eviction stopped: the store is not above high water"
