@@ -112,6 +112,27 @@ class LmdbRawAccess:
         with self.backend.env.begin(write=True) as txn:
             txn.put(key, payload, db=self.backend.dbs["payloads"])
 
+    def record(self, key: StoreKey) -> bytes:
+        """A block's encoded record, as stored."""
+        with self.backend.env.begin() as txn:
+            return bytes(txn.get(key, db=self.backend.dbs["blocks"]))
+
+    def overwrite_record(self, key: StoreKey, record: bytes) -> None:
+        """Replace a block's record bytes behind the store's back (damage it)."""
+        with self.backend.env.begin(write=True) as txn:
+            txn.put(key, record, db=self.backend.dbs["blocks"])
+
+    def flip(self, key: StoreKey, offset: int, mask: int = 0x5A) -> None:
+        """XOR one byte of a block's record (a negative offset counts from its end)."""
+        record = bytearray(self.record(key))
+        record[offset] ^= mask
+        self.overwrite_record(key, bytes(record))
+
+    def index_entries(self, index: str) -> list[bytes]:
+        """Every entry of an ordered index (sort key + stored key)."""
+        with self.backend.env.begin() as txn:
+            return [bytes(key) for key, _ in txn.cursor(db=self.backend.dbs[index])]
+
 
 RAW_ACCESS: dict[type, Callable[[Any], RawAccess]] = {
     MemoryStore: MemoryRawAccess,

@@ -546,9 +546,14 @@ def test_events_report_lookups_inserts_and_corruption(
     assert events.lookups == [("agent", 8, 1, True), ("chat", 4, 4, False)]
     key = cache.chain(NS, prompt)[1].key
     raw.overwrite_payload(key, b"X")
-    assert cache.match_prefix(NS, prompt, with_payloads=True).matched_blocks == 1
     assert cache.get_payloads(NS, [key]) == [None]
-    assert events.corrupt == [1, 1]
+    assert events.corrupt == [1]
+    # Without deferred touches the damaged block is dropped at once (reason "corrupt").
+    assert [(e.key, e.reason) for e in events.evicted] == [(key, "corrupt")]
+    assert cache.match_prefix(NS, prompt, with_payloads=True).matched_blocks == 1
+    assert events.corrupt == [1]  # gone, not damaged: a plain miss
+    cache.insert(NS, prompt, [b"a", b"b"])
+    assert cache.match_prefix(NS, prompt, with_payloads=True).payloads == (b"a", b"b")
 
 
 # -- collisions ------------------------------------------------------------------------------

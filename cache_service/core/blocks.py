@@ -308,7 +308,7 @@ class PrefixMatch:
 class Removal:
     """Why and when a block left the store, as the bounded removal log remembers it."""
 
-    reason: str  # "expired", "capacity", "purged", "tenant_quota" or "removed"
+    reason: str  # one of REMOVAL_REASONS
     at: float
     retention: str
     expires_at: float
@@ -318,7 +318,7 @@ class Removal:
 class BlockState:
     """What the store can tell about one block of a chain that did not match."""
 
-    status: str  # "absent", "expired", "collision", or "stored" (since the lookup)
+    status: str  # "absent", "expired", "collision", "corrupt", or "stored" (since the lookup)
     expires_at: float | None = None  # of an expired block still stored
     retention: str | None = None
     removal: Removal | None = None  # of an absent block, if the log still has it

@@ -139,6 +139,7 @@ class PrefixCache:
         )
         if touch and found.keys:
             self._touch_match(namespace, found, ttl)
+        self._repair_now()
         return found
 
     def _touch_match(self, namespace: Namespace, found: PrefixMatch, ttl_seconds: float) -> None:
@@ -227,6 +228,7 @@ class PrefixCache:
             )
             if found.keys and not outcome.prefix_touched:
                 self._touch_match(namespace, found, ttl)
+        self._repair_now()
         return found, outcome
 
     def touch(
@@ -257,6 +259,7 @@ class PrefixCache:
         corrupt = self.store.read_payloads(namespace_id, keys, now=self.clock(), sink=sink)
         if corrupt:
             self.events.on_corrupt(corrupt)
+        self._repair_now()
 
     def get_payloads(self, namespace: Namespace, keys: Sequence[BlockKey]) -> list[bytes | None]:
         """Checked payloads of blocks of one namespace; None for a block that is gone."""
@@ -264,6 +267,7 @@ class PrefixCache:
         payloads, corrupt = self.store.get_payloads(namespace_id, keys, now=self.clock())
         if corrupt:
             self.events.on_corrupt(corrupt)
+        self._repair_now()
         return payloads
 
     # -- writes -------------------------------------------------------------------------------
@@ -281,14 +285,17 @@ class PrefixCache:
         """Store blocks start_block.. of a prompt; their parent must be stored or sent."""
         retention_class, ttl = self.config.resolve_retention(retention)
         links = self.chain(namespace, tokens, block_size=block_size)
-        return self._store_links(
-            namespace,
-            links,
-            payloads,
-            start_block=start_block,
-            retention=retention_class,
-            ttl_seconds=ttl,
-        )
+        try:
+            return self._store_links(
+                namespace,
+                links,
+                payloads,
+                start_block=start_block,
+                retention=retention_class,
+                ttl_seconds=ttl,
+            )
+        finally:  # a damaged parent refuses the insert (MissingParent): drop it all the same
+            self._repair_now()
 
     def _store_links(
         self,
@@ -385,7 +392,33 @@ class PrefixCache:
         removed = self.store.remove_subtree(self.hasher.namespace_id(namespace), key, now=now)
         if removed:
             self.events.on_evicted(removed, now=now)
+        self._repair_now()
         return removed
+
+    # -- damage -------------------------------------------------------------------------------
+
+    @property
+    def damage_pending(self) -> int:
+        """Damaged blocks reads found, waiting for `drop_damaged`."""
+        return self.store.damage_pending()
+
+    def drop_damaged(self) -> int:
+        """Remove the blocks reads found damaged (a record or payload that failed
+        verification) with their subtrees: each damaged record is counted, and every removed
+        block is reported as "corrupt". A server runs this with its touch flush; without
+        deferred touches it runs at once. Returns how many blocks went."""
+        now = self.clock()
+        dropped = self.store.drop_damaged(now=now, ttl_seconds=self.config.longest_ttl_seconds)
+        if dropped.records:
+            self.events.on_corrupt_records(dropped.records)
+        if dropped.removed:
+            self.events.on_evicted(dropped.removed, now=now)
+        return len(dropped.removed)
+
+    def _repair_now(self) -> None:
+        """Without deferred touches (a replay), damage a call found is dropped at once."""
+        if not self.touches.defer and self.store.damage_pending():
+            self.drop_damaged()
 
 
 def as_token_bytes(tokens: TokenInput) -> bytes:

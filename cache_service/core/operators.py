@@ -41,6 +41,8 @@ EXPLANATIONS = {  # why a lookup stopped where it did -> the sentence that says 
     "collision_rejected": "another block holds this block's key (a hash collision); it was "
     "not served",
     "stored_since": "the block was stored while this explanation was being made: look again",
+    "corrupt": "the block's stored record or payload failed verification: it is not served, "
+    "and it is dropped with the blocks stored under it",
 }
 
 
@@ -233,6 +235,8 @@ class Operators:
         facts: dict[str, Any] = {}
         if state.status == "collision":
             reason = "collision_rejected"
+        elif state.status == "corrupt":  # damaged, not yet dropped (dropped: the removal log)
+            reason = "corrupt"
         elif state.status == "expired":
             reason = "expired"
             facts = {"expired_at": state.expires_at, "retention": state.retention}

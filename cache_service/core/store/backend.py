@@ -12,6 +12,10 @@ Everything else (index upkeep, pins, removal logs, tenant bytes, eviction) is wr
 over these, in the parts beside this module. `check`, `count_hits`, `lift_expiry` and
 `incarnation` are a lookup's hot paths: a backend may read its raw records for them, or bind
 the generic versions in `store.generic` (all but `check`), written once over the rest.
+
+A record that fails verification is never an error: every read of it (`get`, the hot paths,
+`scan_blocks`) treats it as absent, adds its key to the transaction's `damaged` set and notes
+it in the backend's `DamageLog`, from which `drop_damaged` removes it later.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from contextlib import AbstractContextManager
 from typing import Protocol
 
 from cache_service.core.blocks import BlockMeta, ChainLink, NamespaceId, StoreKey, StoreUsage
+from cache_service.core.store.damage import DamageLog, Salvage
 
 VICTIMS = "victims"  # leaf blocks, by eviction priority
 EXPIRY = "expiry"  # every block, by expires_at
@@ -40,8 +45,16 @@ AUX_TABLES = (PINS, PIN_COUNTS, REMOVALS, REMOVAL_ORDER, FIRSTS, TENANT_LEAVES, 
 class Txn(Protocol):
     """One backend transaction: what every part of the store is written over."""
 
+    damaged: set[StoreKey]  # keys whose records this transaction found damaged
+
     def get(self, key: StoreKey) -> BlockMeta | None:
-        """The block's record, or None (a copy: changing it changes nothing stored)."""
+        """The block's record, or None: absent, or damaged (a copy: changing it changes
+        nothing stored)."""
+        ...
+
+    def salvage(self, key: StoreKey) -> Salvage | None:
+        """What can still be read of a record that fails verification; None when the record
+        is absent or sound."""
         ...
 
     def put(self, meta: BlockMeta) -> None:
@@ -163,6 +176,7 @@ class Backend(Protocol):
     """Where blocks live: transactions over them, a capacity report, and a close."""
 
     space: Space
+    damage: DamageLog  # where its transactions note the damaged records they meet
 
     def read(self, *, views: bool = False) -> AbstractContextManager[Txn]:
         """A read transaction; with `views`, payload reads may return views into the store

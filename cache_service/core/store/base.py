@@ -26,6 +26,7 @@ from cache_service.core.blocks import (
 from cache_service.core.eviction import EvictionPolicy
 from cache_service.core.store.backend import Space
 from cache_service.core.store.controls import OperatorControls
+from cache_service.core.store.damage import Dropped
 
 
 class BlockStore(OperatorControls, Protocol):
@@ -136,6 +137,16 @@ class BlockStore(OperatorControls, Protocol):
     def remove_subtree(self, namespace: NamespaceId, key: BlockKey, *, now: float) -> list[Evicted]:
         """Remove block `key` and its stored descendants, deepest first (reason "removed");
         pinned blocks and their ancestors stay; an unknown key removes nothing."""
+        ...
+
+    def drop_damaged(self, *, now: float, ttl_seconds: float) -> Dropped:
+        """Remove the blocks reads found damaged (record or payload) with their subtrees
+        (reason "corrupt"), mending the store around them; blocks a pin held above one
+        expire `ttl_seconds` from now. Reads only note damage; this is the write."""
+        ...
+
+    def damage_pending(self) -> int:
+        """How many damaged blocks reads noted since the last `drop_damaged`."""
         ...
 
     def batch(self) -> AbstractContextManager[None]:

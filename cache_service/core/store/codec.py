@@ -1,22 +1,55 @@
-"""The binary record a backend keeps per block (metadata without payload)."""
+"""The binary record a backend keeps per block (metadata without payload).
+
+Layout (little-endian), format 4:
+
+    offset  bytes  field
+         0      8  checksum: xxh3-64 (canonical, big-endian) of every byte after it
+         8      1  record version (4)
+         9      4  depth                       13   4  children
+        17      8  created_at                  25   8  last_used_at
+        33      8  expires_at                  41   8  lru_seq
+        49      8  hits                        57   8  payload_size
+        65      8  payload checksum            73  16  namespace root
+        89     16  parent key                 105   8  indexed expiry
+       113      8  stored seq                 121   1  retention name length
+       122      n  retention name (UTF-8), then the block's token bytes (uint32 LE each)
+
+The checksum covers the whole record, so a flipped bit anywhere in it makes the record read
+as damaged (`CorruptRecord` from `decode_meta`, `DAMAGED` from `check_record`): a miss,
+never a hit, never an exception for the caller.
+"""
 
 from __future__ import annotations
 
+import math
 import struct
+
+import xxhash
 
 from cache_service.core.blocks import BlockKey, BlockMeta, StoreKey
 
-RECORD_VERSION = 3
+RECORD_VERSION = 4
+SUM_BYTES = 8
 # version, depth, children, created, last_used, expires, lru_seq, hits, payload_size,
-# checksum, namespace root, parent key, indexed expiry, stored seq, retention length
-_HEADER = struct.Struct("<BIIdddQQQQ16s16sdQB")
+# payload checksum, namespace root, parent key, indexed expiry, stored seq, retention length
+_BODY = struct.Struct("<BIIdddQQQQ16s16sdQB")
+_digest = xxhash.xxh3_64_digest
+
+
+class CorruptRecord(ValueError):
+    """A stored block record that fails verification (internal: read as a miss)."""
+
+
+def seal(body: bytes | bytearray | memoryview) -> bytes:
+    """The checksum of a record's body (every byte after the checksum)."""
+    return _digest(body)
 
 
 def encode_meta(meta: BlockMeta) -> bytes:
-    """Pack a block's metadata: fixed header, retention name, then its token bytes."""
+    """Pack a block's metadata: checksum, fixed header, retention name, then its tokens."""
     retention = meta.retention.encode("utf-8")
-    return (
-        _HEADER.pack(
+    body = (
+        _BODY.pack(
             RECORD_VERSION,
             meta.depth,
             meta.children,
@@ -36,12 +69,26 @@ def encode_meta(meta: BlockMeta) -> bytes:
         + retention
         + meta.tokens
     )
+    return _digest(body) + body
+
+
+def intact(record: bytes | memoryview) -> bool:
+    """Whether a stored record passes its checksum and is of this version and length."""
+    return (
+        len(record) >= TOKENS_AT
+        and record[VERSION_AT] == RECORD_VERSION
+        and record[:SUM_BYTES] == _digest(record[SUM_BYTES:])
+    )
 
 
 def decode_meta(key: StoreKey, record: bytes | memoryview) -> BlockMeta:
-    """Unpack what `encode_meta` wrote; ValueError for an unknown record version."""
+    """Unpack what `encode_meta` wrote; CorruptRecord for a record that fails its checksum or
+    whose fields do not hold together (any damage reads as corruption, never another error)."""
+    raw = bytes(record)
+    if not intact(raw):
+        raise CorruptRecord("block record fails its checksum, version or length")
     (
-        version,
+        _version,
         depth,
         children,
         created_at,
@@ -56,17 +103,25 @@ def decode_meta(key: StoreKey, record: bytes | memoryview) -> BlockMeta:
         indexed_expiry,
         stored_seq,
         retention_len,
-    ) = _HEADER.unpack_from(record)
-    if version != RECORD_VERSION:
-        raise ValueError(f"unknown block record version {version}")
-    offset = _HEADER.size
-    retention = bytes(record[offset : offset + retention_len]).decode("utf-8")
+    ) = _BODY.unpack_from(raw, SUM_BYTES)
+    tokens_at = TOKENS_AT + retention_len
+    tokens = raw[tokens_at:]
+    if tokens_at > len(raw) or not tokens or len(tokens) % 4:
+        raise CorruptRecord("block record's retention name or tokens are cut short")
+    if any(math.isnan(t) for t in (created_at, last_used_at, expires_at, indexed_expiry)):
+        raise CorruptRecord("block record holds a time that is not a number")
+    if depth == 0 and parent != namespace_root:
+        raise CorruptRecord("a first block's parent is not its namespace root")
+    try:
+        retention = raw[TOKENS_AT:tokens_at].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptRecord("block record's retention name is not UTF-8") from exc
     return BlockMeta(
         key=key,
         namespace_root=BlockKey(namespace_root),
         parent=BlockKey(parent),
         depth=depth,
-        tokens=bytes(record[offset + retention_len :]),
+        tokens=tokens,
         payload_size=payload_size,
         checksum=checksum,
         created_at=created_at,
@@ -83,17 +138,41 @@ def decode_meta(key: StoreKey, record: bytes | memoryview) -> BlockMeta:
 
 def record_size(token_bytes: int, retention_len: int = 8) -> int:
     """Bytes of one encoded record."""
-    return _HEADER.size + retention_len + token_bytes
+    return TOKENS_AT + retention_len + token_bytes
 
 
-# Fixed offsets into the header, for reads that check a record without decoding it.
+# Fixed offsets into the record, for reads that check a record without decoding it.
 DEPTH = struct.Struct("<I")
 EXPIRES = struct.Struct("<d")
-DEPTH_AT, EXPIRES_AT, ROOT_AT, PARENT_AT, PARENT_END, RETENTION_LEN_AT = 1, 25, 65, 81, 97, 113
-STORED_SEQ_AT, STORED_SEQ_END = 105, 113  # a stored copy's incarnation: unique per write
-TOKENS_AT = _HEADER.size  # plus the retention name's length
+VERSION_AT, DEPTH_AT, EXPIRES_AT = 8, 9, 33
+ROOT_AT, PARENT_AT, PARENT_END, RETENTION_LEN_AT = 73, 89, 105, 121
+STORED_SEQ_AT, STORED_SEQ_END = 113, 121  # a stored copy's incarnation: unique per write
+TOKENS_AT = SUM_BYTES + _BODY.size  # plus the retention name's length
 
-MISSING, HIT, COLLISION = 0, 1, 2
+MISSING, HIT, COLLISION, DAMAGED = 0, 1, 2, 3
+
+# Every field of the record: (offset, bytes); the last two run to the retention name's length
+# and to the record's end (None). Tests damage each of them.
+RECORD_FIELDS: dict[str, tuple[int, int | None]] = {
+    "checksum": (0, SUM_BYTES),
+    "version": (VERSION_AT, 1),
+    "depth": (DEPTH_AT, 4),
+    "children": (13, 4),
+    "created_at": (17, 8),
+    "last_used_at": (25, 8),
+    "expires_at": (EXPIRES_AT, 8),
+    "lru_seq": (41, 8),
+    "hits": (49, 8),
+    "payload_size": (57, 8),
+    "payload_checksum": (65, 8),
+    "namespace_root": (ROOT_AT, 16),
+    "parent": (PARENT_AT, 16),
+    "indexed_expiry": (105, 8),
+    "stored_seq": (STORED_SEQ_AT, 8),
+    "retention_length": (RETENTION_LEN_AT, 1),
+    "retention": (TOKENS_AT, None),
+    "tokens": (TOKENS_AT, None),
+}
 
 
 def check_record(
@@ -104,11 +183,14 @@ def check_record(
     depth: int,
     now: float,
 ) -> int:
-    """MISSING (absent or expired), HIT (this very block, alive) or COLLISION, read straight
-    from the record: a lookup checks hundreds of blocks and decodes none of them."""
+    """MISSING (absent or expired), HIT (this very block, alive), COLLISION, or DAMAGED (the
+    record fails its checksum: read as missing), straight from the record: a lookup checks
+    hundreds of blocks and decodes none of them."""
     if record is None:
         return MISSING
     raw = bytes(record)  # a no-op for bytes (LMDB reads here return bytes, not views)
+    if not intact(raw):
+        return DAMAGED
     if now >= EXPIRES.unpack_from(raw, EXPIRES_AT)[0]:
         return MISSING
     if (

@@ -4,7 +4,8 @@
       -> parts: victims index (with the policy), expiry index, tenant accounts, pins,
          removal log and first-block hints, kept together by `Records`
       -> operations: `DataPath` (match, insert, touch, payload reads, usage),
-         `Evictions` (evict, evict_tenant, remove_subtree), `Controls` (operator controls)
+         `Evictions` (evict, evict_tenant, remove_subtree), `Controls` (operator controls),
+         `Repairs` (drop_damaged: blocks that failed verification, with their subtrees)
 
 A backend module adds only its backend and a thin class that hands it to `ComposedStore`.
 """
@@ -20,6 +21,7 @@ from cache_service.core.store.data_path import DataPath
 from cache_service.core.store.evictions import Evictions
 from cache_service.core.store.records import Records
 from cache_service.core.store.removals import DEFAULT_REMOVAL_LOG_ENTRIES, RemovalLog
+from cache_service.core.store.repairs import Repairs
 from cache_service.core.store.tenants import TenantAccounts
 from cache_service.core.store.txns import Transactions
 from cache_service.core.store.victims import VictimIndex
@@ -43,10 +45,11 @@ class ComposedStore(Generic[B]):
         self._removal_log = RemovalLog(removal_log_entries)
         txns = Transactions(backend)
         records = Records(VictimIndex(self.policy), TenantAccounts(self.space), self._removal_log)
-        data, evictions, controls = (
-            DataPath(txns, records),
+        data, evictions, controls, repairs = (
+            DataPath(txns, records, backend.damage),
             Evictions(txns, records),
             Controls(txns, records),
+            Repairs(txns, records, backend.damage),
         )
         # The operations are the parts' own bound methods: a call costs no extra frame.
         self.match = data.match
@@ -68,6 +71,8 @@ class ComposedStore(Generic[B]):
         self.purge = controls.purge
         self.inspect = controls.inspect
         self.first_block_homes = controls.first_block_homes
+        self.drop_damaged = repairs.drop_damaged
+        self.damage_pending = repairs.damage_pending
 
     @property
     def removal_log_entries(self) -> int:

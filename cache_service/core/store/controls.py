@@ -179,28 +179,12 @@ class Controls:
                 raise Forbidden(
                     f"this prefix was pinned by {record.by!r}, whose role is above this key's"
                 )
-            self._release(txn, store_key(part, deepest), record.blocks, now, ttl_seconds)
+            held_from = store_key(part, deepest)
+            release(
+                self.records, txn, held_from, count=record.blocks, now=now, ttl_seconds=ttl_seconds
+            )
             pins.delete_record(txn, key)
         return record.blocks
-
-    def _release(self, txn: Txn, key: StoreKey, count: int, now: float, ttl_seconds: float) -> None:
-        """Take one pin off `count` blocks from `key` up the chain; a block no pin holds any
-        more expires `ttl_seconds` from now, and its expiry-index entry (moved to never while
-        it was pinned) comes back to that time."""
-        at: StoreKey | None = key
-        for _ in range(count):  # deepest first, up the chain
-            meta = txn.get(at) if at is not None else None
-            if meta is None:
-                return
-            held = pins.holders(txn, meta.key)
-            pins.set_holders(txn, meta.key, max(held - 1, 0))
-            if held <= 1:
-                before = self.records.position(meta)
-                meta.expires_at = now + ttl_seconds
-                self.records.save(txn, meta, before)
-                if meta.indexed_expiry > meta.expires_at:
-                    expiry.refile(txn, meta)
-            at = meta.parent_key if meta.depth else None
 
     def pins(self, partition: bytes) -> list[PinRecord]:
         """Every pin of a tenant (by its partition)."""
@@ -275,7 +259,14 @@ class Controls:
                     if record is not None:
                         pins.delete_record(txn, key)
                         if meta.depth and record.blocks > 1:
-                            self._release(txn, meta.parent_key, record.blocks - 1, now, ttl_seconds)
+                            release(
+                                self.records,
+                                txn,
+                                meta.parent_key,
+                                count=record.blocks - 1,
+                                now=now,
+                                ttl_seconds=ttl_seconds,
+                            )
                         released += 1
                     self.records.drop(txn, meta, reason="purged", at=now)
                     blocks += 1
@@ -295,6 +286,8 @@ class Controls:
             if status == HIT:
                 return BlockState("stored")  # stored since the lookup
             meta = txn.get(key)
+            if meta is None and txn.salvage(key) is not None:
+                return BlockState("corrupt")  # its record fails verification: dropped soon
             if meta is not None and not meta.is_alive(now):
                 return BlockState("expired", expires_at=meta.expires_at, retention=meta.retention)
             return BlockState("absent", removal=self.records.removal_log.recall(txn, key))
@@ -313,6 +306,28 @@ class Controls:
                 root, block_size = parse_hint(key, prefix)
                 homes.append((root, block_size, txn.get_namespace(store_key(partition, root))))
             return homes
+
+
+def release(
+    records: Records, txn: Txn, key: StoreKey, *, count: int, now: float, ttl_seconds: float
+) -> None:
+    """Take one pin off `count` blocks from `key` up the chain; a block no pin holds any
+    more expires `ttl_seconds` from now, and its expiry-index entry (moved to never while
+    it was pinned) comes back to that time."""
+    at: StoreKey | None = key
+    for _ in range(count):  # deepest first, up the chain
+        meta = txn.get(at) if at is not None else None
+        if meta is None:
+            return
+        held = pins.holders(txn, meta.key)
+        pins.set_holders(txn, meta.key, max(held - 1, 0))
+        if held <= 1:
+            before = records.position(meta)
+            meta.expires_at = now + ttl_seconds
+            records.save(txn, meta, before)
+            if meta.indexed_expiry > meta.expires_at:
+                expiry.refile(txn, meta)
+        at = meta.parent_key if meta.depth else None
 
 
 def _verified(

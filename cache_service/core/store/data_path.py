@@ -4,7 +4,9 @@ Invariants every operation keeps (with those of `store.records`):
 - prefix-closed: a stored block's parent is stored, and a block's expiry is never earlier
   than any stored descendant's;
 - verified: a block is only reported when its stored namespace, depth, parent key and tokens
-  equal the request's.
+  equal the request's;
+- damage is a miss: a record or payload that fails verification is read as absent, and its
+  key noted in the damage log for `drop_damaged` (reads never write).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from cache_service.core.blocks import (
 from cache_service.core.errors import MissingParent
 from cache_service.core.store.backend import Txn
 from cache_service.core.store.codec import COLLISION, HIT
+from cache_service.core.store.damage import DamageLog
 from cache_service.core.store.records import Records
 from cache_service.core.store.removals import record_first_block
 from cache_service.core.store.txns import Transactions
@@ -45,9 +48,10 @@ def checksum(payload: bytes | memoryview) -> int:
 class DataPath:
     """match, payload reads, insert and touch over transactions and block records."""
 
-    def __init__(self, txns: Transactions, records: Records) -> None:
+    def __init__(self, txns: Transactions, records: Records, damage: DamageLog) -> None:
         self.txns = txns
         self.records = records
+        self.damage = damage
 
     def match(
         self,
@@ -98,9 +102,9 @@ class DataPath:
                     collisions += status == COLLISION
                     break
                 meta = txn.get(stored)
-                payload = _verified_payload(txn, meta) if meta is not None else None
+                payload = self._verified_payload(txn, meta) if meta is not None else None
                 if payload is None:
-                    corrupt += 1
+                    corrupt += meta is not None
                     break
                 keep(matched, payload)
                 matched += 1
@@ -136,10 +140,22 @@ class DataPath:
                 if meta is None or not meta.is_alive(now) or meta.namespace_root != namespace.root:
                     sink(index, None)
                     continue
-                payload = _verified_payload(txn, meta)
+                payload = self._verified_payload(txn, meta)
                 corrupt += payload is None
                 sink(index, payload)
         return corrupt
+
+    def _verified_payload(self, txn: Txn, meta: BlockMeta) -> bytes | memoryview | None:
+        """The block's payload if it passes its length and checksum; a damaged one is noted."""
+        payload = txn.get_payload(meta.key)
+        if (
+            payload is None
+            or len(payload) != meta.payload_size
+            or checksum(payload) != meta.checksum
+        ):
+            self.damage.note_payload(meta.key)
+            return None
+        return payload
 
     def usage(self) -> StoreUsage:
         """Blocks, payload bytes and the space the backend really uses."""
@@ -189,6 +205,10 @@ class DataPath:
                 link = block.link
                 key = store_key(part, link.key)
                 old = txn.get(key)
+                if old is None and key in txn.damaged:
+                    # Not written over (its lost children count would orphan its subtree):
+                    # drop_damaged removes it with its subtree, and the next store succeeds.
+                    break
                 foreign = old is not None and old.namespace_root != namespace.root
                 if old is not None and (foreign or not old.holds(link)):
                     collisions += 1
@@ -332,10 +352,3 @@ def _later_expiry(meta: BlockMeta, expires_at: float, retention: str) -> tuple[f
     if expires_at > meta.expires_at:
         return expires_at, retention
     return meta.expires_at, meta.retention
-
-
-def _verified_payload(txn: Txn, meta: BlockMeta) -> bytes | memoryview | None:
-    payload = txn.get_payload(meta.key)
-    if payload is None or len(payload) != meta.payload_size or checksum(payload) != meta.checksum:
-        return None
-    return payload

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 from cache_service.core.blocks import BlockKey, BlockMeta, Evicted, NamespaceId, StoreKey, store_key
 from cache_service.core.store import expiry, subtrees
-from cache_service.core.store.backend import EXPIRY, VICTIMS, Txn
+from cache_service.core.store.backend import EXPIRY, SORT_KEY_BYTES, VICTIMS, Txn
 from cache_service.core.store.records import Records
 from cache_service.core.store.txns import Transactions
 
@@ -77,10 +77,11 @@ class Evictions:
                     break
                 entries = tenants.leaves(txn, partition, limit)
                 victim = None
+                listed_at = slice(len(partition), len(partition) + SORT_KEY_BYTES)
                 for entry, key in entries:
                     meta = txn.get(key)
-                    if meta is None or meta.children or meta.pinned:
-                        tenants.forget(txn, entry)  # stale: not a leaf any more
+                    if meta is None or entry[listed_at] != self.records.position(meta):
+                        tenants.forget(txn, entry)  # stale: gone, damaged, or not this leaf now
                     elif meta.key not in protected:
                         victim = meta
                         break
@@ -179,6 +180,12 @@ class _Scan:
             return None
         return parent
 
+    def _listed_at(self, index: str, meta: BlockMeta) -> bytes | None:
+        """Where `index` should list the block, as its record says."""
+        if index == EXPIRY:
+            return expiry.sort_key(meta.indexed_expiry)
+        return self.records.position(meta)
+
     def _candidates(self, index: str, upto: bytes | None, now: float | None) -> Iterator[BlockMeta]:
         """Leaf blocks from the front of an index; rescans after each batch it yields from."""
         txn = self.txn
@@ -187,9 +194,14 @@ class _Scan:
         while True:
             entries = list(txn.index_scan(index, after=after, upto=upto, limit=limit))
             found = False
-            for _, key in entries:
+            for sort_key, key in entries:
+                if key in self.protected:
+                    continue
                 meta = txn.get(key)
-                if meta is None or key in self.protected:
+                if meta is None or sort_key != self._listed_at(index, meta):
+                    # Its record is gone (dropped as damaged, whose entries could not be
+                    # told) or disagrees: a stale entry, removed so no scan meets it again.
+                    txn.index_remove(index, sort_key, key)
                     continue
                 if index == EXPIRY and now is not None and meta.is_alive(now):
                     expiry.refile(txn, meta)  # listed early: its TTL slid since

@@ -34,26 +34,37 @@ from cache_service.core.store import generic
 from cache_service.core.store.backend import AUX_TABLES, INDEXES, SORT_KEY_BYTES
 from cache_service.core.store.base import IdentityCheck
 from cache_service.core.store.codec import (
+    DAMAGED,
     DEPTH,
     DEPTH_AT,
     EXPIRES,
     EXPIRES_AT,
+    MISSING,
     PARENT_AT,
     PARENT_END,
+    RECORD_VERSION,
     RETENTION_LEN_AT,
     ROOT_AT,
     STORED_SEQ_AT,
     STORED_SEQ_END,
+    SUM_BYTES,
     TOKENS_AT,
+    VERSION_AT,
+    CorruptRecord,
     check_record,
     decode_meta,
     encode_meta,
+    intact,
     record_size,
+    seal,
 )
 from cache_service.core.store.composed import ComposedStore
+from cache_service.core.store.damage import DamageLog, Salvage
+from cache_service.core.store.migrations import migrate
 from cache_service.core.store.removals import DEFAULT_REMOVAL_LOG_ENTRIES
 
-FORMAT_VERSION = b"3"
+FORMAT_VERSION = b"4"  # format 4: block records carry a checksum (format 3 is migrated)
+MIGRATES_FROM = frozenset({b"3"})  # formats migrated in place when opened (migrations.py)
 SYNC_MODES = {
     "full": {"sync": True, "metasync": True},
     "nometasync": {"sync": True, "metasync": False},
@@ -68,7 +79,8 @@ _I64 = struct.Struct("<q")
 
 
 class _LmdbTxn:
-    """The data-path primitives over one LMDB transaction; the hot paths read raw records."""
+    """The data-path primitives over one LMDB transaction; the hot paths read raw records, and
+    verify each record's checksum before they trust any field of it."""
 
     def __init__(self, backend: LmdbBackend, txn: Any) -> None:
         self._backend = backend
@@ -76,21 +88,46 @@ class _LmdbTxn:
         self._dbs = backend.dbs
         self._blocks = backend.dbs["blocks"]
         self._payload_delta = 0
+        self.damaged: set[StoreKey] = set()
+
+    def _note(self, key: bytes) -> None:
+        """A record under `key` failed verification: read as absent, dropped later."""
+        self.damaged.add(StoreKey(key))
+        self._backend.damage.note_record(StoreKey(key))
 
     def get(self, key: StoreKey) -> BlockMeta | None:
-        record = self._txn.get(key, db=self._dbs["blocks"])
-        return decode_meta(key, record) if record is not None else None
+        record = self._txn.get(key, db=self._blocks)
+        if record is None:
+            return None
+        try:
+            return decode_meta(key, record)
+        except CorruptRecord:
+            self._note(key)
+            return None
+
+    def salvage(self, key: StoreKey) -> Salvage | None:
+        record = self._txn.get(key, db=self._blocks)
+        if record is None or intact(record):
+            return None
+        raw = bytes(record)
+        payload = self._txn.get(key, db=self._dbs["payloads"])
+        return Salvage(len(raw), len(payload) if payload is not None else 0,
+                       raw[PARENT_AT:PARENT_END])  # fmt: skip
 
     def check(
         self, key: StoreKey, root_and_parent: bytes, tokens: bytes, depth: int, now: float
     ) -> int:
-        return check_record(
+        status = check_record(
             self._txn.get(key, db=self._blocks),
             root_and_parent=root_and_parent,
             tokens=tokens,
             depth=depth,
             now=now,
         )
+        if status == DAMAGED:
+            self._note(key)
+            return MISSING
+        return status
 
     def count_hits(
         self, namespace: NamespaceId, links: Sequence[ChainLink], start: int, now: float
@@ -99,15 +136,25 @@ class _LmdbTxn:
         # body 512 times, so it builds no tuples, links or concatenations.
         if not isinstance(links, Chain):
             return generic.count_hits(self, namespace, links, start, now)
-        get, blocks = self._txn.get, self._blocks
+        get, blocks, digest = self._txn.get, self._blocks, seal
         keys, tokens, stride = links.keys, links.token_bytes, links.stride
         partition, root = namespace.partition, namespace.root
         parent = keys[start - 1] if start else root
         unpack_expires, unpack_depth = EXPIRES.unpack_from, DEPTH.unpack_from
         for depth in range(start, len(keys)):
             key = keys[depth]
-            raw = get(partition + key if partition else key, db=blocks)
-            if raw is None or now >= unpack_expires(raw, EXPIRES_AT)[0]:
+            stored = partition + key if partition else key
+            raw = get(stored, db=blocks)
+            if raw is None:
+                return depth - start, 0
+            if (  # codec.intact, inline: the checksum first, then any field
+                len(raw) < TOKENS_AT
+                or raw[VERSION_AT] != RECORD_VERSION
+                or raw[:SUM_BYTES] != digest(raw[SUM_BYTES:])
+            ):
+                self._note(stored)
+                return depth - start, 0
+            if now >= unpack_expires(raw, EXPIRES_AT)[0]:
                 return depth - start, 0
             offset = depth * stride
             if (
@@ -120,27 +167,40 @@ class _LmdbTxn:
             parent = key
         return len(keys) - start, 0
 
-    def lift_expiry(self, key: StoreKey, expires_at: float, retention: str) -> StoreKey | None:
+    def _intact(self, key: StoreKey) -> bytes | None:
+        """The raw record under `key` if it passes verification (a damaged one is noted)."""
         raw = self._txn.get(key, db=self._blocks)
+        if raw is None:
+            return None
+        if not intact(raw):
+            self._note(key)
+            return None
+        return bytes(raw)
+
+    def lift_expiry(self, key: StoreKey, expires_at: float, retention: str) -> StoreKey | None:
+        raw = self._intact(key)
         if raw is None or EXPIRES.unpack_from(raw, EXPIRES_AT)[0] >= expires_at:
             return None
         depth = DEPTH.unpack_from(raw, DEPTH_AT)[0]
         parent = StoreKey(key[:-KEY_BYTES] + raw[PARENT_AT:PARENT_END]) if depth else None
         if raw[TOKENS_AT : TOKENS_AT + raw[RETENTION_LEN_AT]] == retention.encode():
-            record = bytearray(raw)  # the same class: patch the expiry in place
+            record = bytearray(raw)  # the same class: patch the expiry in place, and reseal
             EXPIRES.pack_into(record, EXPIRES_AT, expires_at)
+            record[:SUM_BYTES] = seal(memoryview(record)[SUM_BYTES:])
             self._txn.put(key, record, db=self._blocks)
         else:  # another class name, another record length: re-encode
-            meta = decode_meta(key, raw)
+            meta = self.get(key)
+            if meta is None:
+                return None
             meta.expires_at, meta.retention = expires_at, retention
             self.put(meta)
         return parent
 
     def incarnation(self, key: StoreKey, now: float) -> bytes | None:
-        raw = self._txn.get(key, db=self._blocks)
+        raw = self._intact(key)
         if raw is None or now >= EXPIRES.unpack_from(raw, EXPIRES_AT)[0]:
             return None
-        return bytes(raw[STORED_SEQ_AT:STORED_SEQ_END])
+        return raw[STORED_SEQ_AT:STORED_SEQ_END]
 
     def put(self, meta: BlockMeta) -> None:
         self._txn.put(meta.key, encode_meta(meta), db=self._dbs["blocks"])
@@ -222,7 +282,10 @@ class _LmdbTxn:
                 if not key.startswith(prefix):
                     break
                 if prefix or len(key) == KEY_BYTES:  # the default tenant's keys have no prefix
-                    out.append(decode_meta(StoreKey(key), cursor.value()))
+                    try:
+                        out.append(decode_meta(StoreKey(key), cursor.value()))
+                    except CorruptRecord:
+                        self._note(key)  # skipped here; drop_damaged takes it out
                 positioned = cursor.next()
         return out
 
@@ -323,26 +386,33 @@ class LmdbBackend:
             name: self.env.open_db(name.encode())
             for name in ("blocks", "payloads", "namespaces", *INDEXES, "meta", *AUX_TABLES)
         }
+        self.damage = DamageLog()
         try:
-            self._check_record(identity)
+            if self._check_record(identity):
+                migrate(self.env, self.dbs["blocks"], where=str(self.path))
+                with self.env.begin(write=True) as txn:
+                    txn.put(_FORMAT, FORMAT_VERSION, db=self.dbs["meta"])
         except BaseException:
             self.env.close()  # a refused opener leaves no environment open behind it
             raise
         self.space = LmdbSpace(self.path, int(self.env.stat()["psize"]), len(self.dbs))
 
-    def _check_record(self, identity: IdentityCheck | None) -> None:
+    def _check_record(self, identity: IdentityCheck | None) -> bool:
         """Check the format and the identity record, writing what a new store lacks, in one
         write transaction: LMDB runs one writer at a time across processes, so of workers
-        opening a new folder together one records and the others check against it."""
+        opening a new folder together one records and the others check against it. True
+        when the store holds an older format to migrate (after the identity is settled, so
+        a refused opener rewrites nothing)."""
         meta = self.dbs["meta"]
         with self.env.begin(write=True) as txn:
             found = txn.get(_FORMAT, db=meta)
-            if found is None:
+            stored_format = bytes(found) if found is not None else None
+            if stored_format is None:
                 txn.put(_FORMAT, FORMAT_VERSION, db=meta)
-            elif bytes(found) != FORMAT_VERSION:
+            elif stored_format != FORMAT_VERSION and stored_format not in MIGRATES_FROM:
                 raise StorageError(
-                    f"{self.path} holds store format {bytes(found)!r}; this build reads "
-                    f"{FORMAT_VERSION!r}"
+                    f"{self.path} holds store format {stored_format!r}; this build reads "
+                    f"{FORMAT_VERSION!r} (and migrates {b', '.join(sorted(MIGRATES_FROM))!r})"
                 )
             if identity is not None:
                 raw = txn.get(_IDENTITY, db=meta)
@@ -350,6 +420,7 @@ class LmdbBackend:
                 record = identity.settle(stored, where=str(self.path))
                 if record != stored:
                     txn.put(_IDENTITY, record, db=meta)
+        return stored_format in MIGRATES_FROM
 
     @contextmanager
     def read(self, *, views: bool = False) -> Iterator[_LmdbTxn]:

@@ -14,6 +14,7 @@ from cache_service.core.store import generic
 from cache_service.core.store.backend import AUX_TABLES, INDEXES, SORT_KEY_BYTES
 from cache_service.core.store.codec import COLLISION, HIT, MISSING, record_size
 from cache_service.core.store.composed import ComposedStore
+from cache_service.core.store.damage import DamageLog, Salvage
 from cache_service.core.store.removals import DEFAULT_REMOVAL_LOG_ENTRIES
 
 # What a block costs beyond its payload and tokens here (dict slots, objects): an estimate,
@@ -40,6 +41,7 @@ class MemoryBackend:
 
     def __init__(self) -> None:
         self.space = MemorySpace()
+        self.damage = DamageLog()  # records here are objects and never damaged; payloads may be
         self.metas: dict[StoreKey, BlockMeta] = {}
         self.payloads: dict[StoreKey, bytes] = {}
         self.namespaces: dict[StoreKey, bytes] = {}
@@ -67,6 +69,7 @@ class _MemoryTxn:
 
     def __init__(self, backend: MemoryBackend) -> None:
         self._b = backend
+        self.damaged: set[StoreKey] = set()  # stays empty: a record object cannot be damaged
 
     count_hits = generic.count_hits
     lift_expiry = generic.lift_expiry
@@ -75,6 +78,9 @@ class _MemoryTxn:
     def get(self, key: StoreKey) -> BlockMeta | None:
         meta = self._b.metas.get(key)
         return replace(meta) if meta is not None else None
+
+    def salvage(self, key: StoreKey) -> Salvage | None:
+        return None
 
     def check(
         self, key: StoreKey, root_and_parent: bytes, tokens: bytes, depth: int, now: float

@@ -1,5 +1,8 @@
 """Which blocks a purge or a subtree removal deletes: read in short transactions, ordered
-deepest first, so that deleting them in that order keeps the store prefix-closed."""
+deepest first, so that deleting them in that order keeps the store prefix-closed.
+
+A damaged record is skipped by the scan (and noted as damaged by it); the blocks under it are
+still found, by their own parent keys."""
 
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ class Target(NamedTuple):
     key: StoreKey
     depth: int
     parent_key: StoreKey
+    children: int = 0  # as the block's record counts them
+    root: bytes = b""  # its namespace root
 
 
 def find(
@@ -27,8 +32,20 @@ def find(
     under: StoreKey | None = None,
 ) -> list[Target]:
     """A tenant's blocks (of namespace `root` only, if given; only `under` and its
-    descendants, if given), deepest first. Each batch is read in its own short transaction,
-    so the answer is a snapshot: its blocks may have changed by the time they are deleted."""
+    descendants, if given: its descendants alone if its own record is gone or damaged),
+    deepest first. Each batch is read in its own short transaction, so the answer is a
+    snapshot: its blocks may have changed by the time they are deleted."""
+    found = scan(txns, partition)
+    if root is not None:
+        found = [target for target in found if target.root == root]
+    if under is not None:
+        found = subtree(found, under)
+    found.sort(key=lambda target: -target.depth)  # children before parents
+    return found
+
+
+def scan(txns: Transactions, partition: bytes) -> list[Target]:
+    """Every readable block of a tenant, in key order, read in short transactions."""
     found: list[Target] = []
     after: bytes | None = None
     while True:
@@ -37,25 +54,27 @@ def find(
         if not batch:
             break
         found += [
-            Target(meta.key, meta.depth, meta.parent_key)
+            Target(meta.key, meta.depth, meta.parent_key, meta.children, meta.namespace_root)
             for meta in batch
-            if root is None or meta.namespace_root == root
         ]
         after = batch[-1].key
-    if under is not None:
-        found = _subtree(found, under)
-    found.sort(key=lambda target: -target.depth)  # children before parents
     return found
 
 
-def _subtree(found: list[Target], under: StoreKey) -> list[Target]:
-    """`under` and its descendants among `found`."""
+def subtree(found: list[Target], under: StoreKey) -> list[Target]:
+    """`under` (if it is among `found`) and its descendants among `found`, parents first."""
     children: dict[bytes, list[Target]] = {}
     for target in found:
         if target.depth:
             children.setdefault(target.parent_key, []).append(target)
-    start = next((target for target in found if target.key == under), None)
-    subtree = [start] if start is not None else []
-    for target in subtree:  # grows as it goes: a breadth-first walk
-        subtree += children.get(target.key, [])
-    return subtree
+    result = [target for target in found if target.key == under][:1]
+    result += children.get(under, [])
+    seen = {target.key for target in result} | {under}
+    at = 0
+    while at < len(result):  # breadth first; `seen` guards against a record its own parent
+        for child in children.get(result[at].key, []):
+            if child.key not in seen:
+                seen.add(child.key)
+                result.append(child)
+        at += 1
+    return result

@@ -191,6 +191,8 @@ class Service:
             return
         if state.cache.touches.pending:
             await state.writes.run(state.cache.touches.flush, refusable=False)
+        if state.cache.damage_pending:  # reads only note damage: the flush drops it
+            await state.writes.run(state.cache.drop_damaged, refusable=False)
         if state.usage_log is not None:
             await run_in_threadpool(state.usage_log.flush)
 
