@@ -148,7 +148,7 @@ async def pin(request: Request) -> Response:
     "/v1/unpin",
     summary="Release a pin",
     openapi_extra=json_body("PinRequest"),
-    responses=responses({JSON: UnpinResponse}, 400, 403, 408, 413, 415, 422, 503, 507),
+    responses=responses({JSON: UnpinResponse}, 400, 403, 408, 409, 413, 415, 422, 503, 507),
 )
 async def unpin(request: Request) -> Response:
     """Release the pin of exactly this prefix; its blocks then expire as if just used under
