@@ -60,6 +60,7 @@ from cache_service.core.store.codec import (
 )
 from cache_service.core.store.composed import ComposedStore
 from cache_service.core.store.damage import DamageLog, Salvage
+from cache_service.core.store.lmdb_disk import disk_has_room, release_freed, write_error
 from cache_service.core.store.migrations import migrate
 from cache_service.core.store.removals import DEFAULT_REMOVAL_LOG_ENTRIES
 
@@ -387,14 +388,23 @@ class LmdbBackend:
             for name in ("blocks", "payloads", "namespaces", *INDEXES, "meta", *AUX_TABLES)
         }
         self.damage = DamageLog()
+        # Set when the opening checks passed but a full disk kept their record from being
+        # written (a steering setting changed): the store opens read-mostly all the same.
+        self.unrecorded: DiskFull | None = None
+        # While the disk is full, each commit is followed by a tiny one (see lmdb_disk).
+        self.disk_full = not disk_has_room(self.path)
         try:
             if self._check_record(identity):
                 migrate(self.env, self.dbs["blocks"], where=str(self.path))
                 with self.env.begin(write=True) as txn:
                     txn.put(_FORMAT, FORMAT_VERSION, db=self.dbs["meta"])
+        except lmdb.Error as exc:
+            self.unrecorded = self._open_on_full_disk(exc)
         except BaseException:
             self.env.close()  # a refused opener leaves no environment open behind it
             raise
+        if self.disk_full:  # the last run's last commit (a purge?) freed pages: reach them
+            release_freed(self.env, self.dbs["meta"])
         self.space = LmdbSpace(self.path, int(self.env.stat()["psize"]), len(self.dbs))
 
     def _check_record(self, identity: IdentityCheck | None) -> bool:
@@ -436,13 +446,31 @@ class LmdbBackend:
                 wrapped = _LmdbTxn(self, txn)
                 yield wrapped
                 wrapped.flush()
-        except lmdb.MapFullError as exc:
-            raise StoreFull("the LMDB map is full") from exc
-        except lmdb.DiskError as exc:  # ENOSPC, or the commit's I/O error that follows it
-            raise DiskFull(
-                f"the file system holding {self.path} is full ({exc}); reads go on, and "
-                "writes resume once eviction or a purge frees room in the store"
-            ) from exc
+        except lmdb.Error as exc:  # a full map or disk (ENOSPC, a short write's EIO), a bad disk
+            error = write_error(exc, self.path)
+            if error is None:
+                raise
+            if isinstance(error, StoreFull):  # a full disk or map: no fresh pages
+                self.disk_full = isinstance(error, DiskFull)
+                release_freed(self.env, self.dbs["meta"])  # for the next try (lmdb_disk)
+            raise error from exc
+        if self.disk_full or not disk_has_room(self.path):  # a statvfs: microseconds
+            release_freed(self.env, self.dbs["meta"])  # what this commit freed, for the next
+            self.disk_full = not disk_has_room(self.path)
+
+    def _open_on_full_disk(self, exc: lmdb.Error) -> DiskFull:
+        """The opening write failed: go on if only the disk was full and the store's format
+        is already this build's (its checks passed before the commit); else close, raise."""
+        error = write_error(exc, self.path)
+        if isinstance(error, DiskFull):
+            with self.env.begin() as txn:
+                found = txn.get(_FORMAT, db=self.dbs["meta"])
+            if found is not None and bytes(found) == FORMAT_VERSION:
+                return error
+        self.env.close()  # a refused opener leaves no environment open behind it
+        if error is None:
+            raise exc
+        raise error from exc
 
     def close(self) -> None:
         """Close the environment."""
