@@ -261,11 +261,21 @@ async def stats(request: Request) -> dict[str, Any]:
             "estimated_bytes": await run_in_threadpool(capacity.tenant_bytes, tenant),
             "capacity_bytes": capacity.tenant_capacity_bytes.get(tenant),
         }
+    room = await run_in_threadpool(capacity.disk)  # a statvfs; None for a store not on disk
     return {
         "blocks": usage.blocks,
         "payload_bytes": usage.payload_bytes,
         "used_bytes": usage.used_bytes,
         "capacity_bytes": capacity.capacity_bytes,
+        "disk": None
+        if room is None
+        else {
+            "free_bytes": room.free_bytes,
+            "file_bytes": room.file_bytes,
+            "limit_bytes": room.limit_bytes,
+            "shortfall_bytes": room.shortfall_bytes,
+            "full": room.full,
+        },
         "pending_touches": state.cache.touches.pending,
         "retention": by_class,
         "tenants": by_tenant,
