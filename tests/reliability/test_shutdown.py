@@ -193,6 +193,8 @@ def test_sigterm_exits_in_bound_with_status_0_and_keeps_every_acknowledged_store
     server.start()  # the last cycle's stores, and every prompt once more
     blocks_checked += check_prompts(server.url, prompts.made(), acks, verifier, thorough=True)
     sigterm_and_time(server, exits)
+    log = server.log_path.read_text(errors="replace")
+    errors = log.count("Traceback") + log.count("Exception in ASGI application")
     report(
         scenario=scenario.name,
         cycles=cycles,
@@ -206,6 +208,7 @@ def test_sigterm_exits_in_bound_with_status_0_and_keeps_every_acknowledged_store
         lost=len(verifier.lost),
         wrong=len(verifier.wrong),
         requests=outcomes,
+        log_errors=errors,
     )
     assert all(status == 0 for status in exits.statuses), exits.statuses
     assert max(exits.seconds) <= EXIT_BOUND_SECONDS, exits.seconds
@@ -213,5 +216,6 @@ def test_sigterm_exits_in_bound_with_status_0_and_keeps_every_acknowledged_store
     assert not verifier.lost, verifier.lost[:10]
     assert not verifier.wrong, verifier.wrong[:10]
     assert not unexpected, unexpected[:10]
+    assert not errors, f"tracebacks in the server log: {server.log_path}"
     if scenario.writers or scenario.slow:
         assert acks.stores > 0
