@@ -21,7 +21,6 @@ never a hit, never an exception for the caller.
 
 from __future__ import annotations
 
-import math
 import struct
 
 import xxhash
@@ -108,8 +107,6 @@ def decode_meta(key: StoreKey, record: bytes | memoryview) -> BlockMeta:
     tokens = raw[tokens_at:]
     if tokens_at > len(raw) or not tokens or len(tokens) % 4:
         raise CorruptRecord("block record's retention name or tokens are cut short")
-    if any(math.isnan(t) for t in (created_at, last_used_at, expires_at, indexed_expiry)):
-        raise CorruptRecord("block record holds a time that is not a number")
     if depth == 0 and parent != namespace_root:
         raise CorruptRecord("a first block's parent is not its namespace root")
     try:

@@ -31,7 +31,6 @@ from cache_service.core.blocks import (
 )
 from cache_service.core.errors import MissingParent
 from cache_service.core.store.backend import Txn
-from cache_service.core.store.codec import COLLISION, HIT
 from cache_service.core.store.damage import DamageLog
 from cache_service.core.store.records import Records
 from cache_service.core.store.removals import record_first_block
@@ -96,15 +95,22 @@ class DataPath:
                 )
                 return MatchResult(matched=matched, collisions=collisions, incarnation=last)
             for key, parent, tokens, depth in link_parts(links):
-                stored = store_key(part, key)
-                status = txn.check(stored, root + parent, tokens, depth, now)
-                if status != HIT:
-                    collisions += status == COLLISION
+                # One decode a block (it verifies the record's checksum): the payload's size
+                # and checksum are in the record anyway, so `check` would read it twice.
+                meta = txn.get(store_key(part, key))
+                if meta is None or not meta.is_alive(now):
+                    break  # absent, damaged (noted by get) or expired
+                if (
+                    meta.namespace_root != root
+                    or meta.parent != parent
+                    or meta.depth != depth
+                    or meta.tokens != tokens
+                ):
+                    collisions += 1
                     break
-                meta = txn.get(stored)
-                payload = self._verified_payload(txn, meta) if meta is not None else None
+                payload = self._verified_payload(txn, meta)
                 if payload is None:
-                    corrupt += meta is not None
+                    corrupt += 1
                     break
                 keep(matched, payload)
                 matched += 1
