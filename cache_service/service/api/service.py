@@ -36,12 +36,6 @@ log = logging.getLogger("cache_service")
 FINAL_FLUSH_SECONDS = 1.0
 
 
-def stop_bound_seconds(settings: Settings) -> float:
-    """The longest a stop may take: --shutdown-timeout for the work in flight, then the
-    final touch flush; the flushes of small files and the close come on top (milliseconds)."""
-    return settings.shutdown_timeout + FINAL_FLUSH_SECONDS
-
-
 def given_store(store: BlockStore, settings: Settings) -> OpenedStore:
     """A store the caller opened (tests, embedders), held to the settings that steer a store:
     its removal log keeps `--removal-log-entries`, and its policy must be `--eviction-policy`."""
@@ -200,9 +194,9 @@ class Service:
         """Stop the background jobs; give the writes in flight until --shutdown-timeout to
         commit; then refuse new store calls and wait (same deadline) for those in progress in
         any thread, reads too; flush touches and usage, and close. Returns within
-        `stop_bound_seconds`: a store call still running then keeps the store open (closing
-        under it would wait forever, or unmap a reader's pages), which the log says; LMDB
-        keeps every committed write."""
+        --shutdown-timeout + FINAL_FLUSH_SECONDS (and the small files' flushes): a store
+        call still running then keeps the store open (closing under it would wait forever,
+        or unmap a reader's pages), which the log says; LMDB keeps every committed write."""
         running, self._running = self._running, None
         if running is None:
             return
