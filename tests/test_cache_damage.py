@@ -136,3 +136,15 @@ def test_a_remembered_match_over_a_damaged_block_heals_once_a_fetch_finds_it(
     cache.drop_damaged()
     assert cache.match_prefix(NS, PROMPT).matched_blocks == 3
     assert events.corrupt_records == 1
+
+
+def test_a_purge_that_meets_a_damaged_record_drops_it_and_leaves_nothing(
+    store: LmdbStore,
+) -> None:
+    cache, events = make(store, defer=True)
+    damage(cache, store, 2, "children")
+    result = Operators.for_cache(cache).purge("team-a")
+    assert result.blocks == 5  # the damaged block went as "corrupt", the rest purged
+    assert events.corrupt_records == 1
+    assert cache.capacity.usage().blocks == 0
+    assert cache.capacity.usage().payload_bytes == 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,12 +74,16 @@ class Operators:
         clock: Clock,
         config: CacheConfig,
         capacity: Capacity,
+        drop_damaged: Callable[[], int] | None = None,
     ) -> None:
         self.store = store
         self.hasher = hasher
         self.clock = clock
         self.config = config
         self.capacity = capacity
+        # The cache's drop of damaged blocks (counted in its events): a purge that met a
+        # damaged record, which holds its ancestors back, drops it and finishes.
+        self.drop_damaged = drop_damaged
 
     @classmethod
     def for_cache(cls, cache: PrefixCache) -> Operators:
@@ -90,6 +94,7 @@ class Operators:
             clock=cache.clock,
             config=cache.config,
             capacity=cache.capacity,
+            drop_damaged=cache.drop_damaged,
         )
 
     def _chain(self, namespace: Namespace, tokens: TokenInput, block_size: int | None) -> Chain:
@@ -191,19 +196,35 @@ class Operators:
         partition = tenant_partition(tenant)
         now = self.clock()
         if namespace is None:
-            return self.store.purge(partition, now=now)
+            return self._purge_past_damage(lambda: self.store.purge(partition, now=now))
         root = self.hasher.namespace_id(namespace).root
         if tokens is None:
-            return self.store.purge(partition, root=root, now=now)
+            return self._purge_past_damage(lambda: self.store.purge(partition, root=root, now=now))
         chain = self._chain(namespace, tokens, block_size)
         if not len(chain):
             raise InvalidField("tokens", "a prefix purge needs at least one full block")
-        return self.store.purge(
-            partition,
-            root=root,
-            under=store_key(partition, chain[-1].key),
-            now=now,
-            ttl_seconds=self.config.longest_ttl_seconds,
+        return self._purge_past_damage(
+            lambda: self.store.purge(
+                partition,
+                root=root,
+                under=store_key(partition, chain[-1].key),
+                now=now,
+                ttl_seconds=self.config.longest_ttl_seconds,
+            )
+        )
+
+    def _purge_past_damage(self, purge: Callable[[], PurgeResult]) -> PurgeResult:
+        """Purge; if the purge met damaged records (which it cannot delete as blocks, and
+        whose ancestors it therefore keeps), drop them and purge what they held back."""
+        first = purge()
+        if self.drop_damaged is None or not self.store.damage_pending():
+            return first
+        self.drop_damaged()
+        again = purge()
+        return PurgeResult(
+            blocks=first.blocks + again.blocks,
+            payload_bytes=first.payload_bytes + again.payload_bytes,
+            pins=first.pins + again.pins,
         )
 
     def explain(
