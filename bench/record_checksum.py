@@ -16,7 +16,14 @@ from collections.abc import Callable
 
 from cache_service.core.blocks import Namespace, NewBlock
 from cache_service.core.hashing import BlockHasher, tokens_to_bytes
-from cache_service.core.store.codec import RECORD_VERSION, SUM_BYTES, TOKENS_AT, VERSION_AT, seal
+from cache_service.core.store.codec import (
+    RECORD_VERSION,
+    SUM_BYTES,
+    TOKENS_AT,
+    VERSION_AT,
+    encode_meta,
+    seal,
+)
 from cache_service.core.store.lmdb import LmdbStore
 
 PROMPT_TOKENS = 32768
@@ -47,8 +54,8 @@ def measure(rounds: int) -> tuple[float, float]:
         blocks = [NewBlock(link, bytes(256)) for link in chain]
         store.insert(namespace_id, blocks, parent=None, now=1.0, retention="chat",
                      ttl_seconds=1e6)  # fmt: skip
-        with store.env.begin() as txn:
-            records = [bytes(txn.get(key, db=store.backend.dbs["blocks"])) for key in chain.keys]
+        with store.backend.read() as txn:
+            records = [encode_meta(meta) for key in chain.keys if (meta := txn.get(key))]
 
         def lookup() -> None:
             assert store.match(namespace_id, chain, now=2.0).matched == len(chain)
