@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from cache_service.core.blocks import Namespace, NewBlock
+from cache_service.core.blocks import Namespace, NewBlock, StoreKey
 from cache_service.core.hashing import BlockHasher, tokens_to_bytes
 from cache_service.core.store.codec import (
     RECORD_VERSION,
@@ -55,7 +55,7 @@ def measure(rounds: int) -> tuple[float, float]:
         store.insert(namespace_id, blocks, parent=None, now=1.0, retention="chat",
                      ttl_seconds=1e6)  # fmt: skip
         with store.backend.read() as txn:
-            records = [encode_meta(meta) for key in chain.keys if (meta := txn.get(key))]
+            records = [encode_meta(meta) for key in chain.keys if (meta := txn.get(StoreKey(key)))]
 
         def lookup() -> None:
             assert store.match(namespace_id, chain, now=2.0).matched == len(chain)
