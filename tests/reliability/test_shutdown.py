@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from cache_service.client import CacheClient
+from cache_service.core.errors import ServiceError
 from cache_service.service.server import SUPERVISOR_MARGIN_SECONDS, exit_bound_seconds
 from tests.integration.conftest import ServerProcess
 from tests.reliability.shutdown_load import Acks, Load, check_prompts
@@ -159,6 +160,15 @@ def preload(url: str, prompts: PromptSet, acks: Acks, count: int, rng: random.Ra
             acks.acknowledged(prompt, prompt.blocks)
 
 
+def pending_refreshes(url: str) -> int:
+    """Lookups' deferred refreshes the server holds now (the stop must flush them)."""
+    try:
+        with CacheClient(url, timeout=5.0) as client:
+            return int(client.stats()["pending_touches"])
+    except ServiceError:
+        return 0  # busy or stopping: not counted
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
 def test_sigterm_exits_in_bound_with_status_0_and_keeps_every_acknowledged_store(
     scenario: Scenario,
@@ -175,7 +185,7 @@ def test_sigterm_exits_in_bound_with_status_0_and_keeps_every_acknowledged_store
     rng = random.Random(seed)
     outcomes: dict[str, int] = {}
     unexpected: list[str] = []
-    blocks_checked = 0
+    blocks_checked = pending_touches = 0
     for _ in range(cycles):
         server.start()
         blocks_checked += check_prompts(
@@ -185,6 +195,7 @@ def test_sigterm_exits_in_bound_with_status_0_and_keeps_every_acknowledged_store
         load = Load(server.url, prompts, acks, verifier, seed=rng.randrange(1 << 30))
         load.start(writers=scenario.writers, readers=scenario.readers, slow=scenario.slow)
         time.sleep(rng.uniform(*LOAD_SECONDS))
+        pending_touches += pending_refreshes(server.url)
         sigterm_and_time(server, exits)
         load.stop()
         for kind, count in load.outcomes.items():
@@ -208,6 +219,7 @@ def test_sigterm_exits_in_bound_with_status_0_and_keeps_every_acknowledged_store
         lost=len(verifier.lost),
         wrong=len(verifier.wrong),
         requests=outcomes,
+        refreshes_pending_at_sigterm=pending_touches,
         log_errors=errors,
     )
     assert all(status == 0 for status in exits.statuses), exits.statuses
