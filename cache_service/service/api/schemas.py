@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from cache_service.core.blocks import MAX_TOKEN_ID
+from cache_service.core.operators import EXPLANATIONS
 
 Token = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
 HexKey = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$", description="32 lowercase hex chars")]
@@ -185,10 +186,7 @@ class ExplainResponse(BaseModel):
     matched_blocks: int
     cached_tokens: int
     first_unmatched_block: int | None
-    reason: str = Field(
-        description="complete, partial_block, never_stored, evicted, expired, purged, "
-        "removed, other_namespace, block_size_differs, collision_rejected or stored_since."
-    )
+    reason: str = Field(description=", ".join(EXPLANATIONS) + ": `detail` says what each means.")
     detail: str
     facts: dict[str, str | int | float | None] = Field(
         description="When and under which class (removed_at, expired_at, retention), or "
