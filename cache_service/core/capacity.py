@@ -15,6 +15,7 @@ from cache_service.core.events import CacheEvents
 from cache_service.core.hashing import tenant_partition
 from cache_service.core.reserve import DiskReserve
 from cache_service.core.store.base import BlockStore
+from cache_service.core.store.batches import in_batches
 
 EVICT_BATCH_BLOCKS = 1024  # blocks per eviction transaction: keeps the write lock short
 DISK_MEASURE_SECONDS = 1.0  # the disk's room is measured at most this often for writes
@@ -200,25 +201,19 @@ class Capacity:
 
     def _in_batches(self, evict: Callable[[int], list[Evicted]], *, now: float) -> list[Evicted]:
         """Run `evict` (one short transaction of up to `max_blocks`) until a batch falls
-        short. On a full disk a batch is tried smaller, down to one block: a deletion needs
-        fresh pages before it frees any, and what one small batch frees lets the next be
-        larger."""
+        short, smaller on a full disk (see store.batches); the reserve is kept for a purge:
+        the operator's way out."""
         evicted: list[Evicted] = []
-        size = EVICT_BATCH_BLOCKS
-        while True:
-            try:
-                batch = evict(size)
-            except StoreFull:  # a full disk or a full map: no fresh pages for the batch
-                if size == 1:  # the reserve is kept for a purge: the operator's way out
-                    raise
-                size = max(size // 8, 1)
-                continue
-            evicted += batch
+
+        def one_batch(max_blocks: int) -> int:
+            batch = evict(max_blocks)
+            evicted.extend(batch)
             if batch:
                 self.events.on_evicted(batch, now=now)
-            if len(batch) < size:
-                return evicted
-            size = min(size * 2, EVICT_BATCH_BLOCKS)
+            return len(batch)
+
+        in_batches(one_batch, largest=EVICT_BATCH_BLOCKS)
+        return evicted
 
     def enforce_tenant(
         self, tenant: str, *, protected: frozenset[StoreKey] = frozenset()

@@ -211,3 +211,65 @@ def test_a_tiny_map_evicts_or_answers_507_never_500(
         evicted=int(evicted),
         seconds=round(time.monotonic() - started, 1),
     )
+
+
+def test_a_purge_of_many_small_pinned_blocks_runs_on_a_completely_full_disk(
+    full_disk_server: ServerProcess,
+    small_disk: Path,
+    scale: Callable[[int, int], int],
+    report: Callable[..., None],
+) -> None:
+    # Small pinned blocks fill the disk: a purge of 1,024 of them in one transaction needs
+    # more fresh pages (11.5-18 MB measured) than the disk's free room and its reserve, so
+    # a purge must shrink its batches to start (and grow them again as they free room).
+    session = Session(full_disk_server.url)
+    started = time.monotonic()
+    blocks, small = 64, 1500
+    pinned_blocks = 0
+    try:
+        for index in range(scale(2000, 4000)):
+            stored = session.store(index, blocks, small)
+            if stored.status_code != 200:
+                assert_disk_full(stored.status_code, stored.headers["content-type"], stored.json())
+                break
+            whole = stored.json()["stored_blocks"] == blocks
+            if not whole or session.pin(index, blocks).status_code != 200:
+                break  # at the limit the disk sets: the rest of the disk is the filler's
+            pinned_blocks += blocks
+        filler = fill(small_disk / "filler")
+        assert os.statvfs(small_disk).f_bavail == 0
+        assert pinned_blocks > 5000, session.statuses  # the disk holds many small blocks
+        refused = session.store(40_000, 8, PAYLOAD_BYTES)
+        assert_disk_full(refused.status_code, refused.headers["content-type"], refused.json())
+
+        held_blocks = session.metric("prompt_cache_blocks")
+        purge_started = time.monotonic()
+        purged = session.post("/v1/purge", json={})
+        purge_seconds = time.monotonic() - purge_started
+        assert purged.status_code == 200, purged.text
+        # Every block goes. The answer may count fewer: a purged pin lets go of the blocks
+        # above it (a full purge: expiring at once), and the sweeper may take some of those
+        # between the purge's batches (counted as expired).
+        assert purged.json()["blocks"] > 0
+        assert session.metric("prompt_cache_blocks") == 0
+        assert session.matched_blocks(0, blocks) == 0
+        recovered = [session.store(40_001 + n, BLOCKS, PAYLOAD_BYTES) for n in range(4)]
+        assert [answer.status_code for answer in recovered] == [200] * 4, recovered[-1].text
+        assert all(answer.json()["stored_blocks"] == BLOCKS for answer in recovered)
+        assert session.fetch(40_004, BLOCKS)[-1] == payload(40_004, BLOCKS - 1, PAYLOAD_BYTES)
+    finally:
+        session.close()
+    assert not session.server_errors, session.server_errors
+    assert set(session.statuses) <= {200, 507}, session.statuses
+    log = full_disk_server.log_path.read_text()
+    assert "Traceback" not in log, log[-3000:]
+    report(
+        reserve_given_up="gave up its" in log,
+        pinned_blocks=pinned_blocks,
+        held_blocks=held_blocks,
+        filler_bytes=filler,
+        purged_blocks=purged.json()["blocks"],
+        purge_seconds=round(purge_seconds, 1),
+        statuses=dict(sorted(session.statuses.items())),
+        seconds=round(time.monotonic() - started, 1),
+    )

@@ -24,12 +24,13 @@ from cache_service.core.blocks import (
 from cache_service.core.errors import Forbidden, NotStored
 from cache_service.core.store import expiry, pins, subtrees
 from cache_service.core.store.backend import FIRSTS, Txn
+from cache_service.core.store.batches import in_batches
 from cache_service.core.store.codec import COLLISION, HIT
 from cache_service.core.store.records import Records
 from cache_service.core.store.removals import hint_prefix, parse_hint
 from cache_service.core.store.txns import Transactions
 
-PURGE_BATCH_BLOCKS = 1024  # blocks deleted per write transaction: writers never wait long
+PURGE_BATCH_BLOCKS = 1024  # blocks per write transaction at most: writers never wait long
 
 
 class OperatorControls(Protocol):
@@ -242,35 +243,64 @@ class Controls:
         went lets go of the blocks that stay (above `under`), which then expire
         `ttl_seconds` from now unless another pin holds them."""
         targets = subtrees.find(self.txns, partition, root=root, under=under)
-        blocks = payload_bytes = released = 0
-        for start in range(0, len(targets), PURGE_BATCH_BLOCKS):
+        done = PurgeResult(blocks=0, payload_bytes=0, pins=0)
+        position = 0
+
+        def one_batch(max_blocks: int) -> int:
+            nonlocal done, position
+            batch = targets[position : position + max_blocks]
+            if not batch:
+                return 0
+            # Counted once the transaction commits: a batch refused as full did nothing.
             with self.txns.write() as txn:
-                for target in targets[start : start + PURGE_BATCH_BLOCKS]:
-                    meta = txn.get(target.key)
-                    if meta is None or meta.children:  # gone, or given a child since the scan
-                        continue
-                    # A pin ending at this block goes with it, in the same transaction, and
-                    # lets go of the blocks above (which may be purged next, or stay).
-                    key = pins.pin_key(
-                        store_key(partition, meta.namespace_root),
-                        BlockKey(meta.key[len(partition) :]),
+                purged = self._purge_batch(txn, partition, batch, now, ttl_seconds)
+            done = PurgeResult(
+                blocks=done.blocks + purged.blocks,
+                payload_bytes=done.payload_bytes + purged.payload_bytes,
+                pins=done.pins + purged.pins,
+            )
+            position += len(batch)
+            return len(batch)
+
+        # Smaller batches on a full disk: a deletion needs fresh pages before it frees any.
+        in_batches(one_batch, largest=PURGE_BATCH_BLOCKS)
+        return done
+
+    def _purge_batch(
+        self,
+        txn: Txn,
+        partition: bytes,
+        targets: Sequence[subtrees.Target],
+        now: float,
+        ttl_seconds: float,
+    ) -> PurgeResult:
+        """Delete `targets` (deepest first) in one transaction; what went."""
+        blocks = payload_bytes = released = 0
+        for target in targets:
+            meta = txn.get(target.key)
+            if meta is None or meta.children:  # gone, or given a child since the scan
+                continue
+            # A pin ending at this block goes with it, in the same transaction, and lets go
+            # of the blocks above (which may be purged next, or stay).
+            key = pins.pin_key(
+                store_key(partition, meta.namespace_root), BlockKey(meta.key[len(partition) :])
+            )
+            record = pins.get_record(txn, key, partition)
+            if record is not None:
+                pins.delete_record(txn, key)
+                if meta.depth and record.blocks > 1:
+                    release(
+                        self.records,
+                        txn,
+                        meta.parent_key,
+                        count=record.blocks - 1,
+                        now=now,
+                        ttl_seconds=ttl_seconds,
                     )
-                    record = pins.get_record(txn, key, partition)
-                    if record is not None:
-                        pins.delete_record(txn, key)
-                        if meta.depth and record.blocks > 1:
-                            release(
-                                self.records,
-                                txn,
-                                meta.parent_key,
-                                count=record.blocks - 1,
-                                now=now,
-                                ttl_seconds=ttl_seconds,
-                            )
-                        released += 1
-                    self.records.drop(txn, meta, reason="purged", at=now)
-                    blocks += 1
-                    payload_bytes += meta.payload_size
+                released += 1
+            self.records.drop(txn, meta, reason="purged", at=now)
+            blocks += 1
+            payload_bytes += meta.payload_size
         return PurgeResult(blocks=blocks, payload_bytes=payload_bytes, pins=released)
 
     # -- explanations -------------------------------------------------------------------------
