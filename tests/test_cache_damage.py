@@ -52,9 +52,10 @@ def store(tmp_path: Path) -> Iterator[LmdbStore]:
 def make(store: LmdbStore, *, defer: bool) -> tuple[PrefixCache, Counting]:
     """A cache over a store that holds PROMPT, stored by another cache (as a restarted
     server finds it: nothing of it in this cache's memo of recent matches)."""
-    PrefixCache(store, default_block_size=BLOCK).insert(NS, PROMPT, PAYLOADS)
+    clock = VirtualClock()  # one clock for both (a real one is years after the virtual one)
+    PrefixCache(store, clock=clock, default_block_size=BLOCK).insert(NS, PROMPT, PAYLOADS)
     events = Counting()
-    cache = PrefixCache(store, clock=VirtualClock(), default_block_size=BLOCK,
+    cache = PrefixCache(store, clock=clock, default_block_size=BLOCK,
                         defer_touches=defer, events=events)  # fmt: skip
     return cache, events
 

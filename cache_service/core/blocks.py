@@ -7,6 +7,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NewType, overload
 
+from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
+
 BlockKey = NewType("BlockKey", bytes)
 """A 16-byte chained xxh3-128 block key (see `hashing`)."""
 
@@ -201,9 +203,10 @@ class BlockMeta:
         """The parent's key in the store (this block's partition + its parent's hash)."""
         return store_key(self.partition, self.parent)
 
-    def is_alive(self, now: float) -> bool:
-        """A block is alive while now < expires_at."""
-        return now < self.expires_at
+    def is_alive(self, now: float, lifetimes: Lifetimes = UNBOUNDED) -> bool:
+        """A block is alive while now < expires_at and, unless pinned, its expiry is within
+        its class's TTL from now (else it was stored while the clock ran ahead: `lifetimes`)."""
+        return lifetimes.alive(self.expires_at, self.retention, now)
 
     def holds(self, link: ChainLink) -> bool:
         """Whether this stored block really is `link` (not a hash collision).

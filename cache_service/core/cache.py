@@ -20,6 +20,7 @@ from cache_service.core.config import DEFAULT_BLOCK_SIZE, CacheConfig
 from cache_service.core.errors import InsufficientStorage, InvalidField, StoreFull
 from cache_service.core.events import CacheEvents
 from cache_service.core.hashing import BlockHasher, tokens_to_bytes
+from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.recent import RecentMatch, RecentMatches
 from cache_service.core.retention import RetentionPolicy
 from cache_service.core.store.base import BlockStore
@@ -76,6 +77,9 @@ class PrefixCache:
         self.config = CacheConfig(
             default_block_size, dict(model_block_sizes or {}), retention or RetentionPolicy()
         )
+        # The store reads a block whose expiry is further than its class's TTL from now as
+        # expired (stored while the clock ran ahead), and its sweeper removes such blocks.
+        store.lifetimes = Lifetimes(dict(self.config.retention.ttl_seconds))
         self.events = events or CacheEvents()
         self.capacity = Capacity(
             store,

@@ -25,6 +25,7 @@ from contextlib import AbstractContextManager
 from typing import Protocol
 
 from cache_service.core.blocks import BlockMeta, ChainLink, NamespaceId, StoreKey, StoreUsage
+from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.store.damage import DamageLog, Salvage
 
 VICTIMS = "victims"  # leaf blocks, by eviction priority
@@ -46,6 +47,7 @@ class Txn(Protocol):
     """One backend transaction: what every part of the store is written over."""
 
     damaged: set[StoreKey]  # keys whose records this transaction found damaged
+    lifetimes: Lifetimes  # the backend's, as this transaction began (see core.lifetimes)
 
     def get(self, key: StoreKey) -> BlockMeta | None:
         """The block's record, or None: absent, or damaged (a copy: changing it changes
@@ -132,6 +134,19 @@ class Txn(Protocol):
         """The store's size as this transaction sees it."""
         ...
 
+    def latest_write(self) -> float:
+        """The latest clock any stored expiry was counted from, as far as noted (a backend
+        may keep it up to `Lifetimes.slack_seconds` coarse); -inf if none."""
+        ...
+
+    def note_write(self, at: float) -> None:
+        """Note that an expiry was counted from clock `at`."""
+        ...
+
+    def set_latest_write(self, at: float) -> None:
+        """Forget every noted write after `at` (the sweeper removed what they stored)."""
+        ...
+
     # -- hot paths (see store.generic for versions over get and put) ----------------------------
 
     def check(
@@ -177,6 +192,7 @@ class Backend(Protocol):
 
     space: Space
     damage: DamageLog  # where its transactions note the damaged records they meet
+    lifetimes: Lifetimes  # what bounds a block's expiry from now (set by the cache)
 
     def read(self, *, views: bool = False) -> AbstractContextManager[Txn]:
         """A read transaction; with `views`, payload reads may return views into the store

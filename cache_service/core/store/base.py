@@ -24,6 +24,7 @@ from cache_service.core.blocks import (
     Touch,
 )
 from cache_service.core.eviction import EvictionPolicy
+from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.store.backend import Space
 from cache_service.core.store.controls import OperatorControls
 from cache_service.core.store.damage import Dropped
@@ -37,6 +38,7 @@ class BlockStore(OperatorControls, Protocol):
 
     removal_log_entries: int  # recent removals remembered for explanations (0: none)
     policy: EvictionPolicy  # which leaf goes first
+    lifetimes: Lifetimes  # each retention class's TTL: bounds a block's expiry from now
 
     @property
     def space(self) -> Space:

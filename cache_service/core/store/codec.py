@@ -21,11 +21,13 @@ never a hit, never an exception for the caller.
 
 from __future__ import annotations
 
+import math
 import struct
 
 import xxhash
 
 from cache_service.core.blocks import BlockKey, BlockMeta, StoreKey
+from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
 
 RECORD_VERSION = 4
 SUM_BYTES = 8
@@ -145,6 +147,16 @@ TOKENS_AT = SUM_BYTES + _BODY.size  # plus the retention name's length
 
 MISSING, HIT, COLLISION, DAMAGED = 0, 1, 2, 3
 
+
+def raw_alive(raw: bytes, expires_at: float, now: float, lifetimes: Lifetimes) -> bool:
+    """`Lifetimes.alive` for a verified record whose expiry (`expires_at`) is still ahead: the
+    hot paths call it only past the shortest bound, where the class must be looked up."""
+    if expires_at == math.inf:
+        return True  # pinned
+    retention = raw[TOKENS_AT : TOKENS_AT + raw[RETENTION_LEN_AT]]
+    return expires_at - now <= lifetimes.bound(retention)
+
+
 # Every field of the record: (offset, bytes); the last two run to the retention name's length
 # and to the record's end (None). Tests damage each of them.
 RECORD_FIELDS: dict[str, tuple[int, int | None]] = {
@@ -176,6 +188,7 @@ def check_record(
     tokens: bytes,
     depth: int,
     now: float,
+    lifetimes: Lifetimes = UNBOUNDED,
 ) -> int:
     """MISSING (absent or expired), HIT (this very block, alive), COLLISION, or DAMAGED (the
     record fails its checksum: read as missing), straight from the record: a lookup checks
@@ -185,8 +198,13 @@ def check_record(
     raw = bytes(record)  # a no-op for bytes (LMDB reads here return bytes, not views)
     if not intact(raw):
         return DAMAGED
-    if now >= EXPIRES.unpack_from(raw, EXPIRES_AT)[0]:
+    expires_at = EXPIRES.unpack_from(raw, EXPIRES_AT)[0]
+    if now >= expires_at:
         return MISSING
+    if expires_at - now > lifetimes.shortest_bound and not raw_alive(
+        raw, expires_at, now, lifetimes
+    ):
+        return MISSING  # stored while the clock ran ahead: read as expired
     if (
         raw[ROOT_AT:PARENT_END] == root_and_parent
         and DEPTH.unpack_from(raw, DEPTH_AT)[0] == depth

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Generic, TypeVar
 
 from cache_service.core.eviction import EvictionPolicy, LruPolicy
+from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.store.backend import Backend
 from cache_service.core.store.controls import Controls
 from cache_service.core.store.data_path import DataPath
@@ -73,6 +74,15 @@ class ComposedStore(Generic[B]):
         self.first_block_homes = controls.first_block_homes
         self.drop_damaged = repairs.drop_damaged
         self.damage_pending = repairs.damage_pending
+
+    @property
+    def lifetimes(self) -> Lifetimes:
+        """How far from now each retention class's blocks may expire (see core.lifetimes)."""
+        return self.backend.lifetimes
+
+    @lifetimes.setter
+    def lifetimes(self, lifetimes: Lifetimes) -> None:
+        self.backend.lifetimes = lifetimes  # transactions begun from now on judge by it
 
     @property
     def removal_log_entries(self) -> int:

@@ -98,8 +98,8 @@ class DataPath:
                 # One decode a block (it verifies the record's checksum): the payload's size
                 # and checksum are in the record anyway, so `check` would read it twice.
                 meta = txn.get(store_key(part, key))
-                if meta is None or not meta.is_alive(now):
-                    break  # absent, damaged (noted by get) or expired
+                if meta is None or not meta.is_alive(now, txn.lifetimes):
+                    break  # absent, damaged (noted by get), expired or from the future
                 if (
                     meta.namespace_root != root
                     or meta.parent != parent
@@ -143,7 +143,11 @@ class DataPath:
             foreign = bool(keys) and txn.get_namespace(namespace.scope) != namespace.encoded
             for index, key in enumerate(keys):
                 meta = None if foreign else txn.get(store_key(part, key))
-                if meta is None or not meta.is_alive(now) or meta.namespace_root != namespace.root:
+                if (
+                    meta is None
+                    or not meta.is_alive(now, txn.lifetimes)
+                    or meta.namespace_root != namespace.root
+                ):
                     sink(index, None)
                     continue
                 payload = self._verified_payload(txn, meta)
@@ -220,7 +224,7 @@ class DataPath:
                     collisions += 1
                     break
                 sum_ = checksum(block.payload)
-                if old is not None and old.is_alive(now):
+                if old is not None and old.is_alive(now, txn.lifetimes):
                     conflicts += sum_ != old.checksum or len(block.payload) != old.payload_size
                     refreshed += 1
                     before = records.position(old)
@@ -230,6 +234,11 @@ class DataPath:
                     records.save(txn, old, before)
                     new = old
                 else:
+                    held_until, held_class = expires_at, retention
+                    if old is not None and old.children and old.expires_at > expires_at:
+                        # It was from the future: its children may outlive this TTL, and no
+                        # block expires before a descendant. The longest class covers them.
+                        held_until, held_class = _inner_expiry(txn, now, expires_at, retention)
                     new = BlockMeta(
                         key=key,
                         namespace_root=namespace.root,
@@ -240,8 +249,8 @@ class DataPath:
                         checksum=sum_,
                         created_at=now,
                         last_used_at=now,
-                        expires_at=expires_at,
-                        retention=retention,
+                        expires_at=held_until,
+                        retention=held_class,
                         children=old.children if old is not None else 0,
                         lru_seq=seq,
                         indexed_expiry=old.indexed_expiry if old is not None else 0.0,
@@ -334,7 +343,7 @@ def _check_parent(txn: Txn, namespace: NamespaceId, parent: ChainLink, now: floa
     held = txn.get(store_key(namespace.partition, parent.key))
     if (
         held is None
-        or not held.is_alive(now)
+        or not held.is_alive(now, txn.lifetimes)
         or held.namespace_root != namespace.root
         or not held.holds(parent)
     ):
@@ -351,6 +360,16 @@ def _lift_expiry(txn: Txn, key: StoreKey, expires_at: float, retention: str) -> 
     at: StoreKey | None = key
     while at is not None:
         at = txn.lift_expiry(at, expires_at, retention)
+
+
+def _inner_expiry(txn: Txn, now: float, expires_at: float, retention: str) -> tuple[float, str]:
+    """The expiry of a block whose children may have been stored as late as the longest
+    class allows: the longest class's from now, unless `expires_at` is later."""
+    lifetimes = txn.lifetimes
+    longest = now + lifetimes.longest_ttl_seconds
+    if longest > expires_at:
+        return longest, lifetimes.longest_class
+    return expires_at, retention
 
 
 def _later_expiry(meta: BlockMeta, expires_at: float, retention: str) -> tuple[float, str]:

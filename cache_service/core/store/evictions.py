@@ -52,6 +52,7 @@ class Evictions:
 
             scan = _Scan(txn, self.records, evicted, satisfied, protected, at=now)
             scan.drain(EXPIRY, upto=expiry.sort_key(now), reason="expired", now=now)
+            scan.drain_future(now)
             if not expired_only:
                 scan.drain(VICTIMS, upto=None, reason="capacity")
         return evicted
@@ -165,6 +166,53 @@ class _Scan:
             if not progressed:
                 return
 
+    def drain_future(self, now: float) -> None:
+        """Once the clock reads earlier than a write was made at, remove the blocks stored
+        while it ran ahead (`Lifetimes.from_future`), leaf first, as expired. One that still
+        has a child which is not from the future (so not removed) takes the longest class's
+        expiry from now instead, which outlives that child. A pass that ends before it is
+        done (a block limit met) is made again by the next sweep."""
+        txn, lifetimes = self.txn, self.txn.lifetimes
+        if txn.latest_write() <= now + lifetimes.slack_seconds:
+            return  # the usual case: the clock never went back past a write
+        future = [
+            meta
+            for meta in self._every_block()
+            if lifetimes.from_future(meta.expires_at, meta.retention, now)
+            and meta.key not in self.protected
+        ]
+        future.sort(key=lambda meta: -meta.depth)  # children before their parents
+        for listed in future:
+            if self.satisfied():
+                return
+            meta = txn.get(listed.key)  # read again: a child of it may have gone since
+            if meta is None or not lifetimes.from_future(meta.expires_at, meta.retention, now):
+                continue
+            if meta.children:
+                before = self.records.position(meta)
+                meta.expires_at = now + lifetimes.longest_ttl_seconds
+                meta.retention = lifetimes.longest_class
+                self.records.save(txn, meta, before)
+                if meta.indexed_expiry > meta.expires_at:
+                    expiry.refile(txn, meta)  # an entry stays at or before the expiry
+                continue
+            self.records.drop(txn, meta, reason="expired", at=self.at)
+            self.evicted.append(evicted_record(meta, "expired"))
+        txn.set_latest_write(now)
+
+    def _every_block(self) -> Iterator[BlockMeta]:
+        """Every block the expiry index lists (a stale entry is skipped)."""
+        after: bytes | None = None
+        while True:
+            entries = list(self.txn.index_scan(EXPIRY, after=after, upto=None, limit=SCAN_MOST))
+            for _sort_key, key in entries:
+                meta = self.txn.get(key)
+                if meta is not None:
+                    yield meta
+            if len(entries) < SCAN_MOST:
+                return
+            after = entries[-1][0] + entries[-1][1]
+
     def _expired_parent(self, child: BlockMeta, now: float | None) -> BlockMeta | None:
         """The dropped child's parent when it is now an expired leaf: swept next, so a long
         chain is swept in one pass instead of one index scan per block."""
@@ -174,7 +222,7 @@ class _Scan:
         if (
             parent is None
             or parent.children
-            or parent.is_alive(now)
+            or parent.is_alive(now, self.txn.lifetimes)
             or parent.key in self.protected
         ):
             return None
@@ -203,7 +251,7 @@ class _Scan:
                     # told) or disagrees: a stale entry, removed so no scan meets it again.
                     txn.index_remove(index, sort_key, key)
                     continue
-                if index == EXPIRY and now is not None and meta.is_alive(now):
+                if index == EXPIRY and now is not None and meta.is_alive(now, txn.lifetimes):
                     expiry.refile(txn, meta)  # listed early: its TTL slid since
                     continue
                 if meta.children:

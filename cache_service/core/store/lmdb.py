@@ -30,6 +30,7 @@ from cache_service.core.blocks import (
 )
 from cache_service.core.errors import DiskFull, StorageError, StoreFull
 from cache_service.core.eviction import EvictionPolicy
+from cache_service.core.lifetimes import UNBOUNDED
 from cache_service.core.store import generic
 from cache_service.core.store.backend import AUX_TABLES, INDEXES, SORT_KEY_BYTES
 from cache_service.core.store.base import IdentityCheck
@@ -55,6 +56,7 @@ from cache_service.core.store.codec import (
     decode_meta,
     encode_meta,
     intact,
+    raw_alive,
     record_size,
     seal,
 )
@@ -75,7 +77,9 @@ _SEQ = b"seq"
 _PAYLOAD_BYTES = b"payload_bytes"
 _FORMAT = b"format"
 _IDENTITY = b"identity"  # the settings the data was made with (see cache_service.core.identity)
+_LATEST_WRITE = b"latest_write"  # the latest clock an expiry was counted from (see Txn)
 _U64 = struct.Struct("<Q")
+_F64 = struct.Struct("<d")
 _I64 = struct.Struct("<q")
 
 
@@ -89,7 +93,9 @@ class _LmdbTxn:
         self._dbs = backend.dbs
         self._blocks = backend.dbs["blocks"]
         self._payload_delta = 0
+        self._noted_write = -math.inf  # the latest write clock noted, written once at commit
         self.damaged: set[StoreKey] = set()
+        self.lifetimes = backend.lifetimes
 
     def _note(self, key: bytes) -> None:
         """A record under `key` failed verification: read as absent, dropped later."""
@@ -124,6 +130,7 @@ class _LmdbTxn:
             tokens=tokens,
             depth=depth,
             now=now,
+            lifetimes=self.lifetimes,
         )
         if status == DAMAGED:
             self._note(key)
@@ -142,6 +149,8 @@ class _LmdbTxn:
         partition, root = namespace.partition, namespace.root
         parent = keys[start - 1] if start else root
         unpack_expires, unpack_depth = EXPIRES.unpack_from, DEPTH.unpack_from
+        lifetimes = self.lifetimes
+        shortest = lifetimes.shortest_bound  # within it, no block is from the future
         for depth in range(start, len(keys)):
             key = keys[depth]
             stored = partition + key if partition else key
@@ -155,8 +164,11 @@ class _LmdbTxn:
             ):
                 self._note(stored)
                 return depth - start, 0
-            if now >= unpack_expires(raw, EXPIRES_AT)[0]:
-                return depth - start, 0
+            expires_at = unpack_expires(raw, EXPIRES_AT)[0]
+            if now >= expires_at or (
+                expires_at - now > shortest and not raw_alive(raw, expires_at, now, lifetimes)
+            ):
+                return depth - start, 0  # expired, or stored while the clock ran ahead
             offset = depth * stride
             if (
                 raw[ROOT_AT:PARENT_AT] != root
@@ -199,7 +211,10 @@ class _LmdbTxn:
 
     def incarnation(self, key: StoreKey, now: float) -> bytes | None:
         raw = self._intact(key)
-        if raw is None or now >= EXPIRES.unpack_from(raw, EXPIRES_AT)[0]:
+        if raw is None:
+            return None
+        expires_at = EXPIRES.unpack_from(raw, EXPIRES_AT)[0]
+        if now >= expires_at or not raw_alive(raw, expires_at, now, self.lifetimes):
             return None
         return raw[STORED_SEQ_AT:STORED_SEQ_END]
 
@@ -303,8 +318,28 @@ class _LmdbTxn:
         # Summed here and written once before commit: one counter write per transaction.
         self._payload_delta += delta
 
+    def latest_write(self) -> float:
+        raw = self._txn.get(_LATEST_WRITE, db=self._dbs["meta"])
+        stored = _F64.unpack(raw)[0] if raw is not None else -math.inf
+        return max(stored, self._noted_write)
+
+    def note_write(self, at: float) -> None:
+        self._noted_write = max(self._noted_write, at)
+
+    def set_latest_write(self, at: float) -> None:
+        self._noted_write = -math.inf
+        self._txn.put(_LATEST_WRITE, _F64.pack(at), db=self._dbs["meta"])
+
     def flush(self) -> None:
         """Write the counters this transaction changed."""
+        noted = self._noted_write
+        if noted > -math.inf:
+            raw = self._txn.get(_LATEST_WRITE, db=self._dbs["meta"])
+            # Kept to the slack's grain: a clock that only goes forward costs one more meta
+            # write a second at most, not one per transaction.
+            if raw is None or noted > _F64.unpack(raw)[0] + self.lifetimes.slack_seconds:
+                self._txn.put(_LATEST_WRITE, _F64.pack(noted), db=self._dbs["meta"])
+            self._noted_write = -math.inf
         if self._payload_delta:
             total = self._counter(_PAYLOAD_BYTES, _I64) + self._payload_delta
             self._txn.put(_PAYLOAD_BYTES, _I64.pack(total), db=self._dbs["meta"])
@@ -388,6 +423,7 @@ class LmdbBackend:
             for name in ("blocks", "payloads", "namespaces", *INDEXES, "meta", *AUX_TABLES)
         }
         self.damage = DamageLog()
+        self.lifetimes = UNBOUNDED  # the cache sets its retention table (see ComposedStore)
         # Set when the opening checks passed but a full disk kept their record from being
         # written (a steering setting changed): the store opens read-mostly all the same.
         self.unrecorded: DiskFull | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -10,6 +11,7 @@ from dataclasses import replace
 
 from cache_service.core.blocks import KEY_BYTES, BlockMeta, StoreKey, StoreUsage
 from cache_service.core.eviction import EvictionPolicy
+from cache_service.core.lifetimes import UNBOUNDED
 from cache_service.core.store import generic
 from cache_service.core.store.backend import AUX_TABLES, INDEXES, SORT_KEY_BYTES
 from cache_service.core.store.codec import COLLISION, HIT, MISSING, record_size
@@ -48,6 +50,8 @@ class MemoryBackend:
         self.indexes: dict[str, list[bytes]] = {index: [] for index in INDEXES}
         self.aux: dict[str, dict[bytes, bytes]] = {table: {} for table in AUX_TABLES}
         self.seq = 1
+        self.latest_write = -math.inf
+        self.lifetimes = UNBOUNDED
         self.payload_bytes = 0
         self.record_bytes = 0
         self._lock = threading.RLock()
@@ -70,6 +74,7 @@ class _MemoryTxn:
     def __init__(self, backend: MemoryBackend) -> None:
         self._b = backend
         self.damaged: set[StoreKey] = set()  # stays empty: a record object cannot be damaged
+        self.lifetimes = backend.lifetimes
 
     count_hits = generic.count_hits
     lift_expiry = generic.lift_expiry
@@ -87,7 +92,7 @@ class _MemoryTxn:
     ) -> int:
         # Reads the record in place: `get` would copy it for every block of a lookup.
         meta = self._b.metas.get(key)
-        if meta is None or not meta.is_alive(now):
+        if meta is None or not meta.is_alive(now, self.lifetimes):
             return MISSING
         same = (
             meta.namespace_root + meta.parent == root_and_parent
@@ -178,6 +183,15 @@ class _MemoryTxn:
 
     def add_payload_bytes(self, delta: int) -> None:
         self._b.payload_bytes += delta
+
+    def latest_write(self) -> float:
+        return self._b.latest_write
+
+    def note_write(self, at: float) -> None:
+        self._b.latest_write = max(self._b.latest_write, at)
+
+    def set_latest_write(self, at: float) -> None:
+        self._b.latest_write = at
 
     def usage(self) -> StoreUsage:
         blocks = len(self._b.metas)

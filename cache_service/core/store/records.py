@@ -43,6 +43,14 @@ class Records:
             self.tenants.move_leaf(txn, meta, before, after)
         if new:
             expiry.add(txn, meta)
+        longest_class = txn.lifetimes.longest_class
+        if meta.pinned and longest_class:
+            # A pin lets go by giving the block the longest TTL from then (controls.release):
+            # its class must allow that much, or it would read as stored in the future.
+            meta.retention = longest_class
+        # Every expiry written is noted with the clock it was counted from: the sweeper
+        # looks for blocks from the future only once the clock reads earlier than that.
+        txn.note_write(txn.lifetimes.written_at(meta.expires_at, meta.retention))
         txn.put(meta)
 
     def add_child(self, txn: Txn, parent_key: StoreKey) -> None:
