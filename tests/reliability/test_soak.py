@@ -68,7 +68,7 @@ def refusal_kind(error: ServiceError, *, start_block: int) -> str | None:
     if error.status in (429, 507):
         return f"{error.status} {problem}"
     if error.status == 409 and problem == "missing-parent" and start_block > 0:
-        return "409 parent evicted since the lookup"  # a continuation raced eviction
+        return "409 parent gone since the lookup"  # a continuation raced eviction or expiry
     return None
 
 
