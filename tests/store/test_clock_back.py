@@ -1,0 +1,189 @@
+"""Blocks stored while the clock ran ahead, over every backend: once the clock comes back they
+read as misses on every path, and the sweeper removes them (see core.lifetimes)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cache_service.core.blocks import Namespace, Touch
+from cache_service.core.cache import PrefixCache
+from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
+from cache_service.core.operators import Operators
+from cache_service.core.store.base import BlockStore
+from cache_service.core.store.lmdb import LmdbStore
+from tests.conftest import VirtualClock
+from tests.store.chains import (
+    LMDB_MAP_SIZE_BYTES,
+    NSID,
+    T0,
+    assert_prefix_closed,
+    chain,
+    matched,
+    put,
+)
+
+if TYPE_CHECKING:
+    from conftest import RawAccess
+
+TTLS = {"agent": 100.0, "chat": 1000.0}
+AHEAD = 50_000.0  # the clock ran this far ahead, then came back to T0
+
+
+def bounded(store: BlockStore) -> BlockStore:
+    """The store, told the classes' TTLs (as PrefixCache tells it)."""
+    store.lifetimes = Lifetimes(TTLS)
+    return store
+
+
+# -- the rule -----------------------------------------------------------------------------------
+
+
+def test_a_block_is_alive_only_within_its_class_ttl_from_now() -> None:
+    lifetimes = Lifetimes(TTLS)
+    assert lifetimes.alive(T0 + 100, "agent", T0)
+    assert lifetimes.alive(T0 + 101, "agent", T0)  # within the 1 s slack
+    assert not lifetimes.alive(T0 + 101.5, "agent", T0)
+    assert lifetimes.alive(T0 + 900, "chat", T0)
+    assert lifetimes.alive(T0 + 900, "removed-class", T0)  # bounded by the longest TTL
+    assert not lifetimes.alive(T0 + 1002, "removed-class", T0)
+    assert lifetimes.alive(math.inf, "agent", T0)  # pinned
+    assert not lifetimes.alive(T0, "agent", T0)  # expired
+    assert lifetimes.from_future(T0 + 500, "agent", T0)
+    assert not lifetimes.from_future(math.inf, "agent", T0)
+    assert UNBOUNDED.alive(T0 + 1e12, "agent", T0)
+
+
+# -- reads ------------------------------------------------------------------------------------
+
+
+def test_a_block_from_the_future_is_a_miss_on_every_read(store: BlockStore) -> None:
+    bounded(store)
+    agent, chat = chain([1, 2]), chain([3, 4])
+    put(store, agent, now=T0 + AHEAD, ttl_seconds=TTLS["agent"], retention="agent")
+    put(store, chat, now=T0 + AHEAD, ttl_seconds=TTLS["chat"], retention="chat")
+    assert matched(store, agent, now=T0 + AHEAD) == 2  # at the time they were stored
+    for links in (agent, chat):
+        found = store.match(NSID, links, now=T0)
+        assert (found.matched, found.incarnation) == (0, None)
+        assert store.match(NSID, links, now=T0, with_payloads=True).payloads == ()
+        payloads, corrupt = store.get_payloads(NSID, [link.key for link in links], now=T0)
+        assert (payloads, corrupt) == ([None, None], 0)
+
+
+def test_a_block_stored_a_second_ahead_is_served(store: BlockStore) -> None:
+    bounded(store)
+    links = chain([1, 2])
+    put(store, links, now=T0 + 0.5, ttl_seconds=TTLS["agent"], retention="agent")
+    assert matched(store, links, now=T0) == 2
+    assert store.evict(now=T0, max_blocks=100, expired_only=True) == []
+
+
+def test_an_insert_over_a_block_from_the_future_stores_it_anew(
+    store: BlockStore, raw: RawAccess
+) -> None:
+    bounded(store)
+    links = chain([1, 2])
+    put(store, links, now=T0 + AHEAD, ttl_seconds=TTLS["agent"], retention="agent")
+    result = put(store, links, now=T0, ttl_seconds=TTLS["agent"], retention="agent")
+    assert (len(result.stored), result.refreshed) == (2, 0)
+    assert matched(store, links, now=T0) == 2
+    blocks = raw.blocks()
+    assert blocks[links[1].key].expires_at == T0 + TTLS["agent"]
+    # the head had a child (from the future too, but unknown when the head is written): it
+    # takes the longest class, which outlives any child it may keep
+    assert (blocks[links[0].key].expires_at, blocks[links[0].key].retention) == (
+        T0 + TTLS["chat"],
+        "chat",
+    )
+    assert_prefix_closed(raw)
+
+
+def test_a_touch_does_not_bring_a_block_from_the_future_back(store: BlockStore) -> None:
+    bounded(store)
+    links = chain([1, 2])
+    put(store, links, now=T0 + AHEAD, ttl_seconds=TTLS["agent"], retention="agent")
+    keys = tuple(link.key for link in links)
+    store.touch([Touch(keys, at=T0, retention="agent", ttl_seconds=TTLS["agent"])])
+    assert matched(store, links, now=T0) == 0
+
+
+def test_without_the_table_a_store_judges_by_expiry_alone(store: BlockStore) -> None:
+    links = chain([1, 2])
+    put(store, links, now=T0 + AHEAD, ttl_seconds=TTLS["agent"], retention="agent")
+    assert matched(store, links, now=T0) == 2
+    assert store.evict(now=T0, max_blocks=100, expired_only=True) == []
+
+
+# -- the sweeper ----------------------------------------------------------------------------------
+
+
+def test_the_sweeper_removes_blocks_from_the_future_leaf_first(
+    store: BlockStore, raw: RawAccess
+) -> None:
+    bounded(store)
+    now_chain, ahead = chain([1, 2]), chain([5, 6, 7])
+    put(store, now_chain, now=T0, ttl_seconds=TTLS["agent"], retention="agent")
+    put(store, ahead, now=T0 + AHEAD, ttl_seconds=TTLS["chat"], retention="chat")
+    swept = store.evict(now=T0, max_blocks=100, expired_only=True)
+    assert [e.key for e in swept] == [link.key for link in reversed(ahead)]
+    assert {e.reason for e in swept} == {"expired"}
+    assert set(raw.blocks()) == {link.key for link in now_chain}
+    assert_prefix_closed(raw)
+    # done: the next sweep finds no write ahead of the clock and scans nothing
+    assert store.evict(now=T0 + 1, max_blocks=100, expired_only=True) == []
+
+
+def test_a_sweep_cut_short_goes_on_at_the_next(store: BlockStore, raw: RawAccess) -> None:
+    bounded(store)
+    ahead = chain([5, 6, 7])
+    put(store, ahead, now=T0 + AHEAD, ttl_seconds=TTLS["chat"], retention="chat")
+    assert len(store.evict(now=T0, max_blocks=2, expired_only=True)) == 2
+    assert len(store.evict(now=T0, max_blocks=2, expired_only=True)) == 1
+    assert raw.blocks() == {}
+
+
+def test_a_block_from_the_future_above_a_younger_child_takes_the_longest_class(
+    store: BlockStore, raw: RawAccess
+) -> None:
+    bounded(store)
+    links = chain([1, 2])
+    put(store, links, now=T0, ttl_seconds=TTLS["chat"], retention="chat")
+    put(store, links[:1], now=T0 + AHEAD, ttl_seconds=TTLS["chat"], retention="chat")
+    assert matched(store, links, now=T0) == 0  # its first block is from the future
+    assert store.evict(now=T0, max_blocks=100, expired_only=True) == []
+    head = raw.blocks()[links[0].key]
+    assert (head.expires_at, head.retention) == (T0 + TTLS["chat"], "chat")
+    assert matched(store, links, now=T0) == 2
+    assert_prefix_closed(raw)
+
+
+def test_the_latest_write_survives_a_restart(tmp_path: Path) -> None:
+    store = bounded(LmdbStore(tmp_path / "lmdb", map_size_bytes=LMDB_MAP_SIZE_BYTES))
+    links = chain([1, 2])
+    put(store, links, now=T0 + AHEAD, ttl_seconds=TTLS["agent"], retention="agent")
+    store.close()
+    store = bounded(LmdbStore(tmp_path / "lmdb", map_size_bytes=LMDB_MAP_SIZE_BYTES))
+    try:
+        assert len(store.evict(now=T0, max_blocks=100, expired_only=True)) == 2
+        assert store.usage().blocks == 0
+    finally:
+        store.close()
+
+
+# -- pins -----------------------------------------------------------------------------------------
+
+
+def test_an_unpinned_block_gets_the_longest_class_and_stays_served(store: BlockStore) -> None:
+    clock = VirtualClock()
+    cache = PrefixCache(store, clock=clock, default_block_size=2)
+    namespace, tokens = Namespace(model="m"), [1, 2, 3, 4]
+    cache.insert(namespace, tokens, [b"a", b"b"], retention="agent")
+    operators = Operators.for_cache(cache)
+    operators.pin(namespace, tokens, by="operator")
+    clock.now += 3600
+    operators.unpin(namespace, tokens)
+    assert cache.capacity.sweep_expired() == 0
+    found = cache.match_prefix(namespace, tokens, touch=False)
+    assert (found.matched_blocks, found.retention) == (2, "chat")
