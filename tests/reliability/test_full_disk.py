@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from cache_service.core.store.backend import REMOVAL_ORDER
 from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.removals import FLOOR_ENTRIES
 from cache_service.service.settings import Settings
 from tests.integration.conftest import ServerProcess
 from tests.reliability.small_disk import (
@@ -193,22 +195,27 @@ def test_a_tiny_map_evicts_or_answers_507_never_500(
         too_big = session.store(prompts, BLOCKS, 256 * 2**10)  # 2 MiB: more than the map
         assert too_big.status_code == 507, too_big.text
         evicted = session.metric('prompt_cache_evicted_blocks_total{reason="capacity"}') or 0
+        with store.backend.read() as txn:
+            log_entries = txn.aux_count(REMOVAL_ORDER)
     finally:
         session.close()
         server.stop()
         store.close()
     assert not session.server_errors, session.server_errors
     assert set(session.statuses) <= {200, 507}, session.statuses
-    # Eviction makes room in the map; but the removal log (--removal-log-entries, 2**18 by
-    # default) is not evicted, and in a map this small it ends up taking all of it (the long
-    # run: every store 507 after about 1000 prompts). The first hundred must get through.
+    # Eviction makes room in the map, and the removal log (--removal-log-entries, 2**18 by
+    # default, which nothing evicts) keeps to its share of the store: without that bound it
+    # took the whole map (the long run: every store 507 after about 1,000 prompts).
     assert sum(index < 100 for index in stored) >= 50, session.statuses
+    assert sum(index >= prompts - 100 for index in stored) >= 50, session.statuses
+    assert log_entries <= FLOOR_ENTRIES < evicted  # a 1 MiB store's share is below the floor
     report(
         prompts=prompts,
         stored_first_100=sum(index < 100 for index in stored),
         stored_last_100=sum(index >= prompts - 100 for index in stored),
         statuses=dict(sorted(session.statuses.items())),
         evicted=int(evicted),
+        removal_log_entries=log_entries,
         seconds=round(time.monotonic() - started, 1),
     )
 

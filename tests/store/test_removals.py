@@ -3,11 +3,13 @@ step prefix-closed, every index and counter kept, pinned blocks (and their path)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
-from cache_service.core.blocks import BlockKey, Namespace, store_key
+from cache_service.core.blocks import BlockKey, Namespace, StoreUsage, store_key
 from cache_service.core.hashing import tenant_partition
+from cache_service.core.store.backend import Txn
 from cache_service.core.store.base import BlockStore
+from cache_service.core.store.removals import ENTRY_BYTES, FLOOR_ENTRIES, LOG_SHARE, RemovalLog
 from tests.store.chains import (
     HASHER,
     NSID,
@@ -110,3 +112,42 @@ def test_removal_keeps_tenant_bytes_and_the_removal_log(store: BlockStore, raw: 
     assert [e.key for e in evicted] == [store_key(partition, links[0].key)]
     assert store.tenant_bytes(TENANT_ID.partition) == 0
     assert_prefix_closed(raw)
+
+
+def test_the_removal_log_keeps_to_its_share_of_a_small_store(store: BlockStore) -> None:
+    # A small store's share of bytes is below the floor: the log keeps the latest
+    # FLOOR_ENTRIES removals, though its configured length is far more.
+    store.removal_log_entries = 1 << 20
+    links = [chain([label])[0] for label in range(3 * FLOOR_ENTRIES)]
+    for link in links:
+        put(store, [link])
+    evicted = store.evict(now=T0 + 1, max_blocks=len(links), target_blocks=0)
+    assert len(evicted) == len(links)
+    by_key = {link.key: link for link in links}
+    remembered = [
+        store.inspect(NSID, by_key[BlockKey(entry.key)], now=T0 + 2).removal is not None
+        for entry in evicted
+    ]
+    assert remembered == [False] * (len(links) - FLOOR_ENTRIES) + [True] * FLOOR_ENTRIES
+
+
+class _Measured:
+    """A transaction that only measures the store (what the log's limit reads)."""
+
+    def __init__(self, used_bytes: int) -> None:
+        self.used_bytes = used_bytes
+
+    def usage(self) -> StoreUsage:
+        return StoreUsage(blocks=0, payload_bytes=0, used_bytes=self.used_bytes)
+
+
+def test_the_removal_log_limit_is_its_length_within_a_share_of_the_store() -> None:
+    log = RemovalLog(entries=2**18)
+    store_bytes = 256 * 2**20
+    limit = log.limit(cast(Txn, _Measured(store_bytes)), held=2**18)
+    assert limit == int(store_bytes * LOG_SHARE) // ENTRY_BYTES == 2**17
+    assert RemovalLog(entries=2**18).limit(cast(Txn, _Measured(2**20)), held=2**18) == (
+        FLOOR_ENTRIES
+    )
+    assert RemovalLog(entries=2**18).limit(cast(Txn, _Measured(2**40)), held=2**18) == 2**18
+    assert RemovalLog(entries=100).limit(cast(Txn, _Measured(2**20)), held=200) == 100

@@ -2,8 +2,10 @@
 hints of where a prompt's first block is stored (under which namespace and block size).
 
 Both live in the store's own tables, so every worker process sees them. The removal log
-holds the most recent removals only (a cache may forget why it forgot); a first-block hint
-lives exactly as long as its block.
+holds the most recent removals only (a cache may forget why it forgot), and never so many
+that it starves the blocks it describes: nothing evicts it, and in a small store (a small
+map, a small disk) a log of the configured length would take the room of every block. A
+first-block hint lives exactly as long as its block.
 """
 
 from __future__ import annotations
@@ -24,16 +26,24 @@ from cache_service.core.store.backend import FIRSTS, REMOVAL_ORDER, REMOVALS, Tx
 
 DEFAULT_REMOVAL_LOG_ENTRIES = 0  # off unless the owner turns it on (the service does)
 HINT_TOKENS = 16  # a first-block hint fingerprints this many leading tokens (or the block)
+# The log's bytes are kept to a share of the store's, whatever `entries` allows.
+LOG_SHARE = 1 / 16  # of the bytes the store uses (its blocks, tables and this log)
+ENTRY_BYTES = 128  # an entry's pages in LMDB, both tables (measured: 119 over 20,000)
+FLOOR_ENTRIES = 1024  # kept in any store (128 KiB), however small it is
+CHECK_EVERY = 256  # removals between measures of the store (a measure reads table stats)
+TRIM_STEP = 64  # the oldest entries dropped per removal at most: a removal stays short
 _REMOVAL = struct.Struct("<QBdd")  # removal sequence, reason, at, expires_at; then retention
 _SEQ = struct.Struct(">Q")
 _SIZE = struct.Struct("<I")
 
 
 class RemovalLog:
-    """The most recent `entries` removals (0: none are kept)."""
+    """The most recent `entries` removals (0: none are kept), within the store's share."""
 
     def __init__(self, entries: int = DEFAULT_REMOVAL_LOG_ENTRIES) -> None:
         self.entries = entries
+        self._share_entries: int | None = None  # the share's entries, at the last measure
+        self._until_measure = 0
 
     def remember(self, txn: Txn, meta: BlockMeta, *, reason: str, at: float) -> None:
         """Log a block's removal, dropping the oldest entries beyond the limit."""
@@ -46,11 +56,24 @@ class RemovalLog:
         record = _REMOVAL.pack(seq, REMOVAL_REASONS.index(reason), at, meta.expires_at)
         txn.aux_put(REMOVALS, meta.key, record + meta.retention.encode())
         txn.aux_put(REMOVAL_ORDER, _SEQ.pack(seq), meta.key)
-        excess = txn.aux_count(REMOVAL_ORDER) - self.entries
+        held = txn.aux_count(REMOVAL_ORDER)
+        excess = min(held - self.limit(txn, held), TRIM_STEP)
         if excess > 0:
             for order_key, key in txn.aux_scan(REMOVAL_ORDER, b"", excess):
                 txn.aux_delete(REMOVAL_ORDER, order_key)
                 txn.aux_delete(REMOVALS, key)
+
+    def limit(self, txn: Txn, held: int) -> int:
+        """How many entries the log may hold now (it holds `held`): `entries`, and no more
+        than `LOG_SHARE` of the store's bytes take (at least `FLOOR_ENTRIES`)."""
+        if held <= min(self.entries, FLOOR_ENTRIES):
+            return self.entries
+        self._until_measure -= 1
+        if self._share_entries is None or self._until_measure <= 0:
+            used_bytes = txn.usage().used_bytes
+            self._share_entries = max(int(used_bytes * LOG_SHARE) // ENTRY_BYTES, FLOOR_ENTRIES)
+            self._until_measure = CHECK_EVERY
+        return min(self.entries, self._share_entries)
 
     @staticmethod
     def recall(txn: Txn, key: StoreKey) -> Removal | None:
