@@ -25,6 +25,7 @@ class Lifetimes:
     slack_seconds: float = SLACK_SECONDS
     longest_ttl_seconds: float = field(init=False, default=math.inf)
     bounds_by_name: Mapping[bytes, float] = field(init=False, default_factory=dict, repr=False)
+    bounds_by_class: Mapping[str, float] = field(init=False, default_factory=dict, repr=False)
     shortest_bound: float = field(init=False, default=math.inf)
     longest_bound: float = field(init=False, default=math.inf)
 
@@ -35,6 +36,8 @@ class Lifetimes:
         # an expiry within the shortest bound.
         bounds = {name.encode(): ttl + self.slack_seconds for name, ttl in self.ttl_seconds.items()}
         object.__setattr__(self, "bounds_by_name", bounds)
+        by_class = {name: ttl + self.slack_seconds for name, ttl in self.ttl_seconds.items()}
+        object.__setattr__(self, "bounds_by_class", by_class)
         object.__setattr__(self, "shortest_bound", min(bounds.values(), default=math.inf))
         object.__setattr__(self, "longest_bound", longest + self.slack_seconds)
 
@@ -59,7 +62,7 @@ class Lifetimes:
         return (
             left <= self.shortest_bound
             or expires_at == math.inf
-            or left <= self.bound(retention.encode())
+            or left <= self.bounds_by_class.get(retention, self.longest_bound)
         )
 
     def from_future(self, expires_at: float, retention: str, now: float) -> bool:

@@ -30,7 +30,7 @@ from cache_service.core.blocks import (
 )
 from cache_service.core.errors import DiskFull, StorageError, StoreFull
 from cache_service.core.eviction import EvictionPolicy
-from cache_service.core.lifetimes import UNBOUNDED
+from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
 from cache_service.core.store import generic
 from cache_service.core.store.backend import AUX_TABLES, INDEXES, SORT_KEY_BYTES
 from cache_service.core.store.base import IdentityCheck
@@ -130,7 +130,7 @@ class _LmdbTxn:
             tokens=tokens,
             depth=depth,
             now=now,
-            lifetimes=self.lifetimes,
+            lifetimes=self._judging(now),
         )
         if status == DAMAGED:
             self._note(key)
@@ -149,7 +149,7 @@ class _LmdbTxn:
         partition, root = namespace.partition, namespace.root
         parent = keys[start - 1] if start else root
         unpack_expires, unpack_depth = EXPIRES.unpack_from, DEPTH.unpack_from
-        lifetimes = self.lifetimes
+        lifetimes = self._judging(now)
         shortest = lifetimes.shortest_bound  # within it, no block is from the future
         for depth in range(start, len(keys)):
             key = keys[depth]
@@ -179,6 +179,12 @@ class _LmdbTxn:
                 return depth - start, 1
             parent = key
         return len(keys) - start, 0
+
+    def _judging(self, now: float) -> Lifetimes:
+        """What bounds a block's expiry at `now`: nothing while the clock reads no earlier
+        than the latest write (every expiry was then counted from a clock at most
+        `slack_seconds` ahead: none is from the future), so a lookup reads no class names."""
+        return self.lifetimes if self.latest_write() > now else UNBOUNDED
 
     def _intact(self, key: StoreKey) -> bytes | None:
         """The raw record under `key` if it passes verification (a damaged one is noted)."""
@@ -214,7 +220,7 @@ class _LmdbTxn:
         if raw is None:
             return None
         expires_at = EXPIRES.unpack_from(raw, EXPIRES_AT)[0]
-        if now >= expires_at or not raw_alive(raw, expires_at, now, self.lifetimes):
+        if now >= expires_at or not raw_alive(raw, expires_at, now, self._judging(now)):
             return None
         return raw[STORED_SEQ_AT:STORED_SEQ_END]
 
