@@ -42,6 +42,7 @@ SERVER_FLAGS = {
     "touch_flush_interval": "3600",  # lookups' refreshes are all still pending at the stop
 }
 LOAD_SECONDS = (0.1, 0.3)
+LEFTOVER_GRACE_SECONDS = 5.0
 
 
 @dataclass
@@ -122,7 +123,11 @@ def sigterm_and_time(server: ServerProcess, exits: Exits) -> None:
     if status is None:
         kill_tree(server)
         return
-    time.sleep(0.05 if below else 0)
+    # The workers are joined by the supervisor; its resource tracker ends once it sees the
+    # supervisor gone, a moment later.
+    deadline = time.monotonic() + LEFTOVER_GRACE_SECONDS
+    while any(alive(pid) for pid in below) and time.monotonic() < deadline:
+        time.sleep(0.02)
     exits.leftovers += [pid for pid in below if alive(pid)]
     server.proc = None
 
