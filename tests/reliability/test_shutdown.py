@@ -73,7 +73,7 @@ class Exits:
 
     seconds: list[float] = field(default_factory=list)
     statuses: list[int | None] = field(default_factory=list)
-    leftovers: list[int] = field(default_factory=list)  # processes alive after the exit
+    leftovers: list[str] = field(default_factory=list)  # processes alive after the exit
 
 
 def children_of(pid: int) -> list[int]:
@@ -92,6 +92,14 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def command_of(pid: int) -> str:
+    """A process's command line, for a finding."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "(gone)"
 
 
 def kill_tree(server: ServerProcess) -> None:
@@ -128,7 +136,7 @@ def sigterm_and_time(server: ServerProcess, exits: Exits) -> None:
     deadline = time.monotonic() + LEFTOVER_GRACE_SECONDS
     while any(alive(pid) for pid in below) and time.monotonic() < deadline:
         time.sleep(0.02)
-    exits.leftovers += [pid for pid in below if alive(pid)]
+    exits.leftovers += [f"{pid}: {command_of(pid)}" for pid in below if alive(pid)]
     server.proc = None
 
 
