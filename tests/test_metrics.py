@@ -167,3 +167,16 @@ def test_store_collector_shows_no_disk_for_a_memory_store() -> None:
     registry = CollectorRegistry()
     registry.register(StoreCollector(cache.capacity.usage, None))
     assert sample(registry, "prompt_cache_disk_free_bytes") is None
+
+
+def test_a_scrape_skips_a_worker_file_created_but_not_yet_sized(tmp_path: Path) -> None:
+    """prometheus_client creates a worker's file empty and sizes it a moment later; a scrape
+    in between read it and failed (struct.error: a 500 on /metrics under --workers)."""
+    from prometheus_client import generate_latest  # noqa: PLC0415
+
+    from cache_service.service.metrics import SettledFilesCollector  # noqa: PLC0415
+
+    (tmp_path / "counter_4242.db").write_bytes(b"")  # a starting worker's file
+    registry = CollectorRegistry()
+    SettledFilesCollector(registry, path=str(tmp_path))  # type: ignore[no-untyped-call]
+    assert generate_latest(registry) == b""  # nothing settled yet, and no error

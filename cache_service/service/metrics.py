@@ -8,6 +8,7 @@ label; a tenant outside it is never counted by name).
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -38,7 +39,7 @@ class CacheMetrics(CacheEvents):
         self.scrape_registry = registry
         if self.multiprocess_dir:
             self.scrape_registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(self.scrape_registry)  # type: ignore[no-untyped-call]
+            SettledFilesCollector(self.scrape_registry)  # type: ignore[no-untyped-call]
         self.hit_tokens = Counter(
             "prompt_cache_hit_tokens",
             "Prompt tokens served from the cache, by the lookup's retention class.",
@@ -216,6 +217,25 @@ class CacheMetrics(CacheEvents):
         """Tell the multiprocess files this process is gone (its counts stay in the sums)."""
         if self.multiprocess_dir:
             multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
+
+
+class SettledFilesCollector(multiprocess.MultiProcessCollector):
+    """The multiprocess sums, without the files a worker has just created: prometheus_client
+    creates a worker's file empty and sizes it a moment later, and a scrape that reads it in
+    between fails (struct.error: a 500 on /metrics or /v1/stats while a worker starts)."""
+
+    def collect(self) -> Iterator[Metric]:
+        """Merge every worker's file that has its header."""
+        folder = self._path
+        files = [path for path in glob.glob(os.path.join(folder, "*.db")) if _has_header(path)]
+        return self.merge(files, accumulate=True)  # type: ignore[no-untyped-call,no-any-return]
+
+
+def _has_header(path: str) -> bool:
+    try:
+        return os.path.getsize(path) >= 8  # the used-bytes header; a file only grows
+    except FileNotFoundError:  # a live gauge's file removed by mark_process_dead
+        return False
 
 
 class StoreCollector(Collector):
