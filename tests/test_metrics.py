@@ -152,8 +152,8 @@ def test_store_collector_shows_the_disk_under_an_lmdb_store(tmp_path: Path) -> N
     store = LmdbStore(tmp_path / "lmdb", map_size_bytes=1 << 30)
     cache = PrefixCache(store, default_block_size=BLOCK, capacity_bytes=1 << 60)
     registry = CollectorRegistry()
-    # As the service wires it: the capacity's own usage brings its disk report along.
-    registry.register(StoreCollector(cache.capacity.usage, 1 << 60))
+    # As the service wires it: the capacity's usage and its disk report.
+    registry.register(StoreCollector(cache.capacity.usage, 1 << 60, disk=cache.capacity.disk))
     free = sample(registry, "prompt_cache_disk_free_bytes")
     assert free is not None and free > 0
     assert sample(registry, "prompt_cache_disk_file_bytes") == store.space.file_bytes()
@@ -165,7 +165,7 @@ def test_store_collector_shows_the_disk_under_an_lmdb_store(tmp_path: Path) -> N
 def test_store_collector_shows_no_disk_for_a_memory_store() -> None:
     cache = PrefixCache(MemoryStore(), default_block_size=BLOCK)
     registry = CollectorRegistry()
-    registry.register(StoreCollector(cache.capacity.usage, None))
+    registry.register(StoreCollector(cache.capacity.usage, None, disk=cache.capacity.disk))
     assert sample(registry, "prompt_cache_disk_free_bytes") is None
 
 

@@ -249,8 +249,7 @@ class StoreCollector(Collector):
     ) -> None:
         self._usage = usage
         self._capacity_bytes = capacity_bytes
-        # Given the capacity's own `usage` (as the service gives it), its disk report too.
-        self._disk = disk or getattr(getattr(usage, "__self__", None), "disk", None)
+        self._disk = disk  # the room on the store's disk (None: not on a disk, or not shown)
 
     def collect(self) -> Iterator[Metric]:
         """Read the store's usage now."""

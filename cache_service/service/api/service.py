@@ -15,9 +15,11 @@ from cache_service.core.hashing import BlockHasher
 from cache_service.core.store.base import BlockStore
 from cache_service.core.store.registry import OpenedStore, describe_store
 from cache_service.service.api.background import (
+    DISK_CHECK_SECONDS,
     METRICS_RETRY_SECONDS,
     ElectionLock,
     MetricsPort,
+    disk_check,
     repeat,
     sweeper,
 )
@@ -132,7 +134,9 @@ class Service:
         # jobs), so that the stop knows when no thread is inside it.
         guard = StoreGuard()
         cache = self._build_cache(guard.wrap(opened.store))
-        collector = StoreCollector(cache.capacity.usage, settings.capacity)
+        collector = StoreCollector(
+            cache.capacity.usage, settings.capacity, disk=cache.capacity.disk
+        )
         metrics.scrape_registry.register(collector)
         # Jobs one worker process runs are elected through lock files beside the data;
         # a store with no such folder has a single process, which runs them all.
@@ -171,6 +175,13 @@ class Service:
                 )
             ),
         ]
+        # The disk may fill from outside: its warning (and the room eviction keeps within)
+        # follows it even while nothing is written or scraped.
+        workers.append(
+            asyncio.create_task(
+                repeat(DISK_CHECK_SECONDS, disk_check(cache.capacity), "disk check")
+            )
+        )
         if settings.metrics_port is not None:  # a worker that did not get the port retries
             workers.append(
                 asyncio.create_task(
