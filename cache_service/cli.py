@@ -8,9 +8,11 @@ import copy
 import logging
 import logging.config
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -146,7 +148,9 @@ def serve(settings: Settings) -> int:
         return run_single(uvicorn.Config(create_app(settings), **options))  # type: ignore[arg-type]
     # Workers are new processes: they read the settings back from the environment, and count
     # metrics in files of one folder that /metrics adds up (Prometheus multiprocess mode).
-    with tempfile.TemporaryDirectory(prefix="cache-service-metrics-") as metrics_dir:
+    remove_stale_metrics_folders()
+    prefix = f"{METRICS_FOLDER_PREFIX}{os.getpid()}-"
+    with tempfile.TemporaryDirectory(prefix=prefix) as metrics_dir:
         os.environ.update(settings_environment(settings))
         os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", metrics_dir)
         config = uvicorn.Config(
@@ -156,6 +160,32 @@ def serve(settings: Settings) -> int:
             **options,  # type: ignore[arg-type]
         )
         return run_workers(config)
+
+
+METRICS_FOLDER_PREFIX = "cache-service-metrics-"
+
+
+def remove_stale_metrics_folders() -> list[Path]:
+    """Remove the metrics folders of `--workers` supervisors that were killed (SIGKILL skips
+    their clean-up), named by their PID: a folder is never reused, as its counters would be
+    added into a new run's. Returns what it removed."""
+    removed = []
+    for folder in Path(tempfile.gettempdir()).glob(METRICS_FOLDER_PREFIX + "*-*"):
+        pid = folder.name.removeprefix(METRICS_FOLDER_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> None:

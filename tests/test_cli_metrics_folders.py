@@ -1,0 +1,31 @@
+"""A `--workers` supervisor killed with SIGKILL leaves its metrics folder; the next start
+removes the folders of supervisors no longer running, and no other."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from cache_service.cli import METRICS_FOLDER_PREFIX, remove_stale_metrics_folders
+
+
+def test_the_folders_of_killed_supervisors_are_removed_and_live_ones_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead = tmp_path / f"{METRICS_FOLDER_PREFIX}{int(gone.stdout)}-abc123"
+    live = tmp_path / f"{METRICS_FOLDER_PREFIX}{os.getpid()}-def456"
+    other = tmp_path / "someone-elses-folder"
+    for folder in (dead, live, other):
+        folder.mkdir()
+        (folder / "counter_1.db").write_bytes(b"x")
+    assert remove_stale_metrics_folders() == [dead]
+    assert not dead.exists()
+    assert live.exists() and other.exists()
