@@ -8,8 +8,6 @@ import errno
 import hashlib
 import os
 import subprocess
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,13 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from cache_service.core.framing import MEDIA_TYPE, decode_frames, encode_frames, join_frames
-from cache_service.core.store.base import BlockStore
-from cache_service.service.api import create_app
-from cache_service.service.settings import Settings
-from tests.integration.conftest import free_port
 
 PROBLEM_JSON = "application/problem+json"
 BLOCK_TOKENS = 16
@@ -161,44 +154,3 @@ class Session:
     def close(self) -> None:
         """Close the connection pool."""
         self.client.close()
-
-
-class ThreadServer:
-    """uvicorn serving create_app(settings, store=...) in a thread on 127.0.0.1: a store
-    opened with a map size no flag sets (--capacity sizes the map) needs this process."""
-
-    def __init__(self, settings: Settings, store: BlockStore) -> None:
-        self.port = free_port()
-        config = uvicorn.Config(
-            create_app(settings, store=store),
-            host="127.0.0.1",
-            port=self.port,
-            log_level="warning",
-            lifespan="on",
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="tiny-map-server")
-
-    @property
-    def url(self) -> str:
-        """Base URL of the server."""
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        """Serve, and wait until /readyz answers 200."""
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/readyz", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.02)
-        raise RuntimeError("the in-process server did not become ready in 20 s")
-
-    def stop(self) -> None:
-        """Ask uvicorn to exit and wait for its thread."""
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        assert not self.thread.is_alive(), "the server thread did not stop"

@@ -20,16 +20,13 @@ and a wall clock may be stepped either way (NTP, a VM resumed, an operator's mis
 from __future__ import annotations
 
 import shutil
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-import uvicorn
 
 from cache_service.client import CacheClient
 from cache_service.core.blocks import Namespace
@@ -39,8 +36,8 @@ from cache_service.core.store.base import BlockStore
 from cache_service.core.store.lmdb import LmdbStore
 from cache_service.service.api.app import create_app
 from cache_service.service.settings import Settings
-from tests.integration.conftest import free_port
 from tests.reliability.model_chains import JumpClock
+from tests.reliability.thread_server import ThreadServer
 
 DAY = 86400.0
 JUMP = 30 * DAY
@@ -230,54 +227,19 @@ def test_a_restart_keeps_each_blocks_remaining_ttl(
 # -- a real server with an injected clock ---------------------------------------------------------
 
 
-class ThreadServer:
-    """uvicorn serving create_app(clock=...) in a thread of this process on 127.0.0.1: a
-    subprocess cannot take an injected clock. Stopped by the test that started it."""
-
-    def __init__(self, data_dir: Path, clock: JumpClock) -> None:
-        settings = Settings(
-            data_dir=data_dir, block_size=BLOCK, sweep_interval=0.05, touch_flush_interval=0.05
-        )
-        self.port = free_port()
-        config = uvicorn.Config(
-            create_app(settings, clock=clock),
-            host="127.0.0.1",
-            port=self.port,
-            log_level="warning",
-            lifespan="on",
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="clock-test-server")
-
-    @property
-    def url(self) -> str:
-        """Base URL of the server."""
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        """Serve, and wait until /readyz answers 200."""
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/readyz", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.02)
-        raise RuntimeError("the in-process server did not become ready in 20 s")
-
-    def stop(self) -> None:
-        """Ask uvicorn to exit (its lifespan flushes and closes the store) and wait."""
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        assert not self.thread.is_alive(), "the server thread did not stop"
+def clock_server(data_dir: Path, clock: JumpClock) -> ThreadServer:
+    """A real server on `data_dir` whose clock is `clock` (in this process: a subprocess
+    cannot take an injected clock)."""
+    settings = Settings(
+        data_dir=data_dir, block_size=BLOCK, sweep_interval=0.05, touch_flush_interval=0.05
+    )
+    return ThreadServer(create_app(settings, clock=clock), "clock-test-server")
 
 
 @contextmanager
 def serving(data_dir: Path, clock: JumpClock) -> Iterator[CacheClient]:
     """A started server and a client of it; the server is stopped on the way out."""
-    server = ThreadServer(data_dir, clock)
+    server = clock_server(data_dir, clock)
     server.start()
     client = CacheClient(server.url)
     try:

@@ -15,17 +15,18 @@ import pytest
 from cache_service.core.store.backend import REMOVAL_ORDER
 from cache_service.core.store.lmdb import LmdbStore
 from cache_service.core.store.removals import FLOOR_ENTRIES
+from cache_service.service.api.app import create_app
 from cache_service.service.settings import Settings
 from tests.integration.conftest import ServerProcess
 from tests.reliability.small_disk import (
     PROBLEM_JSON,
     Session,
-    ThreadServer,
     fill,
     payload,
     prompt_tokens,
     tmpfs,
 )
+from tests.reliability.thread_server import ThreadServer
 
 DISK_BYTES = 64 * 2**20
 BLOCKS = 8  # per prompt
@@ -171,7 +172,7 @@ def test_a_tiny_map_evicts_or_answers_507_never_500(
     settings = Settings(
         data_dir=tmp_path / "lmdb", capacity=2**30, block_size=16, touch_flush_interval=0.05
     )
-    server = ThreadServer(settings, store)
+    server = ThreadServer(create_app(settings, store=store), "tiny-map-server")
     server.start()
     session = Session(server.url)
     started = time.monotonic()
