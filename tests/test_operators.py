@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -10,7 +11,7 @@ from cache_service.core.blocks import Namespace, PinLimits
 from cache_service.core.cache import PrefixCache
 from cache_service.core.errors import Forbidden, InvalidField, NotStored, QuotaExceeded
 from cache_service.core.hashing import BlockHasher
-from cache_service.core.operators import Operators
+from cache_service.core.operators import EXPLANATIONS, Operators
 from cache_service.core.store import subtrees
 from cache_service.core.store.base import BlockStore
 
@@ -379,3 +380,30 @@ def test_explain_names_blocks_removed_on_request(store: BlockStore, clock: Virtu
     assert (removed.reason, removed.matched_blocks) == ("removed", 1)
     assert removed.facts["removed_at"] == clock()
     assert "removed on request" in removed.detail
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda encoded: encoded[: len(encoded) // 2],  # truncated: struct.error
+        lambda encoded: encoded.replace(b"m2", b"\xff\xfe"),  # the model not UTF-8
+        lambda encoded: b"junk",  # not a namespace record at all
+    ],
+)
+def test_explain_and_pins_survive_a_damaged_namespace_record(
+    store: BlockStore, clock: VirtualClock, damage: Callable[[bytes], bytes]
+) -> None:
+    cache, ops = make(store, clock)
+    prompt = list(range(100, 132))
+    other = Namespace(model="m2", tenant="team-a")
+    put(cache, prompt, namespace=other)
+    ops.pin(other, prompt, by="op")
+    scope = cache.hasher.namespace_id(other).scope
+    encoded = store.encoded_namespace(scope)
+    assert encoded is not None
+    with store.backend.write() as txn:  # type: ignore[attr-defined]
+        txn.put_namespace(scope, damage(bytes(encoded)))
+    explained = ops.explain(NS, prompt)  # another model with the same tokens
+    assert (explained.reason, explained.facts) == ("damaged_namespace", {"damaged_records": 1})
+    assert ops.explain(NS, prompt).detail == EXPLANATIONS["damaged_namespace"]
+    assert [pin["model"] for pin in ops.pins("team-a")] == [None]  # unknown, not a 500

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,9 @@ EXPLANATIONS = {  # why a lookup stopped where it did -> the sentence that says 
     "stored_since": "the block was stored while this explanation was being made: look again",
     "corrupt": "the block's stored record or payload failed verification: it is not served, "
     "and it is dropped with the blocks stored under it",
+    "damaged_namespace": "the prompt's first block may be stored under another namespace of "
+    "this tenant, but the record naming that namespace is damaged (unreadable): it is not "
+    "used",
 }
 
 
@@ -299,10 +303,15 @@ class Operators:
             for home in self.store.first_block_homes(partition, links.token_bytes[: 4 * length])
         ]
         homes.sort(key=lambda home: home[0] != own_root)  # its own namespace first
+        damaged = 0
         for root, block_size, encoded in homes:
             if (root, block_size) == (own_root, size) or encoded is None:
                 continue
-            seed, other = decode_namespace(encoded)
+            decoded = _decoded_namespace(encoded)
+            if decoded is None:
+                damaged += 1
+                continue
+            seed, other = decoded
             if seed != self.hasher.seed or other.tenant != namespace.tenant:
                 continue
             if not reveal_salts and other.salt != namespace.salt:
@@ -321,11 +330,14 @@ class Operators:
                 "salt_differs": other.salt != namespace.salt,
                 "block_size": block_size,
             }
+        if damaged:
+            return "damaged_namespace", {"damaged_records": damaged}
         return "never_stored", {}
 
     def _namespace_of(self, scope: StoreKey) -> Namespace | None:
         encoded = self.store.encoded_namespace(scope)
-        return decode_namespace(encoded)[1] if encoded is not None else None
+        decoded = _decoded_namespace(encoded) if encoded is not None else None
+        return decoded[1] if decoded is not None else None
 
     def _prefix(
         self,
@@ -345,3 +357,12 @@ class Operators:
         if not len(chain):
             raise InvalidField("tokens", "a pin needs at least one full block of tokens")
         return chain
+
+
+def _decoded_namespace(encoded: bytes) -> tuple[str, Namespace] | None:
+    """(seed, namespace) from a stored namespace record; None for a damaged one (the
+    namespaces table has no checksum: truncated or garbled bytes must not fail a request)."""
+    try:
+        return decode_namespace(bytes(encoded))
+    except (ValueError, struct.error):  # UnicodeDecodeError is a ValueError
+        return None
