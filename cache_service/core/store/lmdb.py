@@ -27,7 +27,13 @@ from cache_service.core.store.codec import (
 )
 from cache_service.core.store.composed import ComposedStore
 from cache_service.core.store.damage import DamageLog
-from cache_service.core.store.lmdb_disk import disk_has_room, release_freed, write_error
+from cache_service.core.store.lmdb_disk import (
+    DAMAGE_ERRORS,
+    damaged_file,
+    disk_has_room,
+    release_freed,
+    write_error,
+)
 from cache_service.core.store.lmdb_txn import LmdbTxn
 from cache_service.core.store.migrations import migrate
 from cache_service.core.store.removals import DEFAULT_REMOVAL_LOG_ENTRIES
@@ -154,8 +160,11 @@ class LmdbBackend:
     @contextmanager
     def read(self, *, views: bool = False) -> Iterator[LmdbTxn]:
         """A read transaction; with `views`, payloads are read as buffers (no copy)."""
-        with self.env.begin(buffers=True) if views else self.env.begin() as txn:
-            yield LmdbTxn(self, txn)
+        try:
+            with self.env.begin(buffers=True) if views else self.env.begin() as txn:
+                yield LmdbTxn(self, txn)
+        except DAMAGE_ERRORS as exc:  # LMDB's own pages are damaged: a 503 that says so
+            raise damaged_file(self.path, exc) from exc
 
     @contextmanager
     def write(self) -> Iterator[LmdbTxn]:

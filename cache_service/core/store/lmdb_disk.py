@@ -31,6 +31,8 @@ _RELEASE = b"release"  # the meta key the tiny commit writes
 # Errors that say the file system, or the writer's share of it, has no more room.
 _NO_ROOM = tuple(os.strerror(code) for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG))
 _IO_ERROR = os.strerror(errno.EIO)
+# LMDB found its own pages damaged (MDB_CORRUPTED, MDB_PAGE_NOTFOUND): no retry helps.
+DAMAGE_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError)
 
 
 def write_error(exc: lmdb.Error, folder: Path) -> StorageError | None:
@@ -38,6 +40,8 @@ def write_error(exc: lmdb.Error, folder: Path) -> StorageError | None:
     is a bug rather than a condition of the store (it propagates as it is)."""
     if isinstance(exc, lmdb.MapFullError):
         return StoreFull("the LMDB map is full")
+    if isinstance(exc, DAMAGE_ERRORS):
+        return damaged_file(folder, exc)
     text = str(exc)
     if isinstance(exc, lmdb.DiskError) or any(reason in text for reason in _NO_ROOM):
         return disk_full(folder, text)
@@ -54,6 +58,15 @@ def write_error(exc: lmdb.Error, folder: Path) -> StorageError | None:
             "restart the service (committed data is kept)"
         )
     return None
+
+
+def damaged_file(folder: Path, exc: lmdb.Error) -> StorageFailure:
+    """The 503 of a read or write that found LMDB's own structure damaged in `folder`."""
+    return StorageFailure(
+        f"the LMDB data file in {folder} is damaged ({exc}); the service cannot repair it: "
+        f"stop the service, then remove the folder {folder} (the cache starts empty: it may "
+        "forget, it never serves damaged data) or restore it from a copy"
+    )
 
 
 def disk_full(folder: Path, reason: str) -> DiskFull:
