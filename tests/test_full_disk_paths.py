@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,9 +21,9 @@ import pytest
 from cache_service.core.blocks import Evicted, Namespace, StoreUsage
 from cache_service.core.cache import PrefixCache
 from cache_service.core.capacity import EVICT_BATCH_BLOCKS, Capacity
-from cache_service.core.disk import DiskRoom, DiskWarning
+from cache_service.core.disk import RESERVE_NAME, DiskRoom, DiskWarning, measure_room
 from cache_service.core.errors import DiskFull, StorageFailure, StoreFull
-from cache_service.core.reserve import DiskReserve
+from cache_service.core.reserve import DiskReserve, remove_stale_partials
 from cache_service.core.store import lmdb_disk
 from cache_service.core.store.lmdb import LmdbStore
 from cache_service.core.store.lmdb_disk import write_error
@@ -295,3 +298,35 @@ def test_a_job_failing_for_a_full_disk_logs_once_and_goes_on(
     assert len(warnings) == 1 and "full" in warnings[0].message
     assert not any(r.exc_info for r in caplog.records)  # no traceback for a known condition
     assert any("runs again" in r.message for r in caplog.records)
+
+
+def test_partial_reserves_of_dead_processes_are_removed_and_live_ones_kept(
+    tmp_path: Path,
+) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # reaped: its PID names no running process (short of reuse, in this test)
+    leaked = tmp_path / f"disk-reserve.{dead.pid}.tmp"
+    live = tmp_path / f"disk-reserve.{os.getppid()}.tmp"  # a running process (the parent)
+    garbled = tmp_path / "disk-reserve.x.tmp"
+    for partial in (leaked, live, garbled):
+        partial.write_bytes(b"\0" * 4096)
+    reserve = DiskReserve(tmp_path)
+    reserve.size_bytes = 4096
+    assert reserve.ensure() and reserve.held
+    assert not leaked.exists() and not garbled.exists()
+    assert live.exists()  # a running process may be writing it (workers share the folder)
+    assert remove_stale_partials(tmp_path) == 0
+
+
+def test_the_held_reserve_counts_as_the_margin_not_beside_it(tmp_path: Path) -> None:
+    margin = 6 * 2**20  # the observed case: a 48 MiB disk, a 7.5 MiB data file, filled
+    without = DiskRoom(tmp_path, 0, 15 * 2**19, 1 << 30, margin)
+    assert without.limit_bytes == 15 * 2**19 - margin  # no reserve: free room is the margin
+    held = DiskRoom(tmp_path, 0, 15 * 2**19, 1 << 30, margin, margin)
+    assert held.limit_bytes == 15 * 2**19  # the reserve holds the margin: no eviction to 1.5
+    assert DiskRoom(tmp_path, 2**20, 2**20, 1 << 30, margin, 2**20).limit_bytes == 0
+    # measure_room finds the reserve file in the folder.
+    (tmp_path / RESERVE_NAME).write_bytes(b"\0" * 4096)
+    measured = measure_room(tmp_path, 2**20, 1 << 30)
+    assert measured.reserve_bytes == 4096
+    assert measured.limit_bytes == measured.backed_bytes - (measured.margin_bytes - 4096)

@@ -26,6 +26,9 @@ from cache_service.core.units import show_size
 # a small disk. Below it the file system counts as full,
 # and an I/O error on a commit is the short write of a full disk (LMDB reports one as EIO).
 MARGIN_MAX_BYTES = 32 * 2**20
+# The reserve file (see reserve) in the data folder: space held for deletions, so it is part
+# of the margin, not more room to keep free beside it.
+RESERVE_NAME = "disk-reserve"
 MARGIN_SHARE = 1 / 8
 WARN_EVERY_SECONDS = 300.0
 
@@ -40,7 +43,8 @@ class DiskRoom:
     free_bytes: int  # what the file system can still give (unprivileged free blocks)
     file_bytes: int  # what the store's data file takes already
     capacity_bytes: int | None
-    margin_bytes: int  # room kept free for deletions (see margin_bytes())
+    margin_bytes: int  # room kept for deletions (see margin_bytes())
+    reserve_bytes: int = 0  # of it, what the reserve file holds already (see reserve)
 
     @property
     def backed_bytes(self) -> int:
@@ -60,10 +64,16 @@ class DiskRoom:
         return self.free_bytes < self.margin_bytes
 
     @property
+    def kept_free_bytes(self) -> int:
+        """The part of the margin free room must give: the reserve file holds the rest
+        (counting it again reserved the margin twice: a small disk got a limit of 0)."""
+        return max(self.margin_bytes - self.reserve_bytes, 0)
+
+    @property
     def limit_bytes(self) -> int:
         """The most the store should use on this disk: what it can back, less the margin
         kept for deletions (evicting there keeps a purge possible on a disk this size)."""
-        return max(self.backed_bytes - self.margin_bytes, 0)
+        return max(self.backed_bytes - self.kept_free_bytes, 0)
 
     def describe(self) -> str:
         """One line for the log: the room, and what the capacity asks beyond it."""
@@ -77,7 +87,7 @@ class DiskRoom:
                 f": --capacity {show_size(self.capacity_bytes)} is "
                 f"{show_size(self.shortfall_bytes)} more than this disk can hold: the store "
                 f"evicts at {show_size(self.limit_bytes)} instead (the disk less "
-                f"{show_size(self.margin_bytes)} kept for deletions), and answers 507 "
+                f"{show_size(self.kept_free_bytes)} kept for deletions), and answers 507 "
                 "disk-full when nothing can be evicted; lower --capacity or free space on "
                 "the disk"
             )
@@ -104,7 +114,16 @@ def free_and_margin(folder: Path) -> tuple[int, int]:
 
 def measure_room(folder: Path, file_bytes: int, capacity_bytes: int | None) -> DiskRoom:
     """The room of a store whose data file (in `folder`) takes `file_bytes` now."""
-    return DiskRoom(folder, free_bytes(folder), file_bytes, capacity_bytes, margin_bytes(folder))
+    free, margin = free_and_margin(folder)
+    return DiskRoom(folder, free, file_bytes, capacity_bytes, margin, reserve_held_bytes(folder))
+
+
+def reserve_held_bytes(folder: Path) -> int:
+    """The bytes the reserve file in `folder` holds (0 when it is not in place)."""
+    try:
+        return min((folder / RESERVE_NAME).stat().st_size, margin_bytes(folder))
+    except FileNotFoundError:
+        return 0
 
 
 class DiskWarning:

@@ -8,6 +8,11 @@ store after them, until space was freed outside the service. The reserve is a fi
 data folder, made while the disk has room; a deletion refused for a full disk releases it
 and runs again, and the room the deletion frees stays in the data file for the next writes.
 It is made again once the disk has room for it.
+
+The reserve is written as `disk-reserve.<pid>.tmp` and renamed: a process killed in between
+leaves that file behind (up to the margin, 32 MiB). Making the reserve removes the ones of
+processes no longer running (the workers of one folder make it concurrently: a running
+one's file is its own to finish).
 """
 
 from __future__ import annotations
@@ -15,9 +20,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cache_service.core.disk import free_bytes, margin_bytes
+from cache_service.core.disk import RESERVE_NAME, free_bytes, margin_bytes
 
-RESERVE_NAME = "disk-reserve"
+__all__ = ["RESERVE_NAME", "DiskReserve", "remove_stale_partials"]
 
 
 class DiskReserve:
@@ -37,6 +42,7 @@ class DiskReserve:
         nearly-full margin); True if it is in place."""
         if self.held:
             return True
+        remove_stale_partials(self.path.parent)
         if free_bytes(self.path.parent) < 2 * self.size_bytes:  # itself, and the margin
             return False
         partial = self.path.with_name(f"{RESERVE_NAME}.{os.getpid()}.tmp")
@@ -57,3 +63,26 @@ class DiskReserve:
         except FileNotFoundError:
             return False
         return True
+
+
+def remove_stale_partials(folder: Path) -> int:
+    """Remove the partial reserve files in `folder` left by processes no longer running;
+    the number removed."""
+    removed = 0
+    for partial in folder.glob(f"{RESERVE_NAME}.*.tmp"):
+        pid = partial.name[len(RESERVE_NAME) + 1 : -len(".tmp")]
+        if pid.isdigit() and _running(int(pid)):
+            continue  # still writing it (another worker of this folder), or this process
+        partial.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, under another user
+        return True
+    return True
