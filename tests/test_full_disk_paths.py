@@ -330,3 +330,15 @@ def test_the_held_reserve_counts_as_the_margin_not_beside_it(tmp_path: Path) -> 
     measured = measure_room(tmp_path, 2**20, 1 << 30)
     assert measured.reserve_bytes == 4096
     assert measured.limit_bytes == measured.backed_bytes - (measured.margin_bytes - 4096)
+
+
+def test_a_start_removes_a_leaked_partial_reserve_even_with_the_reserve_in_place(
+    tmp_path: Path,
+) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / RESERVE_NAME).write_bytes(b"\0" * 4096)  # another worker made the reserve
+    leaked = tmp_path / f"disk-reserve.{dead.pid}.tmp"
+    leaked.write_bytes(b"\0" * 4096)
+    DiskReserve(tmp_path)
+    assert not leaked.exists()

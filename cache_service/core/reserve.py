@@ -10,8 +10,8 @@ and runs again, and the room the deletion frees stays in the data file for the n
 It is made again once the disk has room for it.
 
 The reserve is written as `disk-reserve.<pid>.tmp` and renamed: a process killed in between
-leaves that file behind (up to the margin, 32 MiB). Making the reserve removes the ones of
-processes no longer running (the workers of one folder make it concurrently: a running
+leaves that file behind (up to the margin, 32 MiB). A start, and making the reserve, remove
+the ones of processes no longer running (the workers of one folder make it concurrently: a running
 one's file is its own to finish).
 """
 
@@ -31,6 +31,7 @@ class DiskReserve:
     def __init__(self, folder: Path) -> None:
         self.path = folder / RESERVE_NAME
         self.size_bytes = margin_bytes(folder)  # the disk's margin (see disk), held once more
+        remove_stale_partials(folder)  # at start-up, even when another worker made the reserve
 
     @property
     def held(self) -> bool:
@@ -73,7 +74,10 @@ def remove_stale_partials(folder: Path) -> int:
         pid = partial.name[len(RESERVE_NAME) + 1 : -len(".tmp")]
         if pid.isdigit() and _running(int(pid)):
             continue  # still writing it (another worker of this folder), or this process
-        partial.unlink(missing_ok=True)
+        try:
+            partial.unlink(missing_ok=True)
+        except OSError:  # not ours to remove (permissions): left as it is
+            continue
         removed += 1
     return removed
 
