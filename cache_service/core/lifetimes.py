@@ -69,13 +69,6 @@ class Lifetimes:
         """Stored while the clock ran ahead: a finite expiry beyond its class TTL from now."""
         return now < expires_at < math.inf and not self.alive(expires_at, retention, now)
 
-    def written_at(self, expires_at: float, retention: str) -> float:
-        """When a block's expiry was counted from (-inf when unknown or pinned)."""
-        ttl = self.ttl(retention)
-        if math.inf in (expires_at, ttl):
-            return -math.inf
-        return expires_at - ttl
-
 
 UNBOUNDED = Lifetimes()
 """No table: a block is judged by its expiry alone."""

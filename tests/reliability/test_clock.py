@@ -325,3 +325,27 @@ def test_server_restart_keeps_each_blocks_remaining_ttl(
         chat_at = hits(client, prompt(4))
     assert (agent_before, agent_at, chat_before, chat_at) == (2, 0, 2, 0)
     report(restart_after_days=1, agent_expires_after_days=3, chat_expires_after_days=7)
+
+
+def test_a_lowered_ttl_leaves_lookup_and_fetch_agreeing(tmp_path: Path) -> None:
+    """A class's TTL lowered between runs (allowed: retention may change): stored blocks keep
+    the expiry they were given, and every path says so alike. A lookup once reported blocks
+    that no fetch could deliver, and a continuation of them was refused (409)."""
+    from cache_service.core.retention import RetentionPolicy  # noqa: PLC0415
+
+    clock = JumpClock(START)
+    folder = tmp_path / "lmdb"
+    cache = open_cache(folder, clock)
+    cache.insert(NS, prompt(1, blocks=4), [b"a", b"b", b"c", b"d"], retention="chat")
+    cache.store.close()
+    shorter = RetentionPolicy({"agent": 3 * DAY, "chat": 3600.0}, default_class="chat")
+    store = LmdbStore(folder, map_size_bytes=1 << 26)
+    cache = PrefixCache(store, clock=clock, default_block_size=BLOCK, retention=shorter)
+    try:
+        clock.advance(2 * 3600.0)  # past the new TTL, within the one the blocks were given
+        assert cache.match_prefix(NS, prompt(1, blocks=4), touch=False).matched_blocks == 4
+        assert served(cache, prompt(1, blocks=4)) == 4  # lookup with fetch, fetch by key
+        cache.insert(NS, prompt(1, blocks=5), [b"e"], retention="chat", start_block=4)
+        assert served(cache, prompt(1, blocks=5)) == 5
+    finally:
+        cache.store.close()

@@ -143,6 +143,12 @@ class Txn(Protocol):
         """Note that an expiry was counted from clock `at`."""
         ...
 
+    def judging(self, now: float) -> Lifetimes:
+        """What bounds a block's expiry at `now`, the same on every path (lookup, fetch,
+        insert, eviction): the class TTLs while a write is ahead of the clock (a block may
+        be from the future), else nothing (every expiry stands as it was given)."""
+        ...
+
     def set_latest_write(self, at: float) -> None:
         """Forget every noted write after `at` (the sweeper removed what they stored)."""
         ...

@@ -208,7 +208,7 @@ class Controls:
                 meta = txn.get(store_key(namespace.partition, key))
                 if (
                     meta is None
-                    or not meta.is_alive(now, txn.lifetimes)
+                    or not meta.is_alive(now, txn.judging(now))
                     or meta.namespace_root != namespace.root
                     or meta.depth != depth
                     or meta.parent != parent
@@ -318,7 +318,7 @@ class Controls:
             meta = txn.get(key)
             if meta is None and txn.salvage(key) is not None:
                 return BlockState("corrupt")  # its record fails verification: dropped soon
-            if meta is not None and not meta.is_alive(now, txn.lifetimes):
+            if meta is not None and not meta.is_alive(now, txn.judging(now)):
                 return BlockState("expired", expires_at=meta.expires_at, retention=meta.retention)
             return BlockState("absent", removal=self.records.removal_log.recall(txn, key))
 

@@ -94,11 +94,12 @@ class DataPath:
                     else None
                 )
                 return MatchResult(matched=matched, collisions=collisions, incarnation=last)
+            lifetimes = txn.judging(now)
             for key, parent, tokens, depth in link_parts(links):
                 # One decode a block (it verifies the record's checksum): the payload's size
                 # and checksum are in the record anyway, so `check` would read it twice.
                 meta = txn.get(store_key(part, key))
-                if meta is None or not meta.is_alive(now, txn.lifetimes):
+                if meta is None or not meta.is_alive(now, lifetimes):
                     break  # absent, damaged (noted by get), expired or from the future
                 if (
                     meta.namespace_root != root
@@ -141,11 +142,12 @@ class DataPath:
         part = namespace.partition
         with self.txns.read(views=True) as txn:
             foreign = bool(keys) and txn.get_namespace(namespace.scope) != namespace.encoded
+            lifetimes = txn.judging(now)
             for index, key in enumerate(keys):
                 meta = None if foreign else txn.get(store_key(part, key))
                 if (
                     meta is None
-                    or not meta.is_alive(now, txn.lifetimes)
+                    or not meta.is_alive(now, lifetimes)
                     or meta.namespace_root != namespace.root
                 ):
                     sink(index, None)
@@ -224,7 +226,7 @@ class DataPath:
                     collisions += 1
                     break
                 sum_ = checksum(block.payload)
-                if old is not None and old.is_alive(now, txn.lifetimes):
+                if old is not None and old.is_alive(now, txn.judging(now)):
                     conflicts += sum_ != old.checksum or len(block.payload) != old.payload_size
                     refreshed += 1
                     before = records.position(old)
@@ -343,7 +345,7 @@ def _check_parent(txn: Txn, namespace: NamespaceId, parent: ChainLink, now: floa
     held = txn.get(store_key(namespace.partition, parent.key))
     if (
         held is None
-        or not held.is_alive(now, txn.lifetimes)
+        or not held.is_alive(now, txn.judging(now))
         or held.namespace_root != namespace.root
         or not held.holds(parent)
     ):

@@ -192,6 +192,7 @@ class _Scan:
                 before = self.records.position(meta)
                 meta.expires_at = now + lifetimes.longest_ttl_seconds
                 meta.retention = lifetimes.longest_class
+                meta.last_used_at = min(meta.last_used_at, now)  # not a use from the future
                 self.records.save(txn, meta, before)
                 if meta.indexed_expiry > meta.expires_at:
                     expiry.refile(txn, meta)  # an entry stays at or before the expiry
@@ -222,7 +223,7 @@ class _Scan:
         if (
             parent is None
             or parent.children
-            or parent.is_alive(now, self.txn.lifetimes)
+            or parent.is_alive(now, self.txn.judging(now))
             or parent.key in self.protected
         ):
             return None
@@ -251,7 +252,7 @@ class _Scan:
                     # told) or disagrees: a stale entry, removed so no scan meets it again.
                     txn.index_remove(index, sort_key, key)
                     continue
-                if index == EXPIRY and now is not None and meta.is_alive(now, txn.lifetimes):
+                if index == EXPIRY and now is not None and meta.is_alive(now, txn.judging(now)):
                     expiry.refile(txn, meta)  # listed early: its TTL slid since
                     continue
                 if meta.children:

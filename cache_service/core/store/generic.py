@@ -41,6 +41,6 @@ def lift_expiry(txn: Txn, key: StoreKey, expires_at: float, retention: str) -> S
 def incarnation(txn: Txn, key: StoreKey, now: float) -> bytes | None:
     """The block's stored sequence as bytes, or None if it is absent or expired."""
     meta = txn.get(key)
-    if meta is None or not meta.is_alive(now, txn.lifetimes):
+    if meta is None or not meta.is_alive(now, txn.judging(now)):
         return None
     return _SEQ.pack(meta.stored_seq)

@@ -111,7 +111,7 @@ class LmdbTxn:
             tokens=tokens,
             depth=depth,
             now=now,
-            lifetimes=self._judging(now),
+            lifetimes=self.judging(now),
         )
         if status == DAMAGED:
             self._note(key)
@@ -130,7 +130,7 @@ class LmdbTxn:
         partition, root = namespace.partition, namespace.root
         parent = keys[start - 1] if start else root
         unpack_expires, unpack_depth = EXPIRES.unpack_from, DEPTH.unpack_from
-        lifetimes = self._judging(now)
+        lifetimes = self.judging(now)
         shortest = lifetimes.shortest_bound  # within it, no block is from the future
         for depth in range(start, len(keys)):
             key = keys[depth]
@@ -161,7 +161,7 @@ class LmdbTxn:
             parent = key
         return len(keys) - start, 0
 
-    def _judging(self, now: float) -> Lifetimes:
+    def judging(self, now: float) -> Lifetimes:
         """What bounds a block's expiry at `now`: nothing while the clock reads no earlier
         than the latest write (every expiry was then counted from a clock at most
         `slack_seconds` ahead: none is from the future), so a lookup reads no class names."""
@@ -201,7 +201,7 @@ class LmdbTxn:
         if raw is None:
             return None
         expires_at = EXPIRES.unpack_from(raw, EXPIRES_AT)[0]
-        if now >= expires_at or not raw_alive(raw, expires_at, now, self._judging(now)):
+        if now >= expires_at or not raw_alive(raw, expires_at, now, self.judging(now)):
             return None
         return raw[STORED_SEQ_AT:STORED_SEQ_END]
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from cache_service.core.blocks import KEY_BYTES, BlockMeta, StoreKey, StoreUsage
 from cache_service.core.eviction import EvictionPolicy
-from cache_service.core.lifetimes import UNBOUNDED
+from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
 from cache_service.core.store import generic
 from cache_service.core.store.backend import AUX_TABLES, INDEXES, SORT_KEY_BYTES
 from cache_service.core.store.codec import COLLISION, HIT, MISSING, record_size
@@ -92,7 +92,7 @@ class _MemoryTxn:
     ) -> int:
         # Reads the record in place: `get` would copy it for every block of a lookup.
         meta = self._b.metas.get(key)
-        if meta is None or not meta.is_alive(now, self.lifetimes):
+        if meta is None or not meta.is_alive(now, self.judging(now)):
             return MISSING
         same = (
             meta.namespace_root + meta.parent == root_and_parent
@@ -189,6 +189,9 @@ class _MemoryTxn:
 
     def note_write(self, at: float) -> None:
         self._b.latest_write = max(self._b.latest_write, at)
+
+    def judging(self, now: float) -> Lifetimes:
+        return self.lifetimes if self._b.latest_write > now else UNBOUNDED
 
     def set_latest_write(self, at: float) -> None:
         self._b.latest_write = at

@@ -48,9 +48,12 @@ class Records:
             # A pin lets go by giving the block the longest TTL from then (controls.release):
             # its class must allow that much, or it would read as stored in the future.
             meta.retention = longest_class
-        # Every expiry written is noted with the clock it was counted from: the sweeper
-        # looks for blocks from the future only once the clock reads earlier than that.
-        txn.note_write(txn.lifetimes.written_at(meta.expires_at, meta.retention))
+        # Every record written notes the latest clock its block was used at (stored, hit):
+        # blocks from the future are looked for only once the clock reads earlier than that.
+        # Not the clock its expiry implies under today's TTLs: a TTL lowered since the block
+        # was stored would make every old block rewritten (a child added, a hit) look like a
+        # write from the future, and old expiries stand as they were given.
+        txn.note_write(meta.last_used_at)
         txn.put(meta)
 
     def add_child(self, txn: Txn, parent_key: StoreKey) -> None:
