@@ -52,8 +52,9 @@ class Evictions:
 
             scan = _Scan(txn, self.records, evicted, satisfied, protected, at=now)
             scan.drain(EXPIRY, upto=expiry.sort_key(now), reason="expired", now=now)
-            scan.drain_future(now)
-            if not expired_only:
+            if expired_only:  # the sweeper's; a store's eviction never pays for this scan
+                scan.drain_future(now)
+            else:
                 scan.drain(VICTIMS, upto=None, reason="capacity")
         return evicted
 
@@ -170,8 +171,10 @@ class _Scan:
         """Once the clock reads earlier than a write was made at, remove the blocks stored
         while it ran ahead (`Lifetimes.from_future`), leaf first, as expired. One that still
         has a child which is not from the future (so not removed) takes the longest class's
-        expiry from now instead, which outlives that child. A pass that ends before it is
-        done (a block limit met) is made again by the next sweep."""
+        expiry from now instead, which outlives that child. One pass does it all, whatever
+        the sweep's block limit: it reads every block (one from the future can be listed
+        anywhere in the expiry index), so it runs once per step back of the clock, not once
+        a batch; lookups treat such blocks as misses until then. Only sweeps run it."""
         txn, lifetimes = self.txn, self.txn.lifetimes
         if txn.latest_write() <= now + lifetimes.slack_seconds:
             return  # the usual case: the clock never went back past a write
@@ -183,8 +186,6 @@ class _Scan:
         ]
         future.sort(key=lambda meta: -meta.depth)  # children before their parents
         for listed in future:
-            if self.satisfied():
-                return
             meta = txn.get(listed.key)  # read again: a child of it may have gone since
             if meta is None or not lifetimes.from_future(meta.expires_at, meta.retention, now):
                 continue

@@ -77,8 +77,9 @@ class Repairs:
         for partition, keys in groupby(damaged, key=_partition):
             snapshot = subtrees.scan(self.txns, partition)
             deficits = _deficits(snapshot)
+            children = subtrees.children_of(snapshot)  # once: many keys may be damaged
             for key in keys:
-                under = subtrees.subtree(snapshot, key)
+                under = subtrees.subtree(snapshot, key, children)
                 below = sorted((t for t in under if t.key != key), key=lambda t: -t.depth)
                 removed += self._drop_blocks(below, now)
                 with self.txns.write() as txn:

@@ -61,12 +61,22 @@ def scan(txns: Transactions, partition: bytes) -> list[Target]:
     return found
 
 
-def subtree(found: list[Target], under: StoreKey) -> list[Target]:
-    """`under` (if it is among `found`) and its descendants among `found`, parents first."""
+def children_of(found: list[Target]) -> dict[bytes, list[Target]]:
+    """The blocks among `found` by their parent's key (built once for many `subtree` calls)."""
     children: dict[bytes, list[Target]] = {}
     for target in found:
         if target.depth:
             children.setdefault(target.parent_key, []).append(target)
+    return children
+
+
+def subtree(
+    found: list[Target], under: StoreKey, children: dict[bytes, list[Target]] | None = None
+) -> list[Target]:
+    """`under` (if it is among `found`) and its descendants among `found`, parents first;
+    `children` is `children_of(found)` when the caller has it already."""
+    if children is None:
+        children = children_of(found)
     result = [target for target in found if target.key == under][:1]
     result += children.get(under, [])
     seen = {target.key for target in result} | {under}
