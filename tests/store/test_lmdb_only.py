@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from cache_service.core.blocks import Namespace
+from cache_service.core.blocks import BlockMeta, Namespace, StoreKey
 from cache_service.core.cache import PrefixCache
 from cache_service.core.errors import InsufficientStorage
 from cache_service.core.store.base import BlockStore
+from cache_service.core.store.codec import decode_meta
 from cache_service.core.store.lmdb import LmdbStore
 from tests.store.chains import LMDB_MAP_SIZE_BYTES, NSID, T0, chain, put
 
@@ -104,3 +105,35 @@ def test_lmdb_data_survives_close_and_reopen(
         assert [e.key for e in again.evict(now=T0 + 1, max_blocks=1)] == [links[2].key]
     finally:
         again.close()
+
+
+@pytest.mark.parametrize("counter", [b"seq", b"payload_bytes", b"latest_write"])
+def test_a_damaged_counter_is_worked_out_again_not_a_500(tmp_path: Path, counter: bytes) -> None:
+    """A counter in the meta table that does not decode (it has no checksum of its own) made
+    every store, lookup or start-up fail; it is recounted from the block records instead."""
+    store = LmdbStore(tmp_path, map_size_bytes=LMDB_MAP_SIZE_BYTES)
+    cache = PrefixCache(store, clock=Clock(), default_block_size=4)
+    namespace = Namespace("m")
+    cache.insert(namespace, list(range(8)), [b"x" * 10, b"y" * 20])
+    with store.env.begin(write=True) as txn:
+        txn.put(counter, b"\x01\x02\x03", db=store.backend.dbs["meta"])
+    store.close()
+
+    store = LmdbStore(tmp_path, map_size_bytes=LMDB_MAP_SIZE_BYTES)
+    cache = PrefixCache(store, clock=Clock(), default_block_size=4)
+    assert cache.capacity.usage().payload_bytes == 30
+    assert cache.match_prefix(namespace, list(range(8))).matched_blocks == 2
+    stored = cache.insert(namespace, list(range(12)), [b"x" * 10, b"y" * 20, b"z" * 5])
+    assert stored.stored == 1
+    assert cache.match_prefix(namespace, list(range(12)), with_payloads=True).payloads == (
+        b"x" * 10, b"y" * 20, b"z" * 5)  # fmt: skip
+    assert cache.capacity.usage().payload_bytes == 35
+    seqs = {meta.stored_seq for meta in _records(store)}
+    assert len(seqs) == 3, "a recounted sequence goes on past every stored one"
+    store.close()
+
+
+def _records(store: LmdbStore) -> list[BlockMeta]:
+    with store.env.begin() as txn:
+        blocks = txn.cursor(db=store.backend.dbs["blocks"])
+        return [decode_meta(StoreKey(bytes(key)), record) for key, record in blocks]

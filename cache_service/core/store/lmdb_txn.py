@@ -3,6 +3,7 @@ records and verify each record's checksum before they trust any field of it."""
 
 from __future__ import annotations
 
+import logging
 import math
 import struct
 from collections.abc import Iterable, Sequence
@@ -47,6 +48,7 @@ from cache_service.core.store.codec import (
 )
 from cache_service.core.store.damage import DamageLog, Salvage
 
+log = logging.getLogger("cache_service")
 _SEQ = b"seq"
 _PAYLOAD_BYTES = b"payload_bytes"
 _LATEST_WRITE = b"latest_write"  # the latest clock an expiry was counted from (see Txn)
@@ -294,7 +296,33 @@ class LmdbTxn:
 
     def _counter(self, name: bytes, codec: struct.Struct) -> int:
         raw = self._txn.get(name, db=self._dbs["meta"])
-        return int(codec.unpack(raw)[0]) if raw is not None else 0
+        if raw is None:
+            return 0
+        if len(raw) != codec.size:  # a damaged counter: worked out again from the records
+            return self._recount(name)
+        return int(codec.unpack(raw)[0])
+
+    def _payload_total(self) -> int:
+        """The payload bytes stored, this transaction's changes included."""
+        raw = self._txn.get(_PAYLOAD_BYTES, db=self._dbs["meta"])
+        if raw is not None and len(raw) != _I64.size:
+            return self._recount(_PAYLOAD_BYTES)  # read from the records: changes included
+        return self._counter(_PAYLOAD_BYTES, _I64) + self._payload_delta
+
+    def _recount(self, name: bytes) -> int:
+        """A damaged counter's value from the block records (a scan, so only on damage): the
+        next sequence past every stored one, or the payload bytes they hold."""
+        log.warning("the store's %s counter is damaged: recounted from the block records", name)
+        next_seq, payload_bytes = 1, 0
+        with self._txn.cursor(db=self._blocks) as cursor:
+            for key, record in cursor:
+                try:
+                    meta = decode_meta(StoreKey(bytes(key)), record)
+                except CorruptRecord:
+                    continue  # its own damage is found and dropped as any other
+                next_seq = max(next_seq, meta.stored_seq + 1, meta.lru_seq + 1)
+                payload_bytes += meta.payload_size
+        return next_seq if name == _SEQ else payload_bytes
 
     def next_seq(self, count: int) -> int:
         first = self._counter(_SEQ, _U64) or 1
@@ -306,9 +334,15 @@ class LmdbTxn:
         self._payload_delta += delta
 
     def latest_write(self) -> float:
+        return max(self._stored_latest_write(), self._noted_write)
+
+    def _stored_latest_write(self) -> float:
         raw = self._txn.get(_LATEST_WRITE, db=self._dbs["meta"])
-        stored = _F64.unpack(raw)[0] if raw is not None else -math.inf
-        return max(stored, self._noted_write)
+        if raw is None:
+            return -math.inf
+        if len(raw) != _F64.size:  # damaged: judge every block by its class until a sweep
+            return math.inf
+        return float(_F64.unpack(raw)[0])
 
     def note_write(self, at: float) -> None:
         self._noted_write = max(self._noted_write, at)
@@ -321,14 +355,13 @@ class LmdbTxn:
         """Write the counters this transaction changed."""
         noted = self._noted_write
         if noted > -math.inf:
-            raw = self._txn.get(_LATEST_WRITE, db=self._dbs["meta"])
             # Kept to the slack's grain: a clock that only goes forward costs one more meta
             # write a second at most, not one per transaction.
-            if raw is None or noted > _F64.unpack(raw)[0] + self.lifetimes.slack_seconds:
+            if noted > self._stored_latest_write() + self.lifetimes.slack_seconds:
                 self._txn.put(_LATEST_WRITE, _F64.pack(noted), db=self._dbs["meta"])
             self._noted_write = -math.inf
         if self._payload_delta:
-            total = self._counter(_PAYLOAD_BYTES, _I64) + self._payload_delta
+            total = self._payload_total()
             self._txn.put(_PAYLOAD_BYTES, _I64.pack(total), db=self._dbs["meta"])
             self._payload_delta = 0
 
@@ -342,6 +375,6 @@ class LmdbTxn:
         blocks = int(self._txn.stat(self._dbs["blocks"])["entries"])
         return StoreUsage(
             blocks=blocks,
-            payload_bytes=self._counter(_PAYLOAD_BYTES, _I64) + self._payload_delta,
+            payload_bytes=self._payload_total(),
             used_bytes=pages * psize,
         )
