@@ -11,6 +11,7 @@ from cache_service.core.blocks import (
     Chain,
     Evicted,
     Namespace,
+    NamespaceId,
     NewBlock,
     PrefixMatch,
     Touch,
@@ -156,6 +157,22 @@ class PrefixCache:
             partition=self.hasher.namespace_id(namespace).partition,
         )
 
+    def _mend_namespace(self, namespace_id: NamespaceId) -> bool:
+        """Whether the namespace record stored for this scope was damaged, and is now
+        replaced. A namespace's root is the hash of its encoded bytes: a stored copy that
+        hashes to another root is damaged (it locked its namespace out, every block of it
+        read as a collision), while a genuine other namespace whose root collides with this
+        one hashes to it, and keeps it."""
+        held = self.store.encoded_namespace(namespace_id.scope)
+        if held is None or held == namespace_id.encoded:
+            return False
+        if self.hasher.root_of(held) == namespace_id.root:
+            return False  # a real collision: the first namespace keeps the root
+        if not self.store.replace_namespace(namespace_id.scope, held, namespace_id.encoded):
+            return False
+        self.events.on_corrupt_records(1)
+        return True
+
     def _match_links(
         self,
         namespace: Namespace,
@@ -173,6 +190,10 @@ class PrefixCache:
             namespace_id, links, now=self.clock(), with_payloads=with_payloads, sink=sink,
             known=known,
         )  # fmt: skip
+        if result.collisions and not result.matched and self._mend_namespace(namespace_id):
+            result = self.store.match(
+                namespace_id, links, now=self.clock(), with_payloads=with_payloads, sink=sink,
+            )  # fmt: skip
         if result.incarnation is not None:
             self._recent.put(
                 namespace_id.scope,
@@ -355,6 +376,10 @@ class PrefixCache:
                     break
         if result is None:
             raise InsufficientStorage("the store is full and nothing in it can be evicted")
+        nothing_written = not (result.stored or result.refreshed)
+        if result.collisions and nothing_written and self._mend_namespace(namespace_id):
+            return self._store_links(namespace, links, payloads, start_block=start_block,
+                                     retention=retention, ttl_seconds=ttl_seconds)  # fmt: skip
         evicted = {e.key for e in self.capacity.enforce(set(result.stored))}
         evicted |= {e.key for e in self.capacity.enforce_tenant(
             namespace.tenant, protected=frozenset(result.stored))}  # fmt: skip

@@ -142,6 +142,10 @@ class BlockHasher:
         """The namespace's root key with the bytes it was hashed from."""
         return self._ids(namespace)
 
+    def root_of(self, encoded: bytes) -> BlockKey:
+        """The root key the bytes of an encoded namespace hash to (checks a stored copy)."""
+        return BlockKey(self._hash(encoded))
+
     def root(self, namespace: Namespace) -> BlockKey:
         """The parent key of block 0 in this namespace."""
         return self._ids(namespace).root

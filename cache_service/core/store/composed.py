@@ -69,6 +69,7 @@ class ComposedStore(Generic[B]):
         self.pins = controls.pins
         self.links_of = controls.links_of
         self.encoded_namespace = controls.encoded_namespace
+        self.replace_namespace = controls.replace_namespace
         self.purge = controls.purge
         self.inspect = controls.inspect
         self.first_block_homes = controls.first_block_homes

@@ -75,6 +75,10 @@ class OperatorControls(Protocol):
         """The encoded namespace stored for a scope (partition + root), if any."""
         ...
 
+    def replace_namespace(self, scope: StoreKey, held: bytes, encoded: bytes) -> bool:
+        """Replace a scope's stored namespace if it still is `held`; whether it was."""
+        ...
+
     def purge(
         self,
         partition: bytes,
@@ -225,6 +229,15 @@ class Controls:
         """The encoded namespace stored for a scope (partition + root), if any."""
         with self.txns.read() as txn:
             return txn.get_namespace(scope)
+
+    def replace_namespace(self, scope: StoreKey, held: bytes, encoded: bytes) -> bool:
+        """Replace a scope's stored namespace if it still is `held` (a damaged copy, as the
+        cache judged: the store never hashes); whether it was."""
+        with self.txns.write() as txn:
+            if txn.get_namespace(scope) != held:
+                return False
+            txn.put_namespace(scope, encoded)
+            return True
 
     # -- purge --------------------------------------------------------------------------------
 
