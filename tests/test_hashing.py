@@ -316,3 +316,12 @@ def test_extend_refuses_a_negative_depth_and_a_non_positive_block_size() -> None
         hasher.extend(root, tokens_to_bytes([1, 2]), block_size=2, start_depth=-1)
     with pytest.raises(ValueError, match="block_size"):
         hasher.extend(root, tokens_to_bytes([1, 2]), block_size=0, start_depth=0)
+
+
+@pytest.mark.parametrize("cut", [1, 9, 20])
+def test_a_truncated_encoded_namespace_is_a_value_error(cut: int) -> None:
+    from cache_service.core.hashing import decode_namespace, encode_namespace  # noqa: PLC0415
+
+    encoded = encode_namespace("seed", Namespace(model="m", kv_layout="bf16", tenant="t"))
+    with pytest.raises(ValueError):
+        decode_namespace(encoded[: len(encoded) - cut])

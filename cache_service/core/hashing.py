@@ -102,8 +102,13 @@ def decode_namespace(encoded: bytes) -> tuple[str, Namespace]:
     at = len(NAMESPACE_TAG) + 1
     fields = []
     for _ in range(5):
-        (length,) = struct.unpack_from("<I", encoded, at)
-        fields.append(encoded[at + 4 : at + 4 + length].decode("utf-8"))
+        try:
+            (length,) = struct.unpack_from("<I", encoded, at)
+        except struct.error as exc:  # cut short
+            raise ValueError("a truncated encoded namespace") from exc
+        if at + 4 + length > len(encoded):
+            raise ValueError("a truncated encoded namespace")
+        fields.append(encoded[at + 4 : at + 4 + length].decode("utf-8"))  # UnicodeDecodeError
         at += 4 + length
     seed, model, kv_layout, tenant, salt = fields
     return seed, Namespace(model=model, kv_layout=kv_layout, tenant=tenant, salt=salt)
