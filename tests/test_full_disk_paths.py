@@ -95,10 +95,12 @@ class _FailingCommits:
 
     @contextmanager
     def _failing_write(self) -> Iterator[Any]:
-        with self._env.begin(write=True) as txn:
+        txn = self._env.begin(write=True)
+        try:
             yield txn
-            txn.abort()
-            raise lmdb.DiskError("mdb_txn_commit", "No space left on device")
+        finally:
+            txn.abort()  # as a commit that failed leaves it (py-lmdb 1.4 refuses a second abort)
+        raise lmdb.DiskError("mdb_txn_commit", "No space left on device")
 
     def begin(self, *, write: bool = False, **kwargs: Any) -> Any:
         if write and self.failing:
