@@ -108,6 +108,12 @@ class CacheMetrics(CacheEvents):
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.requests = Counter(
+            "prompt_cache_requests",
+            "HTTP requests answered, by route template and status code.",
+            ["route", "code"],
+            registry=registry,
+        )
         self.tenant_hit_tokens = Counter(
             "prompt_cache_tenant_hit_tokens",
             "Prompt tokens served from the cache, by tenant (tenants of the key file only).",

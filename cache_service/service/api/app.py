@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, disable_created_metrics
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cache_service import __version__
 from cache_service.core.cache import Clock
@@ -31,7 +31,8 @@ cached prefix of a prompt, fetch its KV payloads, and store the blocks they comp
 
 
 class RequestTimer:
-    """ASGI middleware: request latency by route template (unmatched paths count as 'other')."""
+    """ASGI middleware: request latency and answers by route template and status code
+    (unmatched paths count as route 'other')."""
 
     def __init__(self, app: ASGIApp, *, metrics: CacheMetrics) -> None:
         self.app = app
@@ -43,12 +44,22 @@ class RequestTimer:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
+        # An exception before any answer started is a 500 to the client (uvicorn sends it).
+        status = 500
+
+        async def send_noting_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_noting_status)
         finally:
             # The router leaves the matched route in the scope: its template is a bounded label.
             route = getattr(scope.get("route"), "path", None) or "other"
             self.metrics.request_duration.labels(route=route).observe(time.perf_counter() - started)
+            self.metrics.requests.labels(route=route, code=str(status)).inc()
 
 
 def app_from_environment() -> FastAPI:
