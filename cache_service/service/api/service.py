@@ -30,6 +30,7 @@ from cache_service.service.api_keys import KeyRing
 from cache_service.service.metrics import CacheMetrics, StoreCollector
 from cache_service.service.quotas import QuotaBook
 from cache_service.service.settings import Settings
+from cache_service.service.status_history import SAMPLE_SECONDS, read_totals
 from cache_service.service.usage import UsageLog
 
 log = logging.getLogger("cache_service")
@@ -106,6 +107,7 @@ class Service:
         except BaseException:
             await self.stop()
             raise
+        await self._first_status_sample()
         self._running.workers = self._start_workers(self._running)
         log.info("%s", serving_line(settings, opened.where))
         return self._running.state
@@ -182,6 +184,9 @@ class Service:
                 repeat(DISK_CHECK_SECONDS, disk_check(cache.capacity), "disk check")
             )
         )
+        workers.append(
+            asyncio.create_task(repeat(SAMPLE_SECONDS, self._sample_status, "status history"))
+        )
         if settings.metrics_port is not None:  # a worker that did not get the port retries
             workers.append(
                 asyncio.create_task(
@@ -189,6 +194,22 @@ class Service:
                 )
             )
         return workers
+
+    async def _sample_status(self) -> None:
+        """Note the fleet's totals in the status page's history (a scrape's reading)."""
+        state = self.state
+        if state is None:
+            return
+        state.history.record(await run_in_threadpool(read_totals, self.metrics.scrape_registry))
+
+    async def _first_status_sample(self) -> None:
+        """The history's first point, so that the charts start at the start; the page is
+        not worth failing a start for."""
+        try:
+            await self._sample_status()
+        except Exception:
+            log.exception("the status page's first sample failed; retrying every %.0fs",
+                          SAMPLE_SECONDS)  # fmt: skip
 
     async def _flush(self) -> None:
         state = self.state

@@ -17,6 +17,7 @@ from cache_service.core.operators import Operators
 from cache_service.service.metrics import CacheMetrics
 from cache_service.service.quotas import QuotaBook
 from cache_service.service.settings import Settings
+from cache_service.service.status_history import StatusHistory
 from cache_service.service.usage import UsageLog
 
 _IDLE_POLL_SECONDS = 0.01
@@ -83,6 +84,8 @@ class ServiceState:
     writes: WriteGate
     usage_log: UsageLog | None = None
     quotas: QuotaBook | None = None
+    # The status page's charts: this worker's samples of the fleet's totals.
+    history: StatusHistory = field(default_factory=StatusHistory)
     operators: Operators = field(init=False)
 
     def __post_init__(self) -> None:
