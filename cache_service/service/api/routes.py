@@ -210,7 +210,11 @@ async def fetch_blocks(request: Request) -> Response:
 @router.get("/v1/info", summary="Hashing scheme, block sizes and retention classes")
 async def info(request: Request) -> dict[str, Any]:
     """What a worker must agree with to share this cache."""
-    state = service_state(request)
+    return info_report(service_state(request))
+
+
+def info_report(state: ServiceState) -> dict[str, Any]:
+    """The body of GET /v1/info (the status page shows the same)."""
     cache, settings = state.cache, state.settings
     config = cache.config
     return {
@@ -245,7 +249,12 @@ async def info(request: Request) -> dict[str, Any]:
 @router.get("/v1/stats", summary="Blocks, bytes, capacity, hits and misses")
 async def stats(request: Request) -> dict[str, Any]:
     """The store's size, hit and miss tokens by retention class, and by tenant (admin)."""
-    state = service_state(request)
+    return await stats_report(service_state(request))
+
+
+async def stats_report(state: ServiceState) -> dict[str, Any]:
+    """The body of GET /v1/stats; the status page shows this very report, so the two cannot
+    disagree."""
     capacity = state.cache.capacity
     usage = await run_in_threadpool(capacity.usage)
     by_class = {}
