@@ -2,21 +2,32 @@
 
 An ASGI middleware, so that every route, including the thin hot paths and any route added
 later, is covered by one check; a route not listed in `ROUTE_ROLES` needs an admin key.
+
+A key comes as `Authorization: Bearer <key>`, or, for a browser (which cannot be made to
+send a bearer token), as HTTP Basic credentials whose password is the key (the user name is
+not read). Only the pages meant for a browser (`BROWSER_PATHS`) add a Basic challenge to
+their 401, so that the browser asks for the key once; the API's 401s are unchanged.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Mapping
 
 from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cache_service.core.errors import Forbidden, Unauthorized
 from cache_service.service.api.problems import refuse
 from cache_service.service.api_keys import ApiKey, KeyRing, Role
 
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
+# Pages a person opens in a browser: their 401 also asks for Basic credentials.
+BROWSER_PATHS = frozenset({"/"})
+BASIC_CHALLENGE = (b"www-authenticate", b'Basic realm="prompt-cache-service", charset="UTF-8"')
 ROUTE_ROLES: Mapping[str, Role] = {
+    "/": Role.ADMIN,  # the status page: every tenant's figures, as /v1/stats
     "/v1/lookup": Role.READER,
     "/v1/explain": Role.READER,
     "/v1/blocks/fetch": Role.READER,
@@ -64,6 +75,9 @@ class Authenticator:
         key = self._presented_key(scope)
         if key is None:
             detail = "send a valid API key as `Authorization: Bearer <key>`"
+            if scope["path"] in BROWSER_PATHS:
+                detail += " (or, from a browser, as the password of HTTP Basic credentials)"
+                send = _with_basic_challenge(send)
             await refuse(send, scope, Unauthorized(detail))
             return
         required = ROUTE_ROLES.get(scope["path"], Role.ADMIN)
@@ -80,7 +94,33 @@ class Authenticator:
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
-                if scheme.lower() != "bearer" or not token.strip():
+                token = token.strip()
+                if scheme.lower() == "basic":
+                    token = basic_password(token) or ""
+                elif scheme.lower() != "bearer":
                     return None
-                return self.keys.authenticate(token.strip())
+                return self.keys.authenticate(token) if token else None
         return None
+
+
+def basic_password(credentials: str) -> str | None:
+    """The password of HTTP Basic credentials (base64 of `user:password`), or None if they
+    are not such."""
+    try:
+        decoded = base64.b64decode(credentials, validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    _user, colon, password = decoded.partition(":")
+    return password if colon else None
+
+
+def _with_basic_challenge(send: Send) -> Send:
+    """`send`, adding a Basic challenge after the Bearer one to the answer's headers (a
+    header line each: browsers read one challenge a line)."""
+
+    async def challenging(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message["headers"], BASIC_CHALLENGE]}
+        await send(message)
+
+    return challenging
