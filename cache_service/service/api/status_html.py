@@ -132,8 +132,17 @@ def _covered(change: Change | None, seconds: float) -> str:
     if change is None:
         return "no history yet"
     if change.seconds < seconds * 0.95:
-        return f"history covers {show_duration(round(change.seconds))} so far"
+        return f"history covers {show_span(change.seconds)} so far"
     return ""
+
+
+def show_span(seconds: float) -> str:
+    """'40 s', '9 min', '5 h': a rough length of time, for people."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds // 60:.0f} min"
+    return f"{seconds // 3600:.0f} h"
 
 
 def _ratio_points(changes: Sequence[Change], now: float) -> list[tuple[float, float | None]]:
@@ -149,7 +158,7 @@ def _charts(view: StatusView) -> str:
     day = time_chart(_ratio_points(history.coarse.changes(), now), span_seconds=86400,
                      x_ticks=DAY_TICKS, y_ticks=RATIO_TICKS, y_max=1.0,
                      label="hit ratio, last 24 h", empty_note=note)  # fmt: skip
-    step = show_duration(history.sample_seconds)
+    step = show_span(history.sample_seconds)
     return (
         '<h2>Hit ratio</h2><div class="charts">'
         f"<figure><figcaption>Last hour, per {step}</figcaption>{hour}</figure>"
