@@ -1,0 +1,305 @@
+"""The Kubernetes manifests (deploy/kubernetes): rendered by kubectl's kustomize, validated
+against the Kubernetes schemas offline, and their ports, probes, flags, keys and volumes
+checked against the service's own command line and settings."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cache_service import __version__
+from cache_service.service.server import exit_bound_seconds
+from cache_service.service.settings import Settings
+from tests.deploy.kit import (
+    DOCKERFILE,
+    KUBERNETES,
+    effective_settings,
+    kustomize,
+    make_key_file,
+    unknown_variables,
+)
+
+LAYOUTS = ("base", "overlays/sidecar", "overlays/shared")
+OVERLAYS = ("overlays/sidecar", "overlays/shared")
+WORKLOAD_KINDS = {"overlays/sidecar": "Deployment", "overlays/shared": "StatefulSet"}
+CACHE_CONTAINER = "prompt-cache"
+# Custom resources of the Prometheus Operator: no schema in kubernetes-validate, so their
+# fields are checked by hand below.
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule"}
+# The oldest Kubernetes the manifests promise to fit (fsGroupChangePolicy, policy/v1 PDBs and
+# StatefulSet fields are older), and the newest schemas the validator ships.
+OLDEST_KUBERNETES = "1.29"
+
+QUANTITY = re.compile(r"^(?P<number>[0-9.]+)(?P<unit>[KMGTPE]i?|m|)$")
+UNITS = {"": 1, "m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+UNITS |= {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18, "Ei": 2**60}
+
+
+def quantity(text: str | int) -> float:
+    """A Kubernetes quantity ("10Gi", "500m", "2") as a number."""
+    match = QUANTITY.match(str(text))
+    assert match, f"not a quantity: {text!r}"
+    return float(match["number"]) * UNITS[match["unit"]]
+
+
+def of_kind(documents: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The rendered documents of one kind."""
+    return [doc for doc in documents if doc["kind"] == kind]
+
+
+def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    """Whether a matchLabels selector (non-empty) selects these labels."""
+    return bool(selector) and all(labels.get(key) == value for key, value in selector.items())
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict[str, Any]]]:
+    """Every layout, rendered once by `kubectl kustomize`."""
+    return {layout: kustomize(KUBERNETES / layout) for layout in LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real key file, standing in for the Secret's keys.toml."""
+    return make_key_file(tmp_path_factory.mktemp("keys"))
+
+
+class Workload:
+    """An overlay's workload and what the cache container in it runs with."""
+
+    def __init__(self, documents: list[dict[str, Any]], kind: str, key_file: Path) -> None:
+        (self.manifest,) = of_kind(documents, kind)
+        self.pod: dict[str, Any] = self.manifest["spec"]["template"]["spec"]
+        self.pod_labels: dict[str, str] = self.manifest["spec"]["template"]["metadata"]["labels"]
+        (self.container,) = [c for c in self.pod["containers"] if c["name"] == CACHE_CONTAINER]
+        self.env = container_environment(self.container, documents)
+        argv = [*self.container.get("command", []), *self.container["args"]]
+        self.settings: Settings = effective_settings(argv, self.env, key_file=key_file)
+        self.ports = {port["name"]: port["containerPort"] for port in self.container["ports"]}
+
+    def port_number(self, port: str | int) -> int:
+        """A probe's or Service's target port (a name of the container's, or a number)."""
+        return self.ports[port] if isinstance(port, str) else port
+
+    def volume(self, name: str) -> dict[str, Any]:
+        """The pod volume (or StatefulSet volume claim template) called `name`."""
+        for volume in self.pod.get("volumes", []):
+            if volume["name"] == name:
+                return dict(volume)
+        for claim in self.manifest["spec"].get("volumeClaimTemplates", []):
+            if claim["metadata"]["name"] == name:
+                return {"name": name, "claim": claim["spec"]}
+        raise AssertionError(f"no volume {name!r} in the {self.manifest['kind']}")
+
+    def mount_at(self, path: Path) -> dict[str, Any]:
+        """The cache container's volume mount whose folder holds `path` (or is it)."""
+        mounts = [m for m in self.container["volumeMounts"] if path.is_relative_to(m["mountPath"])]
+        assert mounts, f"nothing is mounted at {path} in the cache container"
+        return max(mounts, key=lambda m: len(m["mountPath"]))
+
+
+def container_environment(
+    container: dict[str, Any], documents: list[dict[str, Any]]
+) -> dict[str, str]:
+    """The variables a container gets: its ConfigMaps (envFrom), then its own env list."""
+    env: dict[str, str] = {}
+    config_maps = {doc["metadata"]["name"]: doc for doc in of_kind(documents, "ConfigMap")}
+    for source in container.get("envFrom", []):
+        name = source["configMapRef"]["name"]
+        assert name in config_maps, f"envFrom names ConfigMap {name}, which is not rendered"
+        env.update(config_maps[name]["data"])
+    for variable in container.get("env", []):
+        env[variable["name"]] = variable["value"]
+    return env
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request: pytest.FixtureRequest) -> str:
+    """Each overlay in turn."""
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def workload(overlay: str, rendered: dict[str, list[dict[str, Any]]], key_file: Path) -> Workload:
+    """The overlay's workload, read against the service's settings."""
+    return Workload(rendered[overlay], WORKLOAD_KINDS[overlay], key_file)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_rendered_manifest_is_valid_against_the_kubernetes_schemas(
+    layout: str, rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    newest = kubernetes_validate.latest_version()
+    checked = []
+    for document in rendered[layout]:
+        if document["kind"] in CUSTOM_KINDS:
+            continue
+        for version in (OLDEST_KUBERNETES, newest):
+            try:  # strict: a misspelt or misplaced field is an error, not ignored
+                kubernetes_validate.validate(document, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                name = f"{document['kind']}/{document['metadata']['name']}"
+                pytest.fail(f"{layout}: {name} is invalid for Kubernetes {version}: {exc}")
+        checked.append(document["kind"])
+    assert {"Service", "ConfigMap", "PodDisruptionBudget"} <= set(checked)
+
+
+def test_each_overlay_renders_its_layout(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    (sidecar,) = of_kind(rendered["overlays/sidecar"], "Deployment")
+    names = [c["name"] for c in sidecar["spec"]["template"]["spec"]["containers"]]
+    assert sorted(names) == [CACHE_CONTAINER, "vllm"]
+    (vllm,) = [c for c in sidecar["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm"]
+    assert vllm["image"].startswith("vllm/vllm-openai:")
+
+    (shared,) = of_kind(rendered["overlays/shared"], "StatefulSet")
+    claims = [claim["metadata"]["name"] for claim in shared["spec"]["volumeClaimTemplates"]]
+    assert claims == ["data"]
+    # Each replica is a cache of its own (its own LMDB on its own volume) until the Redis
+    # backend exists: one replica, so that the Service does not split every prefix's hits.
+    assert shared["spec"]["replicas"] == 1
+    headless = [s for s in of_kind(rendered["overlays/shared"], "Service") if s["metadata"]["name"]]
+    assert shared["spec"]["serviceName"] in {s["metadata"]["name"] for s in headless}
+
+
+def test_cache_command_line_and_variables_are_accepted_by_the_service(
+    workload: Workload,
+) -> None:
+    # Workload() already ran the flags through the CLI's parser and the service's settings
+    # (an unknown flag or an invalid combination fails there); variables no setting reads are
+    # silently ignored by the service, so they are looked for here.
+    assert unknown_variables(workload.env) == []
+    assert workload.container["args"][0] == "serve"
+
+
+def test_container_ports_are_the_ones_the_service_listens_on(workload: Workload) -> None:
+    settings = workload.settings
+    assert settings.host == "0.0.0.0"  # the kubelet's probes reach the pod's address
+    assert workload.ports["http"] == settings.port
+    assert settings.metrics_port is not None, "Prometheus needs the metrics port"
+    assert workload.ports["metrics"] == settings.metrics_port
+    assert settings.metrics_host == "0.0.0.0"
+
+
+def test_probes_ask_healthz_and_readyz_on_the_api_port(workload: Workload) -> None:
+    container, port = workload.container, workload.settings.port
+    for probe, path in (
+        ("livenessProbe", "/healthz"),
+        ("readinessProbe", "/readyz"),
+        ("startupProbe", "/healthz"),
+    ):
+        action = container[probe]["httpGet"]
+        assert action["path"] == path, probe
+        assert workload.port_number(action["port"]) == port, probe
+
+
+def test_api_keys_come_from_the_secret_mounted_where_the_service_reads_them(
+    workload: Workload,
+) -> None:
+    settings = workload.settings
+    assert settings.auth == "keys"
+    assert settings.api_keys_file is not None
+    keys_file = Path(settings.api_keys_file)
+    mount = workload.mount_at(keys_file)
+    assert mount.get("readOnly") is True
+    secret = workload.volume(mount["name"])["secret"]
+    assert secret["secretName"] == "prompt-cache-api-keys"
+    # The whole Secret is mounted as a folder: the file is the Secret's key of that name.
+    assert "subPath" not in mount, "a subPath mount never sees the Secret change"
+    assert keys_file.parent == Path(mount["mountPath"])
+    items = {item["key"]: item["path"] for item in secret.get("items", [])}
+    assert items.get(keys_file.name, keys_file.name) == keys_file.name == "keys.toml"
+
+
+def test_the_store_is_on_the_data_volume_and_the_volume_holds_its_map(
+    workload: Workload,
+) -> None:
+    settings = workload.settings
+    data_dir = Path(settings.store_url())
+    mount = workload.mount_at(data_dir)
+    assert Path(mount["mountPath"]) == data_dir == Path("/data")  # the image's VOLUME
+    volume = workload.volume(mount["name"])
+    # LMDB's data file can grow to its map (twice the capacity plus slack): an emptyDir past
+    # its sizeLimit gets the pod evicted, and a volume that cannot hold it fills up.
+    if "emptyDir" in volume:
+        room = quantity(volume["emptyDir"]["sizeLimit"])
+    else:
+        room = quantity(volume["claim"]["resources"]["requests"]["storage"])
+    assert room >= settings.map_size_bytes(), (room, settings.map_size_bytes())
+
+
+def test_resources_fit_the_workers_and_the_stop_fits_the_grace_period(
+    workload: Workload,
+) -> None:
+    resources = workload.container["resources"]
+    for what in ("cpu", "memory"):
+        assert quantity(resources["requests"][what]) <= quantity(resources["limits"][what])
+    # One worker process per core of the limit: more only contend for it.
+    assert workload.settings.workers <= math.ceil(quantity(resources["limits"]["cpu"]))
+    grace = workload.pod.get("terminationGracePeriodSeconds", 30)
+    assert grace >= exit_bound_seconds(workload.settings.shutdown_timeout)
+
+
+def test_cache_runs_as_the_image_user_from_the_image_at_the_package_version(
+    workload: Workload,
+) -> None:
+    user = re.search(r"^USER (\d+)(?::(\d+))?$", DOCKERFILE.read_text(), re.M)
+    assert user, "the Dockerfile sets no numeric USER"
+    context = workload.container["securityContext"]
+    assert context["runAsNonRoot"] is True
+    assert str(context["runAsUser"]) == user[1]
+    assert str(workload.pod["securityContext"]["fsGroup"]) == (user[2] or user[1])
+    # --workers keeps metrics in files under /tmp: a read-only root needs it writable.
+    assert context["readOnlyRootFilesystem"] is True
+    workload.mount_at(Path("/tmp/cache-service-metrics-1-x"))
+    assert workload.container["image"].endswith(f":{__version__}")
+
+
+def test_the_service_monitor_scrapes_the_cache_pods_metrics_port(
+    overlay: str, workload: Workload, rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    documents = rendered[overlay]
+    (monitor,) = of_kind(documents, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    services = [
+        s for s in of_kind(documents, "Service") if labels_match(selector, s["metadata"]["labels"])
+    ]
+    assert len(services) == 1, "the ServiceMonitor should select exactly the cache's Service"
+    (service,) = services
+    assert labels_match(service["spec"]["selector"], workload.pod_labels)
+    ports = {port["name"]: port for port in service["spec"]["ports"]}
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert endpoint["port"] in ports, f"the Service has no port {endpoint['port']}"
+        target = ports[endpoint["port"]]["targetPort"]
+        assert workload.port_number(target) == workload.settings.metrics_port
+        assert endpoint.get("path", "/metrics") == "/metrics"
+    assert workload.port_number(ports["http"]["targetPort"]) == workload.settings.port
+
+
+def test_every_service_reaches_a_named_port_of_the_pods(
+    overlay: str, workload: Workload, rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    named = {
+        port["name"] for container in workload.pod["containers"] for port in container["ports"]
+    }
+    for service in of_kind(rendered[overlay], "Service"):
+        assert labels_match(service["spec"]["selector"], workload.pod_labels)
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in named, (service["metadata"]["name"], port)
+
+
+def test_the_disruption_budget_covers_the_cache_pods_and_lets_a_drain_proceed(
+    overlay: str, workload: Workload, rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    (budget,) = of_kind(rendered[overlay], "PodDisruptionBudget")
+    assert labels_match(budget["spec"]["selector"]["matchLabels"], workload.pod_labels)
+    replicas = workload.manifest["spec"].get("replicas", 1)
+    if "maxUnavailable" in budget["spec"]:
+        assert int(budget["spec"]["maxUnavailable"]) >= 1
+    else:
+        assert int(budget["spec"]["minAvailable"]) < replicas
