@@ -1,4 +1,4 @@
-"""Helpers for the deploy kit's checks: find its tools, render manifests, and read a
+"""Helpers for the deploy kit's checks: render manifests, and read a
 `cache-service serve` command line the way the service itself would."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -18,6 +17,7 @@ import pytest
 from pydantic import ValidationError
 
 from cache_service.service.settings import ENV_PREFIX, Settings
+from tests.deploy.conftest import require_tool
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -25,25 +25,6 @@ KUBERNETES = DEPLOY / "kubernetes"
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 COMPOSE = DEPLOY / "compose.yaml"
 README = REPO / "README.md"
-
-
-def missing(what: str) -> None:
-    """Skip for a missing tool; under CI (which installs every tool) fail instead."""
-    if os.environ.get("CI"):
-        pytest.fail(f"{what} is missing, and CI must have it")
-    pytest.skip(f"{what} is missing")
-
-
-def find_tool(name: str) -> str:
-    """The tool's path: the virtual environment's bin first, then PATH; else skip (CI: fail)."""
-    beside = Path(sys.executable).parent / name
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    found = shutil.which(name)
-    if found is None:
-        missing(name)
-        raise AssertionError("unreachable")  # missing() raised
-    return found
 
 
 def import_yaml() -> Any:
@@ -59,7 +40,7 @@ def load_yaml_documents(text: str) -> list[dict[str, Any]]:
 
 def kustomize(folder: Path) -> list[dict[str, Any]]:
     """The manifests `kubectl kustomize` renders from a kustomization folder."""
-    kubectl = find_tool("kubectl")
+    kubectl = require_tool("kubectl")
     done = subprocess.run(
         [kubectl, "kustomize", str(folder)],
         check=False,
