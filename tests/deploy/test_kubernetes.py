@@ -303,3 +303,21 @@ def test_the_disruption_budget_covers_the_cache_pods_and_lets_a_drain_proceed(
         assert int(budget["spec"]["maxUnavailable"]) >= 1
     else:
         assert int(budget["spec"]["minAvailable"]) < replicas
+
+
+def test_the_service_monitor_job_is_the_one_the_alerts_watch(
+    overlay: str, rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    # The Prometheus Operator names a ServiceMonitor's job after the Service (or the Service
+    # label spec.jobLabel names); the alerts' `up{job="prompt-cache"}` must find it.
+    documents = rendered[overlay]
+    (monitor,) = of_kind(documents, "ServiceMonitor")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    (service,) = [
+        s for s in of_kind(documents, "Service") if labels_match(selector, s["metadata"]["labels"])
+    ]
+    job_label = monitor["spec"].get("jobLabel")
+    job = service["metadata"]["labels"][job_label] if job_label else service["metadata"]["name"]
+    alerts = (KUBERNETES.parent / "prometheus" / "rules").glob("*.yml")
+    watched = set(re.findall(r'\bjob="([^"]+)"', "".join(p.read_text() for p in alerts)))
+    assert watched == {job}, (watched, job)
