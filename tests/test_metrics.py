@@ -180,3 +180,50 @@ def test_a_scrape_skips_a_worker_file_created_but_not_yet_sized(tmp_path: Path) 
     registry = CollectorRegistry()
     SettledFilesCollector(registry, path=str(tmp_path))  # type: ignore[no-untyped-call]
     assert generate_latest(registry) == b""  # nothing settled yet, and no error
+
+
+def test_requests_are_counted_by_route_template_and_status_code() -> None:
+    """The request timer counts every answer: a matched route by its template, an unknown
+    path as route 'other'; the latency histogram sees the same requests."""
+    import asyncio  # noqa: PLC0415
+
+    import httpx  # noqa: PLC0415
+
+    from cache_service.service.api.app import create_app  # noqa: PLC0415
+    from cache_service.service.settings import Settings  # noqa: PLC0415
+
+    registry = CollectorRegistry()
+    app = create_app(Settings(store="memory://"), registry=registry)
+
+    async def traffic() -> list[int]:
+        # The app in this process with its lifespan (the store) running; no server needed.
+        transport = httpx.ASGITransport(app=app)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=transport, base_url="http://service") as client,
+        ):
+            answers = [
+                await client.get("/healthz"),
+                await client.get("/v1/info"),
+                await client.get("/v1/no-such-route"),
+                await client.post(
+                    "/v1/lookup",
+                    content=b"not json",
+                    headers={"Content-Type": "application/json"},
+                ),
+            ]
+        return [answer.status_code for answer in answers]
+
+    assert asyncio.run(traffic()) == [200, 200, 404, 400]
+
+    def requests(route: str, code: str) -> float | None:
+        return sample(registry, "prompt_cache_requests_total", route=route, code=code)
+
+    assert requests("/healthz", "200") == 1
+    assert requests("/v1/info", "200") == 1
+    assert requests("other", "404") == 1
+    assert requests("/v1/lookup", "400") == 1
+    assert requests("/v1/no-such-route", "404") is None  # never the raw path: bounded labels
+    duration = "prompt_cache_request_duration_seconds_count"
+    assert sample(registry, duration, route="/v1/lookup") == 1
+    assert sample(registry, duration, route="other") == 1
