@@ -8,6 +8,9 @@ import re
 import shlex
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -160,3 +163,64 @@ def shell_blocks(markdown: str) -> list[str]:
 def shell_commands(script: str) -> list[list[str]]:
     """The simple commands of a shell line joined by && (each one split as the shell would)."""
     return [shlex.split(part) for part in re.split(r"&&", script) if part.strip()]
+
+
+# --- Running a command line for real, on this machine's loopback ------------------------------
+
+LOCAL_VALUES = {"--host": "127.0.0.1", "--metrics-host": "127.0.0.1"}
+STARTUP_SECONDS = 60.0
+
+
+def localised(argv: Sequence[str], replacements: Mapping[str, str]) -> list[str]:
+    """A command line with the values of some flags replaced (`--flag value` form)."""
+    out = list(argv)
+    for index, part in enumerate(out[:-1]):
+        if part in replacements:
+            out[index + 1] = replacements[part]
+    return out
+
+
+def get(url: str, *, timeout: float = 2.0) -> int:
+    """The HTTP status of a GET (an error status too)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+@contextmanager
+def running_service(
+    argv: Sequence[str], env: Mapping[str, str], log_path: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`cache-service <argv>` started with these CACHE_SERVICE_* variables, until its /healthz
+    answers; stopped (SIGTERM, then SIGKILL) by its PID when the block ends."""
+    from tests.integration.conftest import service_command  # noqa: PLC0415
+
+    port = effective_settings(argv, env).port
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    environment.update(env)
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [*service_command(), *argv], stdout=log, stderr=subprocess.STDOUT, env=environment
+        )
+    try:
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while True:
+            assert proc.poll() is None, f"the service exited:\n{log_path.read_text()}"
+            try:
+                if get(f"http://127.0.0.1:{port}/healthz", timeout=1.0) == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"not up in {STARTUP_SECONDS}s"
+            time.sleep(0.05)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -10,8 +10,6 @@ import re
 import shlex
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,14 +23,14 @@ from tests.deploy.kit import (
     README,
     effective_settings,
     readme_section,
+    running_service,
     shell_blocks,
     shell_commands,
 )
-from tests.integration.conftest import free_port, service_command
+from tests.integration.conftest import free_port
 
 # Options the image adds to README's pip commands, each for a reason of its own.
 EXTRA_PIP_OPTIONS = {"--no-cache-dir"}  # no wheel cache left in an image layer
-STARTUP_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -230,30 +228,8 @@ def image_default_server(tmp_path: Path) -> Iterator[int]:
     argv = only(instructions, "ENTRYPOINT").exec_form() + only(instructions, "CMD").exec_form()
     args = [str(tmp_path / "data") if part == "/data" else part for part in argv[1:]]
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_SERVICE_")}
-    env["CACHE_SERVICE_PORT"] = str(port)
-    with (tmp_path / "server.log").open("wb") as log:
-        proc = subprocess.Popen(
-            [*service_command(), *args], stdout=log, stderr=subprocess.STDOUT, env=env
-        )
-    try:
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the image's command did not start"
-                time.sleep(0.05)
+    with running_service(args, {"CACHE_SERVICE_PORT": str(port)}, tmp_path / "server.log"):
         yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def run_health_check(port: int) -> int:

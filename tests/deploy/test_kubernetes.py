@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import re
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +19,16 @@ from cache_service.service.settings import Settings
 from tests.deploy.kit import (
     DOCKERFILE,
     KUBERNETES,
+    LOCAL_VALUES,
     effective_settings,
+    get,
     kustomize,
+    localised,
     make_key_file,
+    running_service,
     unknown_variables,
 )
+from tests.integration.conftest import free_port
 
 LAYOUTS = ("base", "overlays/sidecar", "overlays/shared")
 OVERLAYS = ("overlays/sidecar", "overlays/shared")
@@ -321,3 +328,43 @@ def test_the_service_monitor_job_is_the_one_the_alerts_watch(
     alerts = (KUBERNETES.parent / "prometheus" / "rules").glob("*.yml")
     watched = set(re.findall(r'\bjob="([^"]+)"', "".join(p.read_text() for p in alerts)))
     assert watched == {job}, (watched, job)
+
+
+def test_cache_command_line_starts_a_service_that_answers_probes_and_scrapes(
+    workload: Workload, key_file: Path, tmp_path: Path
+) -> None:
+    # The container's own flags and variables, run for real: only the addresses (loopback),
+    # the ports (free ones), the data folder and the key file are this machine's.
+    settings = workload.settings
+    port, metrics_port = free_port(), free_port()
+    argv = localised(
+        workload.container["args"],
+        LOCAL_VALUES
+        | {
+            "--port": str(port),
+            "--metrics-port": str(metrics_port),
+            "--data-dir": str(tmp_path / "data"),
+            "--api-keys-file": str(key_file),
+        },
+    )
+    with running_service(argv, workload.env, tmp_path / "server.log") as proc:
+        for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+            path = workload.container[probe]["httpGet"]["path"]
+            deadline = time.monotonic() + 30
+            while (status := get(f"http://127.0.0.1:{port}{path}")) != 200:
+                assert time.monotonic() < deadline, f"{probe} {path}: {status}"
+                time.sleep(0.1)
+        assert get(f"http://127.0.0.1:{port}/v1/stats") == 401  # the keys are in force
+        deadline = time.monotonic() + 30  # one worker takes the metrics port
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics") as answer:
+                    assert b"prompt_cache_" in answer.read()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the metrics port does not answer"
+                time.sleep(0.1)
+        proc.terminate()
+        started = time.monotonic()
+        assert proc.wait(timeout=60) == 0
+        assert time.monotonic() - started <= exit_bound_seconds(settings.shutdown_timeout)
