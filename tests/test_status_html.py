@@ -156,3 +156,19 @@ def test_with_history_the_hour_chart_draws_a_line_and_the_evictions_count() -> N
 def test_refresh_zero_stops_the_reloading() -> None:
     assert '<meta http-equiv="refresh" content="15">' in page()
     assert 'http-equiv="refresh"' not in page(refresh=0)
+
+
+def test_charts_span_the_shortest_window_that_holds_the_history() -> None:
+    assert "Last 5 minutes, per 10 s" in page()  # a worker just started
+    assert "Last 15 minutes, per 10 s" in page(history_with_traffic(60))  # ten minutes
+    hours = page(history_with_traffic(4 * 360))  # four hours: the fine ring keeps one
+    assert "Last hour, per 10 s" in hours and "Last 6 hours, per 1 min" in hours
+    assert ">-15 min<" in page(history_with_traffic(60))  # the ticks follow the span
+
+
+def test_a_tenant_without_a_capacity_gets_no_bar() -> None:
+    free = {"hit_tokens": 1, "miss_tokens": 1, "estimated_bytes": 5, "capacity_bytes": None}
+    held = {"hit_tokens": 1, "miss_tokens": 1, "estimated_bytes": 5, "capacity_bytes": 10}
+    tenants = page(tenants={"free": free, "held": held}).split("<h2>Tenants</h2>")[1]
+    assert tenants.count('class="bar"') == 1
+    assert 'aria-label="held: stored against its capacity"' in tenants

@@ -16,13 +16,17 @@ from typing import Any
 
 from cache_service.core.units import show_duration, show_size
 from cache_service.service.api.status_svg import time_chart, usage_bar
-from cache_service.service.status_history import Change, StatusHistory
+from cache_service.service.status_history import Change, Ring, Sample, StatusHistory
 
 NONE = "\u2013"  # an en dash: no figure (nothing looked up, no limit set)
 RECENT_WINDOWS = ((300.0, "last 5 min"), (3600.0, "last hour"), (86400.0, "last 24 h"))
 RATIO_TICKS = ((0.0, "0 %"), (0.5, "50 %"), (1.0, "100 %"))
-HOUR_TICKS = tuple((m * 60.0, f"-{m} min" if m else "now") for m in (60, 45, 30, 15, 0))
-DAY_TICKS = tuple((h * 3600.0, f"-{h} h" if h else "now") for h in (24, 18, 12, 6, 0))
+# A chart spans the shortest of these that holds all of its ring's history, so that a worker
+# started a minute ago draws a line, not a dot at the right edge: (minutes, caption, minutes
+# between ticks).
+FINE_SPANS = ((5, "Last 5 minutes", 1), (15, "Last 15 minutes", 5), (60, "Last hour", 15))
+COARSE_SPANS = ((180, "Last 3 hours", 60), (360, "Last 6 hours", 120),
+                (1440, "Last 24 hours", 360))  # fmt: skip
 STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:0 auto;max-width:1100px;padding:16px;
 color:#18181b;background:#fafafa}
@@ -53,6 +57,7 @@ class StatusView:
     refresh_seconds: int  # 0: the page does not reload itself
     root: str = ""  # the path prefix a proxy serves the service under
     generated_at: float = 0.0  # wall-clock seconds, shown as UTC
+    process: int = 0  # the worker process that answered (each has its own history)
 
 
 def _stat(name: str, value: int | float | None, shown: str) -> str:
@@ -101,7 +106,8 @@ def _header(view: StatusView) -> str:
         f"store {escape(str(info['store']))} · hashing {escape(hashing['scheme'])} "
         f"v{escape(str(hashing['version']))} · seed fingerprint "
         f"<code>{_stat('seed_fingerprint', None, hashing['seed_fingerprint'])}</code></div>"
-        f'<div class="meta">{escape(shown_at)} · {reload}</div></header>'
+        f'<div class="meta">{escape(shown_at)} · answered by worker process '
+        f"{_stat('process', view.process, str(view.process))} · {reload}</div></header>"
     )
 
 
@@ -115,7 +121,8 @@ def _cards(view: StatusView) -> str:
     for seconds, name in RECENT_WINDOWS[:2]:
         change = view.history.change_over(seconds)
         ratio = change.hit_ratio if change is not None else None
-        cards.append((f"hit ratio, {name}", escape(show_ratio(ratio)), _covered(change, seconds)))
+        shown = _stat(f"hit_ratio.{name.replace(' ', '_')}", ratio, show_ratio(ratio))
+        cards.append((f"hit ratio, {name}", shown, _covered(change, seconds)))
     capacity = stats["capacity_bytes"]
     used = f"of {show_size(capacity)}" if capacity else "no capacity set"
     cards.append(("store used", _size("used_bytes", stats["used_bytes"]), used))
@@ -138,31 +145,44 @@ def _covered(change: Change | None, seconds: float) -> str:
 
 def show_span(seconds: float) -> str:
     """'40 s', '9 min', '5 h': a rough length of time, for people."""
-    if seconds < 120:
+    if seconds < 60:
         return f"{seconds:.0f} s"
     if seconds < 7200:
         return f"{seconds // 60:.0f} min"
     return f"{seconds // 3600:.0f} h"
 
 
-def _ratio_points(changes: Sequence[Change], now: float) -> list[tuple[float, float | None]]:
-    return [(now - change.end, change.hit_ratio) for change in changes]
+def _span(samples: Sequence[Sample], now: float, spans: Sequence[tuple[int, str, int]]) -> int:
+    """Which of `spans` a chart of `samples` takes: the shortest that holds them all."""
+    held = now - samples[0].at if samples else 0.0
+    fits = (i for i, (minutes, _, _) in enumerate(spans) if held <= minutes * 60)
+    return next(fits, len(spans) - 1)
+
+
+def _ticks(minutes: int, every_minutes: int) -> list[tuple[float, str]]:
+    """A tick every `every_minutes` across the span, 'now' at the right."""
+    unit, name = (1, "min") if minutes <= 60 else (60, "h")
+    return [(ago * 60.0, f"-{ago // unit} {name}" if ago else "now")
+            for ago in range(minutes, -1, -every_minutes)]  # fmt: skip
+
+
+def _chart(ring: Ring, now: float, spans: Sequence[tuple[int, str, int]], per: str) -> str:
+    minutes, caption, every = spans[_span(ring.samples, now, spans)]
+    points = [(now - change.end, change.hit_ratio) for change in ring.changes()]
+    chart = time_chart(points, span_seconds=minutes * 60, x_ticks=_ticks(minutes, every),
+                       y_ticks=RATIO_TICKS, y_max=1.0, label=f"hit ratio, {caption.lower()}",
+                       empty_note="no lookups in this window yet")  # fmt: skip
+    return f"<figure><figcaption>{escape(caption)}, per {escape(per)}</figcaption>{chart}</figure>"
 
 
 def _charts(view: StatusView) -> str:
     history, now = view.history, view.history.clock()
-    note = "no lookups in this window yet"
-    hour = time_chart(_ratio_points(history.fine.changes(), now), span_seconds=3600,
-                      x_ticks=HOUR_TICKS, y_ticks=RATIO_TICKS, y_max=1.0,
-                      label="hit ratio, last hour", empty_note=note)  # fmt: skip
-    day = time_chart(_ratio_points(history.coarse.changes(), now), span_seconds=86400,
-                     x_ticks=DAY_TICKS, y_ticks=RATIO_TICKS, y_max=1.0,
-                     label="hit ratio, last 24 h", empty_note=note)  # fmt: skip
-    step = show_span(history.sample_seconds)
+    per_sample = show_span(history.sample_seconds)
     return (
         '<h2>Hit ratio</h2><div class="charts">'
-        f"<figure><figcaption>Last hour, per {step}</figcaption>{hour}</figure>"
-        f"<figure><figcaption>Last 24 hours, per minute</figcaption>{day}</figure></div>"
+        + _chart(history.fine, now, FINE_SPANS, per_sample)
+        + _chart(history.coarse, now, COARSE_SPANS, show_span(history.coarse.step_seconds))
+        + "</div>"
         '<p class="note">Hit tokens over looked-up tokens in each interval, all retention '
         "classes and all worker processes; a gap is an interval without lookups.</p>"
     )

@@ -7,6 +7,7 @@ the key as the password of HTTP Basic credentials.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Annotated
 
@@ -49,5 +50,6 @@ async def status_page(
         refresh_seconds=refresh,
         root=request.scope.get("root_path", "").rstrip("/"),
         generated_at=time.time(),
+        process=os.getpid(),
     )
     return HTMLResponse(render_status_page(view), headers=PAGE_HEADERS)

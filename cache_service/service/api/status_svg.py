@@ -92,13 +92,13 @@ def time_chart(
 
 
 def usage_bar(used: int, room: int | None, *, label: str) -> str:
-    """A bar of `used` against `room` (green, amber past 80 %, red past 95 %); a plain grey
-    bar when there is no limit to compare with."""
-    fraction = min(used / room, 1.0) if room else None
-    colour = (
-        GRID if fraction is None else FULL if fraction > 0.95 else WARN if fraction > 0.8 else OK
-    )
-    filled = 100.0 if fraction is None else fraction * 100
+    """A bar of `used` against `room` (green, amber past 80 %, red past 95 %); nothing when
+    there is no limit to compare with."""
+    if not room:
+        return ""
+    fraction = min(used / room, 1.0)
+    colour = FULL if fraction > 0.95 else WARN if fraction > 0.8 else OK
+    filled = fraction * 100
     return (
         f'<svg class="bar" viewBox="0 0 100 6" preserveAspectRatio="none" role="img" '
         f'aria-label="{escape(label)}">'
