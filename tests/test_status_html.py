@@ -172,3 +172,12 @@ def test_a_tenant_without_a_capacity_gets_no_bar() -> None:
     tenants = page(tenants={"free": free, "held": held}).split("<h2>Tenants</h2>")[1]
     assert tenants.count('class="bar"') == 1
     assert 'aria-label="held: stored against its capacity"' in tenants
+
+
+def test_a_store_off_disk_without_capacity_shows_dashes() -> None:
+    report = stats() | {"disk": None, "capacity_bytes": None}
+    view = StatusView(stats=report, info=INFO, history=StatusHistory(), refresh_seconds=0)
+    html = render_status_page(view)
+    assert "disk:" not in html
+    assert "no capacity set" in html
+    assert 'data-stat="capacity_bytes" data-value=""' in html

@@ -234,7 +234,8 @@ def _retention(view: StatusView) -> str:
             escape(show_ratio(_ratio(hits, misses))),
             f"{before_ttl.get(name, 0):,}",
         ])  # fmt: skip
-    head = ["class", "TTL", "hit tokens", "miss tokens", "hit ratio", "evicted before TTL"]
+    evicted = "evicted before TTL, since start"
+    head = ["class", "TTL", "hit tokens", "miss tokens", "hit ratio", evicted]
     return "<h2>Retention classes</h2>" + _table(head, rows)
 
 
