@@ -9,12 +9,13 @@ CI set), where it fails them: CI installs everything.
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -55,6 +56,15 @@ def require_tool(name: str) -> Path:
         missing(f"{name} is not installed (not beside {sys.executable}, not on PATH)")
         raise AssertionError("unreachable")  # missing() always raises
     return path
+
+
+def require_module(name: str) -> Any:
+    """The Python module `name`, or skip (fail under CI) when it is not installed."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        missing(f"the Python package of {name!r} is not installed")
+        raise
 
 
 @pytest.fixture(scope="session")

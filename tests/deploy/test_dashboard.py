@@ -7,9 +7,7 @@ import json
 import re
 from typing import TYPE_CHECKING, Any
 
-import pytest
-
-from tests.deploy.conftest import DEPLOY
+from tests.deploy.conftest import DEPLOY, require_module
 
 if TYPE_CHECKING:
     from tests.deploy.live_stack import LiveStack
@@ -116,7 +114,7 @@ def test_the_dashboard_shows_every_part_the_issue_asks_for() -> None:
 
 
 def test_the_provisioning_points_grafana_at_prometheus_and_the_dashboards() -> None:
-    yaml = pytest.importorskip("yaml")
+    yaml = require_module("yaml")
     sources = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yaml").read_text())
     (source,) = sources["datasources"]
     assert (source["name"], source["uid"], source["type"]) == (

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.conftest import DEPLOY
+from tests.deploy.conftest import DEPLOY, require_module
 
 PROMETHEUS = DEPLOY / "prometheus"
 RULE_FILES = sorted((PROMETHEUS / "rules").glob("*.yml"))
@@ -33,9 +33,8 @@ def run(args: list[str | Path], cwd: Path = PROMETHEUS) -> str:
 
 
 def load(path: Path) -> Any:
-    """A YAML file (PyYAML imported here, so the tests collect without it)."""
-    yaml = pytest.importorskip("yaml")
-    return yaml.safe_load(path.read_text())
+    """A YAML file (PyYAML is imported here: the tests collect without it)."""
+    return require_module("yaml").safe_load(path.read_text())
 
 
 def rules() -> list[dict[str, Any]]:
