@@ -138,8 +138,22 @@ def test_page_needs_an_admin_key_as_bearer_or_basic(
     as_admin = {"Authorization": f"Bearer {admin}"}
     assert httpx.get(secured.url + "/", headers=as_admin).status_code == 200
     assert httpx.get(secured.url + "/", auth=("ops", admin)).status_code == 200
-    # Basic credentials are a key like any other: the API takes them too.
+    # Basic credentials are a key like any other for reads: the API takes them too.
     assert httpx.get(secured.url + "/v1/stats", auth=("", admin)).status_code == 200
+
+
+def test_basic_credentials_never_change_anything(
+    secured: ServerProcess, keys: dict[str, str]
+) -> None:
+    """A browser resends remembered Basic credentials even on a request another site's page
+    makes it send (a forged form): writes take a bearer key only, so nothing is stored or
+    purged that way."""
+    admin, writer = keys["ops"], keys["a-writer"]
+    purge = httpx.post(secured.url + "/v1/purge", auth=("", admin), json={"tenant": "team-a"})
+    assert purge.status_code == 401
+    assert "GET and HEAD requests only" in purge.json()["detail"]
+    lookup = {"model": MODEL, "tokens": PROMPT}
+    assert httpx.post(secured.url + "/v1/lookup", auth=("", writer), json=lookup).status_code == 401
 
 
 def test_page_shows_every_tenant_to_an_admin(secured: ServerProcess, keys: dict[str, str]) -> None:

@@ -53,6 +53,10 @@ ROUTE_ROLES: Mapping[str, Role] = {
 ANONYMOUS = ApiKey(id="anonymous", tenant="", role=Role.ADMIN, sha256="")
 
 
+# Methods that take a key as HTTP Basic credentials: reads only (see _presented_key).
+BASIC_METHODS = frozenset({"GET", "HEAD"})
+
+
 def principal(request: Request) -> ApiKey:
     """The key the request was authenticated with (ANONYMOUS with --auth none)."""
     found: ApiKey = request.scope.get("state", {}).get("principal", ANONYMOUS)
@@ -75,6 +79,8 @@ class Authenticator:
         key = self._presented_key(scope)
         if key is None:
             detail = "send a valid API key as `Authorization: Bearer <key>`"
+            if scope["method"] not in BASIC_METHODS:
+                detail += " (HTTP Basic credentials are taken by GET and HEAD requests only)"
             if scope["path"] in BROWSER_PATHS:
                 detail += " (or, from a browser, as the password of HTTP Basic credentials)"
                 send = _with_basic_challenge(send)
@@ -96,6 +102,11 @@ class Authenticator:
                 scheme, _, token = value.decode("latin-1").partition(" ")
                 token = token.strip()
                 if scheme.lower() == "basic":
+                    # A browser resends remembered Basic credentials on any request to this
+                    # origin, even one another site's page makes it send: only reads take
+                    # them, so no forged form can store, pin or purge (cross-site requests).
+                    if scope["method"] not in BASIC_METHODS:
+                        return None
                     token = basic_password(token) or ""
                 elif scheme.lower() != "bearer":
                     return None
