@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from tests.integration.conftest import free_port
+from tests.integration.conftest import free_port, stop_process, wait_until_ready
 
 STARTUP_SECONDS = 30.0
 STOP_SECONDS = 10.0
@@ -75,32 +75,17 @@ class PrometheusProcess:
         ]
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited early:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(self.url + "/-/ready", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(
-            f"prometheus not ready in {STARTUP_SECONDS}s:\n{self.log_path.read_text()}"
-        )
+        if not wait_until_ready(self.proc, self.url + "/-/ready", self.log_path, STARTUP_SECONDS):
+            self.stop()
+            raise RuntimeError(
+                f"prometheus not ready in {STARTUP_SECONDS}s:\n{self.log_path.read_text()}"
+            )
 
     def stop(self) -> None:
         """Stop the process this object started (SIGTERM, then SIGKILL), by its PID."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=STOP_SECONDS)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, seconds=STOP_SECONDS)
         self.proc = None
 
     def query(self, expr: str, *, at: float | None = None) -> Series:

@@ -31,6 +31,35 @@ def service_command() -> list[str]:
     return [sys.executable, "-m", "cache_service.cli"]  # not installed: run the module
 
 
+def wait_until_ready(
+    proc: subprocess.Popen[bytes], ready_url: str, log_path: Path, seconds: float
+) -> bool:
+    """Whether `ready_url` answered 200 within `seconds`; RuntimeError with the process's log
+    if the process ends first."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited early:\n{log_path.read_text()}")
+        try:
+            if httpx.get(ready_url, timeout=1.0).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def stop_process(proc: subprocess.Popen[bytes], *, seconds: float) -> None:
+    """Stop a process a test started: SIGTERM, then SIGKILL after `seconds`, by its PID."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class ServerProcess:
     """One service process; `restart()` keeps its data folder and port."""
 
@@ -55,30 +84,17 @@ class ServerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_SERVICE_")}
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"server not ready in {STARTUP_SECONDS}s:\n{self.log_path.read_text()}")
+        if not wait_until_ready(self.proc, self.url + "/readyz", self.log_path, STARTUP_SECONDS):
+            self.stop()
+            raise RuntimeError(
+                f"server not ready in {STARTUP_SECONDS}s:\n{self.log_path.read_text()}"
+            )
 
     def stop(self) -> None:
         """Stop the process this object started (SIGTERM, then SIGKILL), by its PID."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, seconds=15)
         self.proc = None
 
     def restart(self) -> None:
