@@ -172,7 +172,9 @@ def remove_stale_metrics_folders() -> list[Path]:
     removed = []
     for folder in Path(tempfile.gettempdir()).glob(METRICS_FOLDER_PREFIX + "*-*"):
         pid = folder.name.removeprefix(METRICS_FOLDER_PREFIX).split("-", 1)[0]
-        if pid.isdigit() and not _running(int(pid)):
+        # Our own PID names no folder of ours yet: one of a previous process with this PID
+        # (PID 1 of a restarted container, its /tmp kept) is stale too.
+        if pid.isdigit() and (int(pid) == os.getpid() or not _running(int(pid))):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed

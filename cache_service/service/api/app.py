@@ -112,6 +112,6 @@ def create_app(
     install_docs(app)
     app.add_middleware(QuotaGate)  # inside: it needs the key the Authenticator found
     app.add_middleware(Authenticator, keys=keys)
-    app.add_middleware(RequestTimer, metrics=metrics)
-    app.add_middleware(AnswerCancelled)  # outermost: a stopping server's cancel is a 503
+    app.add_middleware(AnswerCancelled)  # a stopping server's cancel is a 503 ...
+    app.add_middleware(RequestTimer, metrics=metrics)  # ... which the timer counts as such
     return app
