@@ -136,10 +136,17 @@ def test_the_page_references_nothing_outside_itself() -> None:
             assert value.startswith("/") or value.startswith("data:"), (tag, value)
 
 
-def test_without_history_the_charts_say_there_is_no_traffic_yet() -> None:
+def test_without_history_the_charts_say_when_their_first_point_comes() -> None:
     html = page()
-    assert html.count("no lookups in this window yet") == 2
-    assert "<polyline" not in html
+    assert "its first point comes after 10 s of history" in html
+    assert "its first point comes after 1 min of history" in html
+    assert "no lookups" not in html and "<polyline" not in html
+
+
+def test_a_day_chart_younger_than_a_minute_does_not_claim_there_were_no_lookups() -> None:
+    html = page(history_with_traffic(3))  # 30 s at 10 s: the hour chart has points
+    assert "its first point comes after 1 min of history" in html
+    assert "no lookups in this window yet" not in html
 
 
 def test_with_history_the_hour_chart_draws_a_line_and_the_evictions_count() -> None:

@@ -169,9 +169,12 @@ def _ticks(minutes: int, every_minutes: int) -> list[tuple[float, str]]:
 def _chart(ring: Ring, now: float, spans: Sequence[tuple[int, str, int]], per: str) -> str:
     minutes, caption, every = spans[_span(ring.samples, now, spans)]
     points = [(now - change.end, change.hit_ratio) for change in ring.changes()]
+    # A point needs two samples: a chart without one says when it comes, not "no lookups".
+    note = "no lookups in this window yet" if len(ring.samples) >= 2 else (
+        f"its first point comes after {per} of history")  # fmt: skip
     chart = time_chart(points, span_seconds=minutes * 60, x_ticks=_ticks(minutes, every),
                        y_ticks=RATIO_TICKS, y_max=1.0, label=f"hit ratio, {caption.lower()}",
-                       empty_note="no lookups in this window yet")  # fmt: skip
+                       empty_note=note)  # fmt: skip
     return f"<figure><figcaption>{escape(caption)}, per {escape(per)}</figcaption>{chart}</figure>"
 
 
