@@ -23,6 +23,7 @@ from cache_service.client import CacheClient
 from cache_service.core.units import show_size
 from cache_service.service.api_keys import Role, key_file_entry, new_key
 from cache_service.service.status_history import SAMPLE_SECONDS
+from tests.deploy.conftest import missing
 from tests.integration.conftest import ServerProcess
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -44,23 +45,16 @@ KEYS = {
 }
 
 
-def missing(what: str) -> None:
-    """Skip for a missing tool; in CI, which installs every tool, fail."""
-    if os.environ.get("CI"):
-        pytest.fail(f"{what} is missing, and CI installs it")
-    pytest.skip(f"{what} is missing")
-
-
 @pytest.fixture
 def browser() -> Iterator[Any]:
     """Headless Chromium, Debian's, through Playwright."""
     try:
         from playwright.sync_api import sync_playwright  # noqa: PLC0415
     except ImportError:
-        missing("playwright (the Python package)")
+        missing("playwright (the Python package) is missing")
     executable = str(CHROMIUM) if CHROMIUM.exists() else shutil.which("chromium")
     if executable is None:
-        missing(f"chromium ({CHROMIUM})")
+        missing(f"chromium ({CHROMIUM}) is missing")
     with sync_playwright() as playwright:
         chromium = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
         try:
