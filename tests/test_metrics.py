@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
-from cache_service.core.blocks import Namespace
+from cache_service.core.blocks import Evicted, Namespace, StoreKey
 from cache_service.core.cache import PrefixCache
 from cache_service.core.store.base import BlockStore
 from cache_service.core.store.lmdb import LmdbStore
@@ -97,6 +97,21 @@ def test_capacity_evictions_before_the_ttl_are_counted(
     cache.insert(NS, blocks_of(3, 4), [b"c", b"d"])
     assert sample(registry, "prompt_cache_evicted_blocks_total", reason="capacity") == 2
     assert sample(registry, "prompt_cache_evicted_before_ttl_total", retention="chat") == 2
+
+
+def test_a_tenant_evicting_its_own_blocks_for_its_quota_is_not_an_eviction_before_ttl() -> None:
+    """The before-TTL counter (and its alert) says the store is too small for the TTLs; a
+    tenant over its own quota is that tenant's choice."""
+    metrics = CacheMetrics(CollectorRegistry())
+    young = {"retention": "chat", "expires_at": 1_000.0, "payload_size": 1}
+    evicted = [
+        Evicted(key=StoreKey(b"k1"), reason="tenant_quota", **young),  # type: ignore[arg-type]
+        Evicted(key=StoreKey(b"k2"), reason="capacity", **young),  # type: ignore[arg-type]
+    ]
+    metrics.on_evicted(evicted, now=10.0)
+    registry = metrics.registry
+    assert sample(registry, "prompt_cache_evicted_blocks_total", reason="tenant_quota") == 1
+    assert sample(registry, "prompt_cache_evicted_before_ttl_total", retention="chat") == 1
 
 
 def test_expired_blocks_are_counted_as_expired_not_before_their_ttl(

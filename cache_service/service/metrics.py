@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, multiproces
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cache_service.core.blocks import REMOVAL_REASONS, ROOM_REASONS, Evicted, StoreUsage
+from cache_service.core.blocks import REMOVAL_REASONS, Evicted, StoreUsage
 from cache_service.core.disk import DiskRoom
 from cache_service.core.events import CacheEvents
 
@@ -198,7 +198,9 @@ class CacheMetrics(CacheEvents):
         """Count evictions by reason, and capacity evictions that came before the TTL."""
         for block in evicted:
             self.evicted_blocks.labels(reason=block.reason).inc()
-            if block.reason in ROOM_REASONS and now < block.expires_at:
+            # Capacity only: a tenant over its quota evicting its own blocks is its choice
+            # (reason tenant_quota above), not a store too small for the promised TTLs.
+            if block.reason == "capacity" and now < block.expires_at:
                 self.evicted_before_ttl.labels(retention=block.retention).inc()
 
     @property
