@@ -20,7 +20,7 @@ import pytest
 from pydantic import ValidationError
 
 from cache_service.service.settings import ENV_PREFIX, Settings
-from tests.deploy.conftest import require_tool
+from tests.deploy.conftest import require_module, require_tool
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -31,8 +31,9 @@ README = REPO / "README.md"
 
 
 def import_yaml() -> Any:
-    """PyYAML, imported here so that the tests collect without it."""
-    return pytest.importorskip("yaml")
+    """PyYAML, imported here so that the tests collect without it (skipped when missing,
+    failed under CI)."""
+    return require_module("yaml")
 
 
 def load_yaml_documents(text: str) -> list[dict[str, Any]]:

@@ -14,8 +14,11 @@ from typing import Any
 import pytest
 
 from cache_service import __version__
+from cache_service.core.disk import MARGIN_MAX_BYTES
 from cache_service.service.server import exit_bound_seconds
 from cache_service.service.settings import Settings
+from cache_service.service.usage import DEFAULT_KEEP
+from tests.deploy.conftest import require_module
 from tests.deploy.kit import (
     DOCKERFILE,
     KUBERNETES,
@@ -40,6 +43,13 @@ CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule"}
 # The oldest Kubernetes the manifests promise to fit (fsGroupChangePolicy, policy/v1 PDBs and
 # StatefulSet fields are older), and the newest schemas the validator ships.
 OLDEST_KUBERNETES = "1.29"
+# Besides LMDB's map, the data folder holds the disk-reserve file (up to the disk's margin,
+# MARGIN_MAX_BYTES: cache_service/core/reserve.py), and small files: the quotas file, LMDB's
+# lock file, the usage log's lock. 32 MiB covers those with room to spare.
+SMALL_FILES_BYTES = 32 * 2**20
+# What the sidecar layout's grace period leaves vLLM to drain before the cache gets SIGTERM
+# (Kubernetes' default grace period: vLLM's own stop is not bounded by anything we ship).
+VLLM_DRAIN_SECONDS = 30
 
 QUANTITY = re.compile(r"^(?P<number>[0-9.]+)(?P<unit>[KMGTPE]i?|m|)$")
 UNITS = {"": 1, "m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
@@ -82,7 +92,9 @@ class Workload:
         (self.manifest,) = of_kind(documents, kind)
         self.pod: dict[str, Any] = self.manifest["spec"]["template"]["spec"]
         self.pod_labels: dict[str, str] = self.manifest["spec"]["template"]["metadata"]["labels"]
-        (self.container,) = [c for c in self.pod["containers"] if c["name"] == CACHE_CONTAINER]
+        # A regular container (shared layout) or a native sidecar, in initContainers.
+        (self.container,) = [c for c in pod_containers(self.pod) if c["name"] == CACHE_CONTAINER]
+        self.is_init_container = self.container in self.pod.get("initContainers", [])
         self.env = container_environment(self.container, documents)
         argv = [*self.container.get("command", []), *self.container["args"]]
         self.settings: Settings = effective_settings(argv, self.env, key_file=key_file)
@@ -107,6 +119,11 @@ class Workload:
         mounts = [m for m in self.container["volumeMounts"] if path.is_relative_to(m["mountPath"])]
         assert mounts, f"nothing is mounted at {path} in the cache container"
         return max(mounts, key=lambda m: len(m["mountPath"]))
+
+
+def pod_containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """A pod's containers: its init containers (native sidecars among them), then the rest."""
+    return [*pod.get("initContainers", []), *pod["containers"]]
 
 
 def container_environment(
@@ -140,7 +157,7 @@ def workload(overlay: str, rendered: dict[str, list[dict[str, Any]]], key_file: 
 def test_every_rendered_manifest_is_valid_against_the_kubernetes_schemas(
     layout: str, rendered: dict[str, list[dict[str, Any]]]
 ) -> None:
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    kubernetes_validate = require_module("kubernetes_validate")
     newest = kubernetes_validate.latest_version()
     checked = []
     for document in rendered[layout]:
@@ -154,13 +171,16 @@ def test_every_rendered_manifest_is_valid_against_the_kubernetes_schemas(
                 pytest.fail(f"{layout}: {name} is invalid for Kubernetes {version}: {exc}")
         checked.append(document["kind"])
     assert {"Service", "ConfigMap", "PodDisruptionBudget"} <= set(checked)
+    if layout == "overlays/shared":
+        assert "NetworkPolicy" in checked
 
 
 def test_each_overlay_renders_its_layout(rendered: dict[str, list[dict[str, Any]]]) -> None:
     (sidecar,) = of_kind(rendered["overlays/sidecar"], "Deployment")
-    names = [c["name"] for c in sidecar["spec"]["template"]["spec"]["containers"]]
-    assert sorted(names) == [CACHE_CONTAINER, "vllm"]
-    (vllm,) = [c for c in sidecar["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm"]
+    pod = sidecar["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["vllm"]
+    assert [c["name"] for c in pod["initContainers"]] == [CACHE_CONTAINER]
+    (vllm,) = pod["containers"]
     assert vllm["image"].startswith("vllm/vllm-openai:")
 
     (shared,) = of_kind(rendered["overlays/shared"], "StatefulSet")
@@ -194,14 +214,45 @@ def test_container_ports_are_the_ones_the_service_listens_on(workload: Workload)
 
 def test_probes_ask_healthz_and_readyz_on_the_api_port(workload: Workload) -> None:
     container, port = workload.container, workload.settings.port
-    for probe, path in (
-        ("livenessProbe", "/healthz"),
-        ("readinessProbe", "/readyz"),
-        ("startupProbe", "/healthz"),
-    ):
+    probes = [("livenessProbe", "/healthz"), ("startupProbe", "/healthz")]
+    # A native sidecar has none (see the next test); a regular container must have one.
+    if not workload.is_init_container:
+        probes.append(("readinessProbe", "/readyz"))
+    for probe, path in probes:
+        assert probe in container, probe
         action = container[probe]["httpGet"]
         assert action["path"] == path, probe
         assert workload.port_number(action["port"]) == port, probe
+
+
+def test_in_the_sidecar_layout_the_cache_is_a_native_sidecar_that_cannot_unready_vllm(
+    rendered: dict[str, list[dict[str, Any]]], key_file: Path
+) -> None:
+    workload = Workload(rendered["overlays/sidecar"], "Deployment", key_file)
+    # An init container with restartPolicy Always (Kubernetes 1.29+): started before the main
+    # containers, restarted on its own, and stopped only after they have exited.
+    assert workload.is_init_container
+    assert workload.container["restartPolicy"] == "Always"
+    assert workload.pod.get("restartPolicy", "Always") == "Always"
+    # A sidecar's readiness probe counts toward the pod's Ready condition (Kubernetes docs,
+    # Sidecar Containers): the engine fails open to the cache, so no probe of the cache may
+    # take vLLM's pod out of its Service.
+    for container in pod_containers(workload.pod):
+        if container["name"] == CACHE_CONTAINER:
+            assert "readinessProbe" not in container
+    assert "livenessProbe" in workload.container
+    assert "startupProbe" in workload.container
+    (vllm,) = [c for c in workload.pod["containers"] if c["name"] == "vllm"]
+    assert "readinessProbe" in vllm  # the pod's readiness is the engine's
+
+
+def test_in_the_shared_layout_the_cache_is_a_regular_container_with_readiness(
+    rendered: dict[str, list[dict[str, Any]]], key_file: Path
+) -> None:
+    workload = Workload(rendered["overlays/shared"], "StatefulSet", key_file)
+    assert not workload.is_init_container
+    assert "initContainers" not in workload.pod
+    assert workload.container["readinessProbe"]["httpGet"]["path"] == "/readyz"
 
 
 def test_api_keys_come_from_the_secret_mounted_where_the_service_reads_them(
@@ -230,13 +281,18 @@ def test_the_store_is_on_the_data_volume_and_the_volume_holds_its_map(
     mount = workload.mount_at(data_dir)
     assert Path(mount["mountPath"]) == data_dir == Path("/data")  # the image's VOLUME
     volume = workload.volume(mount["name"])
-    # LMDB's data file can grow to its map (twice the capacity plus slack): an emptyDir past
-    # its sizeLimit gets the pod evicted, and a volume that cannot hold it fills up.
+    # LMDB's data file can grow to its map (twice the capacity plus slack), and the folder
+    # also holds the disk-reserve file and small files: an emptyDir past its sizeLimit gets
+    # the pod evicted, and a volume that cannot hold them fills up.
     if "emptyDir" in volume:
         room = quantity(volume["emptyDir"]["sizeLimit"])
     else:
         room = quantity(volume["claim"]["resources"]["requests"]["storage"])
-    assert room >= settings.map_size_bytes(), (room, settings.map_size_bytes())
+    needed = settings.map_size_bytes() + MARGIN_MAX_BYTES + SMALL_FILES_BYTES
+    usage_log = settings.usage_log
+    if usage_log is not None and Path(usage_log).is_relative_to(data_dir):
+        needed += (DEFAULT_KEEP + 1) * settings.usage_log_max_bytes  # the log and its rotations
+    assert room >= needed, (room, needed)
 
 
 def test_resources_fit_the_workers_and_the_stop_fits_the_grace_period(
@@ -248,7 +304,11 @@ def test_resources_fit_the_workers_and_the_stop_fits_the_grace_period(
     # One worker process per core of the limit: more only contend for it.
     assert workload.settings.workers <= math.ceil(quantity(resources["limits"]["cpu"]))
     grace = workload.pod.get("terminationGracePeriodSeconds", 30)
-    assert grace >= exit_bound_seconds(workload.settings.shutdown_timeout)
+    bound = exit_bound_seconds(workload.settings.shutdown_timeout)
+    # A native sidecar gets SIGTERM only once the main containers have exited, within the
+    # same grace period: vLLM's drain comes out of it first.
+    before = VLLM_DRAIN_SECONDS if workload.is_init_container else 0
+    assert grace >= before + bound, (grace, before, bound)
 
 
 def test_cache_runs_as_the_image_user_from_the_image_at_the_package_version(
@@ -292,7 +352,9 @@ def test_every_service_reaches_a_named_port_of_the_pods(
     overlay: str, workload: Workload, rendered: dict[str, list[dict[str, Any]]]
 ) -> None:
     named = {
-        port["name"] for container in workload.pod["containers"] for port in container["ports"]
+        port["name"]
+        for container in pod_containers(workload.pod)
+        for port in container.get("ports", [])
     }
     for service in of_kind(rendered[overlay], "Service"):
         assert labels_match(service["spec"]["selector"], workload.pod_labels)
@@ -310,6 +372,39 @@ def test_the_disruption_budget_covers_the_cache_pods_and_lets_a_drain_proceed(
         assert int(budget["spec"]["maxUnavailable"]) >= 1
     else:
         assert int(budget["spec"]["minAvailable"]) < replicas
+
+
+def test_the_shared_layout_lets_only_clients_reach_the_api_and_prometheus_the_metrics(
+    rendered: dict[str, list[dict[str, Any]]], key_file: Path
+) -> None:
+    documents = rendered["overlays/shared"]
+    workload = Workload(documents, "StatefulSet", key_file)
+    (policy,) = of_kind(documents, "NetworkPolicy")
+    spec = policy["spec"]
+    assert labels_match(spec["podSelector"]["matchLabels"], workload.pod_labels)
+    assert spec["policyTypes"] == ["Ingress"]
+    # Every port of the cache is covered by exactly the rule meant for it.
+    allowed: dict[int, list[dict[str, Any]]] = {}
+    for rule in spec["ingress"]:
+        for port in rule["ports"]:
+            assert port.get("protocol", "TCP") == "TCP"
+            allowed.setdefault(workload.port_number(port["port"]), []).extend(rule["from"])
+    settings = workload.settings
+    assert settings.metrics_port is not None
+    assert set(allowed) == {settings.port, settings.metrics_port}
+    # The API: any pod of the namespace (a bare podSelector), and nothing wider.
+    assert allowed[settings.port] == [{"podSelector": {}}]
+    # The metrics (no key, per-tenant counters): the monitoring namespace only, by the label
+    # Kubernetes sets on every namespace.
+    assert allowed[settings.metrics_port] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
+
+
+def test_the_sidecar_layout_ships_no_network_policy_that_could_block_vllm(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    assert of_kind(rendered["overlays/sidecar"], "NetworkPolicy") == []
 
 
 def test_the_service_monitor_job_is_the_one_the_alerts_watch(
@@ -349,6 +444,8 @@ def test_cache_command_line_starts_a_service_that_answers_probes_and_scrapes(
     )
     with running_service(argv, workload.env, tmp_path / "server.log") as proc:
         for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+            if probe not in workload.container:  # a native sidecar has no readiness probe
+                continue
             path = workload.container[probe]["httpGet"]["path"]
             deadline = time.monotonic() + 30
             while (status := get(f"http://127.0.0.1:{port}{path}")) != 200:
