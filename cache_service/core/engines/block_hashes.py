@@ -1,11 +1,16 @@
 """An engine's block hash, in the one form the indexes keep.
 
 Engines publish a block's hash either as raw digest bytes (vLLM's BlockHash, 32 bytes of
-SHA-256 or 16 of XXH3-128) or as an unsigned 64-bit integer (vLLM with
-VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, which keeps the digest's last 8 bytes, big-endian;
-SGLang and Dynamo, whose hashes are 64-bit). Both are folded into that integer, so a digest
-and its integer form name the same block; 2**-64 chance collisions only make a routing
-score optimistic, never a served payload wrong (payloads are verified by our own keys).
+SHA-256 or 16 of XXH3-128) or as a 64-bit integer (vLLM with
+VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, its default, which keeps the digest's last 8 bytes,
+big-endian: `int.from_bytes(digest, "big") & (2**64 - 1)` in vLLM's
+`maybe_convert_block_hash`, vllm/v1/core/kv_cache_utils.py; SGLang, a signed int64; Dynamo,
+an unsigned one). Both are folded into that integer, so a digest and its integer form name
+the same block; 2**-64 chance collisions only make a routing score optimistic, never a
+served payload wrong (payloads are verified by our own keys).
+
+SGLang's int64 is the FIRST 8 bytes of its SHA-256 digest, so an SGLang digest must be
+published (schemes/sglang.py) before it is folded here, never folded as bytes.
 """
 
 from __future__ import annotations
