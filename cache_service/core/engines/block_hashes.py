@@ -22,7 +22,7 @@ EngineBlockHash = NewType("EngineBlockHash", int)  # unsigned 64-bit
 U64_MASK = (1 << 64) - 1
 
 
-def normalize_block_hash(value: int | bytes) -> EngineBlockHash:
+def normalize_block_hash(value: int | bytes | bytearray | memoryview) -> EngineBlockHash:
     """The 64-bit form of a hash as published: an integer (signed or not) as its low 64 bits,
     digest bytes as their last 8 bytes read big-endian (vLLM's own conversion)."""
     if isinstance(value, bool):  # bool is an int: never a hash
