@@ -1,0 +1,93 @@
+"""Sequence numbers of one publisher's stream: in order, duplicate, gap, or restart.
+
+vLLM's and SGLang's publishers number batches 0, 1, 2, ... per process (per data-parallel
+rank) and keep the last N in a replay buffer. One PUB socket delivers its messages in order,
+so on the live stream a number never goes back, except when the publisher restarted and
+counts from 0 again. Numbers at or below the last one applied arrive only through replay
+overlapping the live stream: those are duplicates.
+
+A restart is: the number 0 after any other; a number far below the last seen (more than
+`duplicate_window`); or any backward step after the connection was re-established
+(`note_reconnect`), since a slow joiner can miss a restarted publisher's first messages.
+
+The missing range of a gap is for replay; what a restart or the first message missed (the
+publisher's history before we joined) can be replayed too but never makes a view stale:
+missing those only under-reports, while a gap mid-stream can hide removals.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+DEFAULT_DUPLICATE_WINDOW = 1024
+
+
+class Verdict(enum.Enum):
+    """What one sequence number means for the view."""
+
+    FIRST = "first"  # the first message seen: start here (history is `missing`)
+    IN_ORDER = "in_order"  # the next one: apply it
+    DUPLICATE = "duplicate"  # already applied: skip it
+    GAP = "gap"  # numbers are missing before it (`missing`)
+    RESTART = "restart"  # the publisher started over: rebuild the view from this stream
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A verdict and, for FIRST, GAP and RESTART, the numbers missed before this one."""
+
+    verdict: Verdict
+    seq: int
+    missing: range = range(0)
+
+
+class SequenceTracker:
+    """The sequence state of one (engine, rank) stream.
+
+    Live messages go through `on_live`; after a FIRST, GAP or RESTART the caller replays what
+    it can of `missing` through `on_replayed`, then passes the live message itself to
+    `on_replayed` too, which applies it, skips it as a duplicate, or reports the gap left.
+    """
+
+    def __init__(self, *, duplicate_window: int = DEFAULT_DUPLICATE_WINDOW) -> None:
+        self.duplicate_window = duplicate_window
+        self.last_live: int | None = None
+        self.last_applied: int | None = None  # None: nothing applied in this incarnation
+        self._reconnected = False
+
+    def note_reconnect(self) -> None:
+        """The connection to the publisher was re-established (it may have restarted)."""
+        self._reconnected = True
+
+    def on_live(self, seq: int) -> Decision:
+        """Classify a number read from the live stream."""
+        last_live, reconnected = self.last_live, self._reconnected
+        self._reconnected = False
+        if last_live is None or seq > last_live:
+            self.last_live = seq
+            if last_live is None:
+                self.last_applied = None
+                return Decision(Verdict.FIRST, seq, range(0, seq))
+            return self._classify(seq)
+        if reconnected or seq == 0 or last_live - seq > self.duplicate_window:
+            self.last_live, self.last_applied = seq, None
+            return Decision(Verdict.RESTART, seq, range(0, seq))
+        return self._classify(seq)  # a duplicate the live stream repeated
+
+    def on_replayed(self, seq: int) -> Decision:
+        """Classify a replayed number (or the live one held while replaying); a gap left
+        here is accepted: the number becomes the last applied."""
+        decision = self._classify(seq)
+        if decision.verdict is Verdict.GAP:
+            self.last_applied = seq
+        return decision
+
+    def _classify(self, seq: int) -> Decision:
+        last = self.last_applied
+        if last is None or seq == last + 1:
+            self.last_applied = seq
+            return Decision(Verdict.IN_ORDER, seq)
+        if seq <= last:
+            return Decision(Verdict.DUPLICATE, seq)
+        return Decision(Verdict.GAP, seq, range(last + 1, seq))
