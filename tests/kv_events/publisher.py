@@ -164,6 +164,7 @@ class TestPublisher:
         topic: bytes = b"kv-events",
         port: int | None = None,
         replay_port: int | None = None,
+        rebind_wait_seconds: float = 0.0,
     ) -> None:
         self.wire = wire
         self.topic = topic
@@ -172,7 +173,7 @@ class TestPublisher:
         self._lock = threading.Lock()
         self._pub = context.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self.port = _bind(self._pub, port)
+        self.port = _bind(self._pub, port, rebind_wait_seconds)
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.replay_requests: list[int] = []
         self._router: zmq.Socket[Any] | None = None
@@ -249,8 +250,18 @@ class TestPublisher:
             router.close(linger=0)
 
 
-def _bind(socket: zmq.Socket[Any], port: int | None) -> int:
+def _bind(socket: zmq.Socket[Any], port: int | None, wait_seconds: float = 0.0) -> int:
     if port is None:
         return int(socket.bind_to_random_port("tcp://127.0.0.1"))
-    socket.bind(f"tcp://127.0.0.1:{port}")
-    return port
+    # A closed socket's port is released by ZMQ's I/O thread a moment later: a restarted
+    # publisher may retry for a while.
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        try:
+            socket.bind(f"tcp://127.0.0.1:{port}")
+            return port
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                socket.close(linger=0)
+                raise
+            time.sleep(0.01)

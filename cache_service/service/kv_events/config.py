@@ -1,0 +1,182 @@
+"""Which engines to subscribe to: from a TOML file, or the `--kv-events` short form.
+
+A file lists engines as ``[[engine]]`` tables, with optional ``[defaults]`` for every
+engine's unset keys::
+
+    [defaults]
+    block_size = 16
+    hash_scheme = "vllm-sha256-cbor"
+    seed = "0"                                 # the engine's PYTHONHASHSEED
+
+    [[engine]]
+    name = "vllm-a"
+    endpoint = "tcp://10.0.0.5:5557"           # rank r publishes on port + r
+    replay_endpoint = "tcp://10.0.0.5:5558"    # likewise
+    data_parallel_size = 2
+    model = "meta-llama/Llama-3.1-8B-Instruct"
+
+The short form ``tcp://HOST:PORT[,tcp://HOST:PORT...]`` makes one engine per endpoint,
+named ``HOST:PORT``, with the defaults given by the caller. Mistakes (an unknown key, a
+``*`` host, a duplicate name) raise `KvEventsConfigError` naming the engine and the key.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size
+
+
+class KvEventsConfigError(ValueError):
+    """A KV-events configuration that cannot be used, with the reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankEndpoints:
+    """Where one data-parallel rank of an engine publishes (and answers replay requests)."""
+
+    rank: int
+    endpoint: str
+    replay_endpoint: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """One engine publishing KV events: where, and how its block hashes are made."""
+
+    name: str
+    endpoint: str
+    model: str | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    hash_scheme: str | None = None  # a name of cache_service.core.engines.schemes
+    seed: str | None = None  # vLLM's PYTHONHASHSEED, as the string it is
+    replay_endpoint: str | None = None
+    data_parallel_size: int = 1
+    topic: str = ""  # a prefix filter; "" takes every topic
+
+    def ranks(self) -> list[RankEndpoints]:
+        """Each rank's endpoints: rank r on the configured port + r (as vLLM and SGLang bind)."""
+        return [
+            RankEndpoints(
+                rank,
+                _offset_port(self.endpoint, rank),
+                None if self.replay_endpoint is None else _offset_port(self.replay_endpoint, rank),
+            )
+            for rank in range(self.data_parallel_size)
+        ]
+
+
+_KEYS = {field.name for field in fields(EngineConfig)}
+
+
+def parse_endpoints(value: str, **defaults: Any) -> list[EngineConfig]:
+    """Engines from ``tcp://HOST:PORT[,...]``, one per endpoint, named ``HOST:PORT``."""
+    engines = []
+    for item in (part.strip() for part in value.split(",")):
+        if not item:
+            continue
+        host, port = _host_port(item, "endpoint", item)
+        engines.append(_checked({**defaults, "name": f"{host}:{port}", "endpoint": item}))
+    if not engines:
+        raise KvEventsConfigError("--kv-events names no endpoint")
+    _check_unique(engines)
+    return engines
+
+
+def load_engines(path: str | Path) -> list[EngineConfig]:
+    """Engines from a TOML file (see the module docstring for its format)."""
+    try:
+        with open(path, "rb") as file:
+            document = tomllib.load(file)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise KvEventsConfigError(f"{path}: {exc}") from exc
+    return parse_document(document, source=str(path))
+
+
+def parse_document(document: Mapping[str, Any], *, source: str = "config") -> list[EngineConfig]:
+    """Engines from an already parsed TOML document."""
+    unknown = set(document) - {"defaults", "engine"}
+    if unknown:
+        raise KvEventsConfigError(f"{source}: unknown tables {sorted(unknown)}")
+    defaults = document.get("defaults", {})
+    tables = document.get("engine", [])
+    if not isinstance(defaults, Mapping) or not isinstance(tables, Sequence) or not tables:
+        raise KvEventsConfigError(f"{source}: expected [defaults] and one or more [[engine]]")
+    engines = [_checked({**defaults, **table}) for table in tables]
+    _check_unique(engines)
+    return engines
+
+
+def with_defaults(engine: EngineConfig, **values: Any) -> EngineConfig:
+    """The engine with some keys replaced (the CLI's flags over a file's values)."""
+    return _checked({**{key: getattr(engine, key) for key in _KEYS}, **values})
+
+
+def _checked(table: Mapping[str, Any]) -> EngineConfig:
+    name = table.get("name")
+    if not isinstance(name, str) or not name:
+        raise KvEventsConfigError("an engine without a name")
+    unknown = set(table) - _KEYS
+    if unknown:
+        raise KvEventsConfigError(f"engine {name}: unknown keys {sorted(unknown)}")
+    values = dict(table)
+    if isinstance(values.get("seed"), int) and not isinstance(values["seed"], bool):
+        values["seed"] = str(values["seed"])  # PYTHONHASHSEED is a string in the engine
+    for key, kind in (
+        ("endpoint", str),
+        ("model", str),
+        ("hash_scheme", str),
+        ("seed", str),
+        ("replay_endpoint", str),
+        ("topic", str),
+        ("block_size", int),
+        ("data_parallel_size", int),
+    ):
+        value = values.get(key)
+        required = key == "endpoint"
+        if (value is None and required) or (
+            value is not None and (not isinstance(value, kind) or isinstance(value, bool))
+        ):
+            raise KvEventsConfigError(f"engine {name}: {key} must be a {kind.__name__}")
+    engine = replace(EngineConfig(name=name, endpoint=values["endpoint"]), **values)
+    if engine.block_size < 1 or engine.data_parallel_size < 1:
+        raise KvEventsConfigError(
+            f"engine {name}: block_size and data_parallel_size must be at least 1"
+        )
+    _host_port(engine.endpoint, "endpoint", name)
+    if engine.replay_endpoint is not None:
+        _host_port(engine.replay_endpoint, "replay_endpoint", name)
+    return engine
+
+
+def _host_port(endpoint: str, key: str, name: str) -> tuple[str, int]:
+    parts = urlsplit(endpoint)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "tcp" or not parts.hostname or port is None:
+        raise KvEventsConfigError(f"engine {name}: {key} {endpoint!r} is not tcp://HOST:PORT")
+    if parts.hostname == "*":
+        raise KvEventsConfigError(
+            f"engine {name}: {key} {endpoint!r} is the engine's bind address; "
+            "give the host it can be reached at"
+        )
+    return parts.hostname, port
+
+
+def _offset_port(endpoint: str, rank: int) -> str:
+    base, _, port = endpoint.rpartition(":")
+    return f"{base}:{int(port) + rank}"
+
+
+def _check_unique(engines: Sequence[EngineConfig]) -> None:
+    names = [engine.name for engine in engines]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise KvEventsConfigError(f"engines named twice: {duplicates}")

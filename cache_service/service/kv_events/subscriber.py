@@ -1,0 +1,358 @@
+"""Subscribes to engines' KV events over ZMQ and keeps their views (one background thread).
+
+Each (engine, rank) gets its own SUB socket, connected to the rank's endpoint and subscribed
+to the configured topic prefix ("" for all): a stream is then one publisher's numbering, which
+a batch's own `data_parallel_rank` (absent in older releases) could not guarantee. Messages are
+``[topic, seq (8 bytes big-endian), payload]``.
+
+Sequence numbers are judged by `SequenceTracker`. On a gap mid-stream, if the engine has a
+replay endpoint, a DEALER sends ``[b"", start seq]`` to its ROUTER (what a REQ would send;
+a REQ would refuse the second of the many replies) and reads ``[b"", seq, payload]`` until
+seq -1; a gap replay cannot fill marks the rank stale, as does a gap without a replay
+endpoint. A restart (numbers starting over) rebuilds the rank's view; the history before the
+first message, or before a restarted publisher's first one we saw, is replayed when possible.
+A stale rank becomes sound again on a restart or on an AllBlocksCleared.
+
+A thread rather than asyncio: the loop is small and CPU-bound, replay is a blocking
+exchange with a deadline, and the views are read by request handlers in any thread; it
+never holds up the server's event loop. Every wait is bounded (poll slices of
+`poll_interval_seconds`), so `stop` returns within about that plus the join bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from cache_service.core.engines.events import (
+    AllBlocksCleared,
+    BlockStored,
+    MalformedEvent,
+    decode_batch,
+)
+from cache_service.core.engines.sequence import SequenceTracker, Verdict
+from cache_service.core.engines.views import EngineViews
+from cache_service.service.kv_events.config import EngineConfig
+from cache_service.service.kv_events.counters import EngineCounters
+
+log = logging.getLogger("cache_service.kv_events")
+
+VerifyHook = Callable[[EngineConfig, BlockStored], bool | None]
+RECEIVE_HWM = 100_000  # batches a stream may queue while replay runs (vLLM's PUB HWM)
+MAX_DRAIN = 1000  # messages read from one stream before looking at the others
+
+
+@dataclass(eq=False)
+class _Stream:
+    engine: EngineConfig
+    rank: int
+    endpoint: str
+    replay_endpoint: str | None
+    counters: EngineCounters
+    tracker: SequenceTracker = field(default_factory=SequenceTracker)
+    sub: zmq.Socket[Any] | None = None
+    monitor: zmq.Socket[Any] | None = None
+    stale: bool = False
+
+
+class KvEventSubscriber:
+    """Feeds `views` from every configured engine's KV events until stopped."""
+
+    def __init__(
+        self,
+        engines: Sequence[EngineConfig],
+        views: EngineViews,
+        *,
+        verify: VerifyHook | None = None,
+        replay_timeout_seconds: float = 2.0,
+        poll_interval_seconds: float = 0.05,
+        mismatch_alarm_after: int = 3,
+    ) -> None:
+        self.engines = list(engines)
+        self.views = views
+        self.replay_timeout_seconds = replay_timeout_seconds
+        self.poll_interval_seconds = poll_interval_seconds
+        self.mismatch_alarm_after = mismatch_alarm_after
+        self._verify = verify
+        self._counters = {engine.name: EngineCounters() for engine in self.engines}
+        self._streams = [
+            _Stream(engine, ranked.rank, ranked.endpoint, ranked.replay_endpoint, counters)
+            for engine in self.engines
+            for ranked in engine.ranks()
+            for counters in [self._counters[engine.name]]
+        ]
+        self._context: zmq.Context[Any] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+
+    def start(self, *, timeout_seconds: float = 5.0) -> None:
+        """Open the sockets and start the thread; returns once every SUB is connecting."""
+        if self._thread is not None:
+            raise RuntimeError("the subscriber is already started")
+        self._context = zmq.Context()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_seconds):
+            raise TimeoutError("the KV-event subscriber did not start")
+
+    def stop(self, *, timeout_seconds: float = 5.0) -> bool:
+        """Stop the thread and close every socket; False if it did not end in time."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return True
+        self._stop.set()
+        thread.join(timeout_seconds)
+        if thread.is_alive():
+            log.error("the KV-event subscriber did not stop within %.1f s", timeout_seconds)
+            return False
+        if self._context is not None:
+            self._context.term()  # every socket was closed by the thread
+            self._context = None
+        return True
+
+    def __enter__(self) -> KvEventSubscriber:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def stats(self) -> dict[str, EngineCounters]:
+        """Each engine's counters, copied."""
+        return {name: counters.snapshot() for name, counters in self._counters.items()}
+
+    def stale_engines(self) -> list[str]:
+        """The engines with a rank whose view may miss events."""
+        return [name for name, counters in self._counters.items() if counters.stale]
+
+    # The subscriber's thread: everything below runs in it alone.
+
+    def _run(self) -> None:
+        assert self._context is not None
+        poller = zmq.Poller()
+        try:
+            for stream in self._streams:
+                self._open(stream)
+                assert stream.sub is not None and stream.monitor is not None
+                poller.register(stream.sub, zmq.POLLIN)
+                poller.register(stream.monitor, zmq.POLLIN)
+            self._ready.set()
+            interval_ms = max(1, int(self.poll_interval_seconds * 1000))
+            while not self._stop.is_set():
+                ready = dict(poller.poll(interval_ms))
+                for stream in self._streams:
+                    if stream.sub in ready:
+                        self._drain(stream)
+                    if stream.monitor in ready:
+                        self._watch_connection(stream)
+        except Exception:  # the loop must never die silently: log, and let stop() see it
+            log.exception("the KV-event subscriber failed")
+        finally:
+            for stream in self._streams:
+                self._close(stream)
+            self._ready.set()
+
+    def _open(self, stream: _Stream) -> None:
+        assert self._context is not None
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        sub.setsockopt(zmq.SUBSCRIBE, stream.engine.topic.encode())
+        stream.monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sub.connect(stream.endpoint)
+        stream.sub = sub
+
+    def _close(self, stream: _Stream) -> None:
+        if stream.sub is not None:
+            if stream.monitor is not None:
+                stream.sub.disable_monitor()
+                stream.monitor.close(linger=0)
+                stream.monitor = None
+            stream.sub.close(linger=0)
+            stream.sub = None
+
+    def _watch_connection(self, stream: _Stream) -> None:
+        assert stream.monitor is not None
+        while stream.monitor.poll(0):
+            event = recv_monitor_message(stream.monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                # The next numbers may come from a restarted publisher.
+                stream.tracker.note_reconnect()
+
+    def _drain(self, stream: _Stream) -> None:
+        assert stream.sub is not None
+        for _ in range(MAX_DRAIN):
+            try:
+                frames = stream.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_message(stream, frames)
+
+    def _on_message(self, stream: _Stream, frames: list[bytes]) -> None:
+        counters = stream.counters
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self._malformed(stream, f"{len(frames)} frames, not [topic, seq, payload]")
+            return
+        seq = int.from_bytes(frames[1], "big")
+        decision = stream.tracker.on_live(seq)
+        if decision.verdict is Verdict.IN_ORDER:
+            self._apply(stream, frames[2])
+            return
+        if decision.verdict is Verdict.DUPLICATE:
+            counters.duplicates += 1
+            return
+        mid_stream = decision.verdict is Verdict.GAP
+        if decision.verdict is Verdict.RESTART:
+            counters.restarts += 1
+            forgotten = self.views.reset(stream.engine.name, stream.rank)
+            self._set_stale(stream, False)
+            log.warning(
+                "engine %s rank %d: the publisher restarted (seq %d); its view is rebuilt "
+                "(%d entries forgotten)",
+                stream.engine.name,
+                stream.rank,
+                seq,
+                forgotten,
+            )
+        elif mid_stream:
+            counters.gaps += 1
+            log.warning(
+                "engine %s rank %d: batches %d..%d were lost",
+                stream.engine.name,
+                stream.rank,
+                decision.missing.start,
+                decision.missing.stop - 1,
+            )
+        holes = False
+        if decision.missing and stream.replay_endpoint is not None:
+            for replayed_seq, payload in self._replay(stream, decision.missing.start):
+                replayed = stream.tracker.on_replayed(replayed_seq)
+                if replayed.verdict is not Verdict.DUPLICATE:
+                    holes |= replayed.verdict is Verdict.GAP
+                    counters.replayed_batches += 1
+                    self._apply(stream, payload)
+        held = stream.tracker.on_replayed(seq)
+        if held.verdict is not Verdict.DUPLICATE:
+            holes |= held.verdict is Verdict.GAP
+            self._apply(stream, frames[2])
+        if mid_stream and holes:
+            self._set_stale(stream, True)
+            log.warning(
+                "engine %s rank %d: lost batches could not be replayed; its view is stale "
+                "until the engine restarts or clears its cache",
+                stream.engine.name,
+                stream.rank,
+            )
+
+    def _replay(self, stream: _Stream, start: int) -> list[tuple[int, bytes]]:
+        """The batches the engine's replay socket sends from `start` on (bounded wait)."""
+        assert self._context is not None and stream.replay_endpoint is not None
+        stream.counters.replays += 1
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        items: list[tuple[int, bytes]] = []
+        try:
+            dealer.connect(stream.replay_endpoint)
+            dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            deadline = time.monotonic() + self.replay_timeout_seconds
+            while not self._stop.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                if not dealer.poll(max(1, int(min(remaining, 0.1) * 1000))):
+                    continue
+                frames = dealer.recv_multipart()
+                if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
+                    self._malformed(stream, "a replay reply is not [b'', seq, payload]")
+                    continue
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if seq < 0:
+                    return items  # the end marker: seq -1, empty payload
+                items.append((seq, frames[2]))
+        finally:
+            dealer.close(linger=0)
+        stream.counters.replay_failures += 1
+        log.warning(
+            "engine %s rank %d: replay from %d did not end within %.1f s (%d batches)",
+            stream.engine.name,
+            stream.rank,
+            start,
+            self.replay_timeout_seconds,
+            len(items),
+        )
+        return items
+
+    def _apply(self, stream: _Stream, payload: bytes) -> None:
+        counters = stream.counters
+        try:
+            batch = decode_batch(payload)
+        except MalformedEvent as exc:
+            self._malformed(stream, exc.reason)
+            return
+        counters.batches += 1
+        counters.events += len(batch.events)
+        counters.unknown_events += batch.unknown
+        counters.malformed_events += len(batch.malformed)
+        applied = self.views.apply_batch(stream.engine.name, stream.rank, batch)
+        counters.dropped_entries += applied.dropped
+        if stream.stale and any(isinstance(event, AllBlocksCleared) for event in batch.events):
+            self._set_stale(stream, False)  # an emptied cache is known exactly again
+        if self._verify is not None:
+            for event in batch.events:
+                if isinstance(event, BlockStored) and event.token_ids:
+                    self._check(stream, event)
+
+    def _check(self, stream: _Stream, event: BlockStored) -> None:
+        assert self._verify is not None
+        counters = stream.counters
+        try:
+            reproduced = self._verify(stream.engine, event)
+        except Exception:  # a broken hook must not stop ingestion
+            counters.verify_errors += 1
+            if counters.verify_errors == 1:
+                log.exception("engine %s: verifying a stored event failed", stream.engine.name)
+            return
+        if reproduced is True:
+            counters.verified += 1
+        elif reproduced is False:
+            counters.mismatches += 1
+            if counters.mismatches == self.mismatch_alarm_after or (
+                counters.mismatches > self.mismatch_alarm_after and counters.mismatches % 1000 == 0
+            ):
+                log.error(
+                    "engine %s: %d stored events have block hashes that hash scheme %s with "
+                    "seed %r does not reproduce from their tokens; routing scores for this "
+                    "engine are wrong until the engine's hash algorithm and PYTHONHASHSEED "
+                    "match the configuration (run `cache-service doctor`)",
+                    stream.engine.name,
+                    counters.mismatches,
+                    stream.engine.hash_scheme,
+                    stream.engine.seed,
+                )
+
+    def _malformed(self, stream: _Stream, reason: str) -> None:
+        stream.counters.malformed += 1
+        count = stream.counters.malformed
+        if count == 1 or count % 1000 == 0:
+            log.warning(
+                "engine %s rank %d: skipped a malformed message (%d so far): %s",
+                stream.engine.name,
+                stream.rank,
+                count,
+                reason,
+            )
+
+    def _set_stale(self, stream: _Stream, stale: bool) -> None:
+        if stream.stale != stale:
+            stream.stale = stale
+            stream.counters.stale_ranks += 1 if stale else -1
+            self.views.set_stale(stream.engine.name, stream.rank, stale)
