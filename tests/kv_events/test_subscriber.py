@@ -382,3 +382,30 @@ def test_a_restart_whose_first_batches_were_missed_is_told_by_the_reconnect(
             assert not subscriber.stale_engines()
         finally:
             second.close()
+
+
+def test_a_replay_socket_that_never_answers_times_out_and_marks_the_engine_stale(
+    context: zmq.Context[Any], views: EngineViews
+) -> None:
+    publisher = TestPublisher(context, wire=WIRES["vllm-map-batch"])
+    silent = context.socket(zmq.ROUTER)  # bound, reads requests, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        config = EngineConfig(
+            name="e", endpoint=publisher.endpoint, replay_endpoint=f"tcp://127.0.0.1:{port}"
+        )
+        with subscribed(views, config, replay_timeout_seconds=0.3) as subscriber:
+            publisher.wait_for_subscriber()
+            publisher.publish([stored([1])])
+            publisher.publish([stored([2])], drop=True)
+            publisher.publish([stored([3])])
+            wait_until(lambda: subscriber.stale_engines() == ["e"], "the stale mark")
+            counters = subscriber.stats()["e"]
+            assert (counters.replays, counters.replay_failures) == (1, 1)
+            assert views.holds("e", 0, 0, EngineBlockHash(3))
+            assert silent.poll(1000)
+            assert silent.recv_multipart()[1:] == [b"", (1).to_bytes(8, "big")]
+    finally:
+        silent.close(linger=0)
+        publisher.close()

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +40,7 @@ from cache_service.core.engines.sequence import SequenceTracker, Verdict
 from cache_service.core.engines.views import EngineViews
 from cache_service.service.kv_events.config import EngineConfig
 from cache_service.service.kv_events.counters import EngineCounters
+from cache_service.service.kv_events.replay import request_replay
 
 log = logging.getLogger("cache_service.kv_events")
 
@@ -257,39 +257,26 @@ class KvEventSubscriber:
         """The batches the engine's replay socket sends from `start` on (bounded wait)."""
         assert self._context is not None and stream.replay_endpoint is not None
         stream.counters.replays += 1
-        dealer = self._context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        items: list[tuple[int, bytes]] = []
-        try:
-            dealer.connect(stream.replay_endpoint)
-            dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            deadline = time.monotonic() + self.replay_timeout_seconds
-            while not self._stop.is_set():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                if not dealer.poll(max(1, int(min(remaining, 0.1) * 1000))):
-                    continue
-                frames = dealer.recv_multipart()
-                if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
-                    self._malformed(stream, "a replay reply is not [b'', seq, payload]")
-                    continue
-                seq = int.from_bytes(frames[1], "big", signed=True)
-                if seq < 0:
-                    return items  # the end marker: seq -1, empty payload
-                items.append((seq, frames[2]))
-        finally:
-            dealer.close(linger=0)
-        stream.counters.replay_failures += 1
-        log.warning(
-            "engine %s rank %d: replay from %d did not end within %.1f s (%d batches)",
-            stream.engine.name,
-            stream.rank,
+        result = request_replay(
+            self._context,
+            stream.replay_endpoint,
             start,
-            self.replay_timeout_seconds,
-            len(items),
+            timeout_seconds=self.replay_timeout_seconds,
+            stop=self._stop,
         )
-        return items
+        for _ in range(result.malformed):
+            self._malformed(stream, "a replay reply is not [b'', seq, payload]")
+        if not result.complete:
+            stream.counters.replay_failures += 1
+            log.warning(
+                "engine %s rank %d: replay from %d did not end within %.1f s (%d batches)",
+                stream.engine.name,
+                stream.rank,
+                start,
+                self.replay_timeout_seconds,
+                len(result.batches),
+            )
+        return result.batches
 
     def _apply(self, stream: _Stream, payload: bytes) -> None:
         counters = stream.counters
