@@ -1,0 +1,231 @@
+"""Routing scores: for one prompt, how much of it each engine already holds, best first.
+
+An engine is known by its spec (name, hash scheme, seed, block size). The prompt is hashed
+once per distinct (scheme, seed, block size) among the engines asked about (the LoRA name
+and cache salt are the request's, so the same for all), and each chain is then matched
+against the views of the engines that share it in one `EngineViews.match_prefix` call: with
+16 engines on one vLLM configuration a prompt is hashed once, not 16 times.
+
+Every scored engine gets at least one row: one per medium it holds a leading block in, or a
+single GPU row of 0 blocks when it holds none (a candidate that must prefill everything is
+still a candidate). An engine whose blocks cannot be matched to a prompt (no hash scheme
+configured, or a vLLM scheme without its PYTHONHASHSEED) is listed as unscored with the
+reason, never silently scored as holding nothing.
+
+Rows are ordered best first: most cached tokens (blocks x that engine's block size, so
+engines with different block sizes compare fairly), then a sound view before a stale one,
+then the faster medium (GPU, CPU, disk), then by name so the order is deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from cache_service.core.blocks import Namespace
+from cache_service.core.cache import PrefixCache, TokenInput
+from cache_service.core.engines.block_hashes import EngineBlockHash
+from cache_service.core.engines.schemes import EngineHashScheme, scheme_named
+from cache_service.core.engines.views import CPU, DISK, GPU, EngineViews
+from cache_service.core.errors import InvalidField
+
+SchemeFactory = Callable[[str, str | None], EngineHashScheme]
+_MEDIUM_RANK = {GPU: 0, CPU: 1, DISK: 2}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """What routing needs of an engine: its name and how it hashes a prompt's blocks."""
+
+    name: str
+    hash_scheme: str | None
+    seed: str | None
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceScore:
+    """How much of the prompt one engine holds in one medium."""
+
+    instance: str
+    medium: str
+    matched_blocks: int
+    cached_tokens: int
+    tokens_to_prefill: int
+    block_size: int
+    data_parallel_rank: int | None  # the rank holding the most; None when none holds any
+    stale: bool  # the engine's view may miss events (a gap that was not replayed)
+
+
+@dataclass(frozen=True, slots=True)
+class Unscored:
+    """An engine that cannot be scored, and why."""
+
+    instance: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineScores:
+    """Every scored engine's rows, best first; the engines that could not be scored."""
+
+    prompt_tokens: int
+    instances: list[InstanceScore]
+    unscored: list[Unscored]
+    chains_hashed: int  # distinct (scheme, seed, block size) chains computed for the prompt
+
+    @property
+    def best(self) -> InstanceScore | None:
+        """The best row, if any engine holds at least one block of the prompt."""
+        if self.instances and self.instances[0].matched_blocks:
+            return self.instances[0]
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class StoreScore:
+    """How much of the prompt the payload store holds for a namespace: any worker can load
+    these blocks from the cache instead of prefilling them."""
+
+    matched_blocks: int
+    cached_tokens: int
+    tokens_to_prefill: int
+    block_size: int
+
+
+def score_store(
+    cache: PrefixCache, namespace: Namespace, tokens: TokenInput, *, block_size: int | None = None
+) -> StoreScore:
+    """The longest stored, alive and verified prefix of `tokens` in `namespace`, read only.
+
+    Unlike `PrefixCache.match_prefix` (even with touch=False) this counts no lookup in the
+    hit and miss metrics, sets no memo and repairs nothing: it is the match step of
+    `Operators.explain`, whose store read never writes. A routing question is not a use."""
+    size = cache.config.block_size_for(namespace.model, block_size)
+    links = cache.chain(namespace, tokens, block_size=size)
+    matched = cache.store.match(cache.hasher.namespace_id(namespace), links, now=cache.clock())
+    prompt_tokens = len(links.token_bytes) // 4
+    cached = matched.matched * size
+    return StoreScore(matched.matched, cached, prompt_tokens - cached, size)
+
+
+def select_engines(engines: Sequence[EngineSpec], names: Sequence[str] | None) -> list[EngineSpec]:
+    """The engines named (all when `names` is None); InvalidField naming the unknown ones."""
+    if names is None:
+        return list(engines)
+    by_name = {engine.name: engine for engine in engines}
+    unknown = [(index, name) for index, name in enumerate(names) if name not in by_name]
+    if unknown:
+        index = unknown[0][0]
+        known = ", ".join(sorted(by_name)) or "none (no engine publishes KV events for it)"
+        missing = ", ".join(repr(name) for _, name in unknown)
+        raise InvalidField(
+            f"instances[{index}]",
+            f"unknown instance {missing} for this model; known: {known}",
+            errors=[
+                {"field": f"instances[{i}]", "message": f"unknown instance {n!r}"}
+                for i, n in unknown
+            ],
+        )
+    return [by_name[name] for name in dict.fromkeys(names)]  # in order, each once
+
+
+class RouteScorer:
+    """Scores prompts against engines' views; keeps each (scheme, seed)'s hasher."""
+
+    def __init__(self, views: EngineViews, *, scheme_factory: SchemeFactory | None = None) -> None:
+        self.views = views
+        self._factory = scheme_factory or _named_scheme
+        self._schemes: dict[tuple[str, str | None], EngineHashScheme | str] = {}
+
+    def score(
+        self,
+        tokens: Sequence[int],
+        engines: Iterable[EngineSpec],
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> EngineScores:
+        """Each engine's rows for the prompt `tokens` (with a LoRA name and a cache salt as
+        the engines hash them), best first."""
+        prompt_tokens = len(tokens)
+        groups: dict[tuple[str, str | None, int], list[EngineSpec]] = {}
+        unscored: list[Unscored] = []
+        for engine in engines:
+            problem = self._problem(engine)
+            if problem is not None:
+                unscored.append(Unscored(engine.name, problem))
+                continue
+            assert engine.hash_scheme is not None
+            key = (engine.hash_scheme, engine.seed, engine.block_size)
+            groups.setdefault(key, []).append(engine)
+        rows: list[InstanceScore] = []
+        for (scheme_name, seed, block_size), members in groups.items():
+            scheme = self._schemes[(scheme_name, seed)]
+            assert isinstance(scheme, EngineHashScheme)
+            chain = scheme.normalized(
+                tokens, block_size=block_size, lora_name=lora_name, cache_salt=cache_salt
+            )
+            rows += self._rows(chain, members, block_size, prompt_tokens)
+        rows.sort(key=_rank)
+        return EngineScores(prompt_tokens, rows, unscored, len(groups))
+
+    def _problem(self, engine: EngineSpec) -> str | None:
+        """Why an engine cannot be scored (its scheme is built once and kept), or None."""
+        if engine.hash_scheme is None:
+            return "no hash_scheme configured: its block hashes cannot be matched to a prompt"
+        key = (engine.hash_scheme, engine.seed)
+        scheme = self._schemes.get(key)
+        if scheme is None:
+            try:
+                scheme = self._factory(*key)
+            except ValueError as exc:  # an unknown scheme, or vLLM's without a seed
+                scheme = str(exc)
+            self._schemes[key] = scheme
+        return scheme if isinstance(scheme, str) else None
+
+    def _rows(
+        self,
+        chain: Sequence[EngineBlockHash],
+        members: Sequence[EngineSpec],
+        block_size: int,
+        prompt_tokens: int,
+    ) -> list[InstanceScore]:
+        names = [engine.name for engine in members]
+        holds = self.views.match_prefix(chain, engines=names) if chain else []
+        rows = []
+        holding = set()
+        for hold in holds:
+            cached = hold.blocks * block_size
+            holding.add(hold.engine)
+            rows.append(
+                InstanceScore(
+                    hold.engine,
+                    hold.medium,
+                    hold.blocks,
+                    cached,
+                    prompt_tokens - cached,
+                    block_size,
+                    hold.data_parallel_rank,
+                    hold.stale,
+                )
+            )
+        for name in names:
+            if name not in holding:
+                stale = self.views.is_stale(name)
+                rows.append(InstanceScore(name, GPU, 0, 0, prompt_tokens, block_size, None, stale))
+        return rows
+
+
+def _named_scheme(name: str, seed: str | None) -> EngineHashScheme:
+    return scheme_named(name, seed=seed)
+
+
+def _rank(row: InstanceScore) -> tuple[int, bool, int, str, str]:
+    return (
+        -row.cached_tokens,
+        row.stale,
+        _MEDIUM_RANK.get(row.medium, len(_MEDIUM_RANK)),
+        row.instance,
+        row.medium,
+    )
