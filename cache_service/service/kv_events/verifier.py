@@ -1,0 +1,148 @@
+"""The subscriber's verify hook: does an engine's configured scheme and seed reproduce the
+block hashes of its BlockStored events from their tokens?
+
+A mismatch is how a wrong `PYTHONHASHSEED`, hash algorithm or block size shows: routing on
+hashes we cannot reproduce is a silent 0% hit rate. Only an event that starts a prompt (no
+parent) or whose parent's chain state we know can be checked, since vLLM's default int
+hashes and SGLang's int64 keep 64 bits of the digest a child is hashed from. So the chain
+states of every verified block are kept, by their 64-bit form, in a bounded map per engine:
+a later event of the same prompt then chains on its verified parent.
+
+Answers as the subscriber expects: True (reproduced), False (a mismatch: counted and
+alarmed), None (cannot tell: no scheme, bigram tokens, an unknown parent, an odd shape).
+It runs in the subscriber's thread only; `last_mismatch` is read from any thread (a dict
+read of an immutable string).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from cache_service.core.engines.block_hashes import EngineBlockHash, normalize_block_hash
+from cache_service.core.engines.events import BlockStored
+from cache_service.core.engines.schemes import (
+    ChainState,
+    EngineHashScheme,
+    PublishedHash,
+    scheme_named,
+    verify_stored_event,
+)
+from cache_service.service.kv_events.config import EngineConfig
+
+log = logging.getLogger("cache_service.kv_events")
+
+# Chain states kept per engine: a 32-byte digest and its key take about 150 bytes, so the
+# default costs some 10 MB per engine at most. A prompt whose parent fell out is only
+# unverifiable, never a mismatch.
+DEFAULT_KNOWN_STATES = 65_536
+
+
+class SchemeVerifier:
+    """Verifies stored events with each engine's configured scheme and seed."""
+
+    def __init__(
+        self,
+        engines: Iterable[EngineConfig],
+        *,
+        max_known_states_per_engine: int = DEFAULT_KNOWN_STATES,
+    ) -> None:
+        if max_known_states_per_engine < 1:
+            raise ValueError("max_known_states_per_engine must be at least 1")
+        self.max_known_states = max_known_states_per_engine
+        self._schemes: dict[str, EngineHashScheme | None] = {}
+        for engine in engines:
+            self._schemes[engine.name] = _scheme_of(engine)
+        self._known: dict[str, OrderedDict[EngineBlockHash, ChainState]] = {}
+        self._last_mismatch: dict[str, str] = {}
+
+    def last_mismatch(self, engine: str) -> str | None:
+        """Why the engine's latest mismatching event did not verify; None if none did."""
+        return self._last_mismatch.get(engine)
+
+    def known_states(self, engine: str) -> int:
+        """How many verified chain states are kept for an engine."""
+        return len(self._known.get(engine, ()))
+
+    def __call__(self, engine: EngineConfig, event: BlockStored) -> bool | None:
+        """True if the engine's scheme reproduces the event's hashes, False if it does not,
+        None if this event cannot tell."""
+        if engine.name not in self._schemes:  # an engine added after start-up
+            self._schemes[engine.name] = _scheme_of(engine)
+        scheme = self._schemes[engine.name]
+        if scheme is None or event.bigram_tokens or not event.token_ids:
+            return None
+        if event.block_size is not None and event.block_size != engine.block_size:
+            # Prompts are hashed in blocks of the configured size: nothing would line up.
+            return self._mismatch(
+                engine,
+                f"the engine stores blocks of {event.block_size} tokens, the configuration "
+                f"says {engine.block_size} (block_size)",
+            )
+        hashes = _published_hashes(event)
+        parent = (
+            event.raw_parent_block_hash
+            if event.raw_parent_block_hash is not None
+            else event.parent_block_hash
+        )
+        known = self._known.setdefault(engine.name, OrderedDict())
+        result = verify_stored_event(
+            scheme,
+            parent=parent,
+            token_ids=event.token_ids,
+            block_hashes=hashes,
+            block_size=engine.block_size,
+            extra_keys=event.extra_keys,
+            lora_name=event.lora_name,
+            known_states=known,
+        )
+        self._remember(known, hashes, result.states)
+        if result.outcome == "reproduced":
+            return True
+        if result.outcome == "mismatch":
+            start = "an event that starts a prompt" if parent is None else "a chained event"
+            return self._mismatch(engine, f"{scheme.name}, {start}: {result.reason}")
+        return None
+
+    def _remember(
+        self,
+        known: OrderedDict[EngineBlockHash, ChainState],
+        hashes: tuple[PublishedHash, ...],
+        states: tuple[ChainState, ...],
+    ) -> None:
+        for published, state in zip(hashes, states, strict=False):
+            key = normalize_block_hash(published)
+            known[key] = state
+            known.move_to_end(key)
+        while len(known) > self.max_known_states:
+            known.popitem(last=False)
+
+    def _mismatch(self, engine: EngineConfig, reason: str) -> bool:
+        if engine.name not in self._last_mismatch:
+            # The subscriber raises the alarm after a few; the first one's cause is logged
+            # here, since a count alone does not say what to fix.
+            log.warning(
+                "engine %s: a stored event's block hashes were not reproduced: %s",
+                engine.name,
+                reason,
+            )
+        self._last_mismatch[engine.name] = reason
+        return False
+
+
+def _scheme_of(engine: EngineConfig) -> EngineHashScheme | None:
+    if engine.hash_scheme is None:
+        return None
+    try:
+        return scheme_named(engine.hash_scheme, seed=engine.seed)
+    except ValueError:  # the settings refuse these; an engine built elsewhere is not verified
+        log.warning("engine %s: its hash scheme cannot be used; not verifying", engine.name)
+        return None
+
+
+def _published_hashes(event: BlockStored) -> tuple[PublishedHash, ...]:
+    """The hashes as the engine published them (the 64-bit forms for an event built by hand)."""
+    if len(event.raw_block_hashes) == len(event.block_hashes):
+        return event.raw_block_hashes
+    return tuple(event.block_hashes)
