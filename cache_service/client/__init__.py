@@ -19,6 +19,10 @@ as a warning on the `cache_service.client` logger, at most one line per URL ever
 naming the URL and the error. A base URL without http:// or https:// is refused at once
 (ValueError), and `healthy()` (bool, never raises) is the check a worker makes at start-up.
 
+`route` asks which engine holds the longest prefix of a prompt (POST /v1/route) and answers a
+`RouteAnswer`: `instances` best first (an `InstanceHold` per engine and medium), `store` (the
+cache's own share), `best`; it never fails open, as a router must know it had no answer.
+
 `put_prefix` answers a `StoredBlocks`: an int, the blocks newly stored, whose `conflicts`
 counts blocks another writer had stored first with different bytes (the cache keeps those),
 and whose `as_sent` says whether the cache now holds every block sent with the bytes sent.
@@ -32,6 +36,7 @@ from cache_service.client.aio import AsyncCacheClient
 from cache_service.client.answers import Match, Payload, StoredBlocks, StoreResult, Usage
 from cache_service.client.base import Clock
 from cache_service.client.failures import FailOpenCounts
+from cache_service.client.route_answer import InstanceHold, RouteAnswer, StoreHold
 from cache_service.client.sync import CacheClient
 
 __all__ = [
@@ -39,8 +44,11 @@ __all__ = [
     "CacheClient",
     "Clock",
     "FailOpenCounts",
+    "InstanceHold",
     "Match",
     "Payload",
+    "RouteAnswer",
+    "StoreHold",
     "StoreResult",
     "StoredBlocks",
     "Usage",

@@ -11,6 +11,7 @@ import httpx
 
 from cache_service.client.answers import Match, Payload, StoredBlocks, StoreResult
 from cache_service.client.base import _T, Clock, Tokens, _BaseCacheClient, _Call
+from cache_service.client.route_answer import RouteAnswer, build_route_call
 from cache_service.client.transport import StdlibTransport
 from cache_service.core.blocks import BlockKey
 from cache_service.core.errors import ServiceError
@@ -170,6 +171,35 @@ class CacheClient(_BaseCacheClient):
             return []
         return self._send(
             self._build_get_blocks(model, keys, kv_layout=kv_layout, salt=salt, copy=copy)
+        )
+
+    def route(
+        self,
+        model: str,
+        tokens: Tokens,
+        *,
+        instances: Sequence[str] | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        kv_layout: str = "",
+        salt: str | None = None,
+        retention: str | None = None,
+        block_size: int | None = None,
+    ) -> RouteAnswer:
+        """Which instances hold the longest prefix of `tokens` (best first), and how much the
+        cache holds for this namespace; never fails open (a router must know)."""
+        return self._send(
+            build_route_call(
+                model,
+                tokens,
+                kv_layout=kv_layout,
+                salt=salt,
+                retention=retention,
+                block_size=block_size,
+                lora_name=lora_name,
+                cache_salt=cache_salt,
+                instances=instances,
+            )
         )
 
     def info(self) -> dict[str, Any]:
