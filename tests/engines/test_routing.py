@@ -21,6 +21,7 @@ from cache_service.core.engines.routing import (
     InstanceScore,
     RouteScorer,
     StoreScore,
+    UnknownInstance,
     Unscored,
     score_store,
     select_engines,
@@ -217,8 +218,10 @@ def test_the_instances_filter_keeps_the_named_in_order_and_refuses_unknown_names
     engines = [spec("a"), spec("b"), spec("c")]
     assert select_engines(engines, None) == engines
     assert [e.name for e in select_engines(engines, ["c", "a", "c"])] == ["c", "a"]
-    with pytest.raises(InvalidField) as refused:
+    with pytest.raises(UnknownInstance) as refused:
         select_engines(engines, ["a", "x", "b", "y"])
+    assert refused.value.status == 422
+    assert refused.value.problem_type.endswith("/unknown-instance")
     assert refused.value.field == "instances[1]"
     assert "'x', 'y'" in refused.value.detail
     assert [e["field"] for e in refused.value.to_problem()["errors"]] == [

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache, TokenInput
@@ -31,6 +32,14 @@ from cache_service.core.errors import InvalidField
 
 SchemeFactory = Callable[[str, str | None], EngineHashScheme]
 _MEDIUM_RANK = {GPU: 0, CPU: 1, DISK: 2}
+
+
+class UnknownInstance(InvalidField):
+    """A request names an instance no engine of its model is configured as (422); which
+    instances exist depends on the service's configuration, so no schema can state it."""
+
+    problem = "unknown-instance"
+    title = "Unknown instance"
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +128,7 @@ def select_engines(engines: Sequence[EngineSpec], names: Sequence[str] | None) -
         index = unknown[0][0]
         known = ", ".join(sorted(by_name)) or "none (no engine publishes KV events for it)"
         missing = ", ".join(repr(name) for _, name in unknown)
-        raise InvalidField(
+        raise UnknownInstance(
             f"instances[{index}]",
             f"unknown instance {missing} for this model; known: {known}",
             errors=[
@@ -217,6 +226,7 @@ class RouteScorer:
         return rows
 
 
+@lru_cache(maxsize=256)  # a scheme is immutable; its root digest is worth computing once
 def _named_scheme(name: str, seed: str | None) -> EngineHashScheme:
     return scheme_named(name, seed=seed)
 

@@ -21,6 +21,7 @@ from cache_service.service.api.limits import QuotaGate
 from cache_service.service.api.openapi import install_openapi
 from cache_service.service.api.operator_routes import router as operator_router
 from cache_service.service.api.problems import install_problem_handlers
+from cache_service.service.api.route_routes import router as route_router
 from cache_service.service.api.routes import router
 from cache_service.service.api.service import Service
 from cache_service.service.api.status_page import router as status_router
@@ -106,6 +107,7 @@ def create_app(
     app.state.service = None
     app.include_router(router)
     app.include_router(operator_router)
+    app.include_router(route_router)
     app.include_router(status_router)
     install_problem_handlers(app)
     install_openapi(app, bearer_auth=keys is not None)

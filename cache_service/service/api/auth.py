@@ -30,6 +30,7 @@ ROUTE_ROLES: Mapping[str, Role] = {
     "/": Role.ADMIN,  # the status page: every tenant's figures, as /v1/stats
     "/v1/lookup": Role.READER,
     "/v1/explain": Role.READER,
+    "/v1/route": Role.READER,
     "/v1/blocks/fetch": Role.READER,
     "/v1/info": Role.READER,
     "/v1/blocks": Role.WRITER,

@@ -1,0 +1,210 @@
+"""POST /v1/route: which engine holds the longest prefix of a prompt, and how much of it the
+payload store could fill in. A thin translation: the scoring is core/engines/routing.py."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Protocol
+
+import orjson
+from fastapi import APIRouter
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+
+from cache_service.core.blocks import Namespace
+from cache_service.core.engines.routing import (
+    EngineScores,
+    EngineSpec,
+    InstanceScore,
+    RouteScorer,
+    StoreScore,
+    score_store,
+    select_engines,
+)
+from cache_service.core.engines.views import EngineViews
+from cache_service.service.api.auth import principal
+from cache_service.service.api.bodies import JSON, namespace_of, read_request_json
+from cache_service.service.api.openapi import problem_answer
+from cache_service.service.api.schemas import Name, PromptOptions, Token
+from cache_service.service.api.state import ServiceState, service_state
+from cache_service.service.kv_events.config import EngineConfig
+
+router = APIRouter()
+STORE = "store"  # the medium of the payload store's row: any worker can load from it
+INLINE_TOKENS = 4096  # longer prompts are hashed in a worker thread, off the event loop
+MAX_INSTANCES = 1024
+
+INSTANCES_DOC = (
+    "Candidate instances (engine names as configured with --kv-events): only these are "
+    "scored. An instance no engine of this model is configured as is refused with 422 "
+    "unknown-instance (which exist depends on the service's configuration: GET /v1/stats, "
+    "kv_events). Omit it to score every engine of the model."
+)
+
+
+class RouteRequest(PromptOptions):
+    """POST /v1/route: a prompt, its namespace (for the payload store) and how the engines
+    hash it (LoRA name, vLLM's cache_salt)."""
+
+    tokens: list[Token] = Field(description="Token ids, unsigned 32-bit integers.")
+    lora_name: Name | None = Field(None, description="The LoRA adapter the engines run it with.")
+    cache_salt: Name | None = Field(
+        None, description="vLLM's per-request cache_salt (hashed into the engines' block 0)."
+    )
+    instances: Annotated[list[Name], Field(max_length=MAX_INSTANCES)] | None = Field(
+        None, description=INSTANCES_DOC
+    )
+
+
+class RouteInstance(BaseModel):
+    """One instance's hold on the prompt in one medium (or, as `best`, the store's)."""
+
+    instance: str | None = Field(description="The engine; null for the payload store.")
+    medium: str = Field(description="GPU, CPU or DISK; `store` for the payload store.")
+    matched_blocks: int
+    cached_tokens: int = Field(description="matched_blocks x block_size.")
+    tokens_to_prefill: int = Field(description="prompt_tokens - cached_tokens.")
+    block_size: int
+    data_parallel_rank: int | None = Field(description="The rank holding them; null if none.")
+    stale: bool = Field(description="The engine lost events: its view may be wrong.")
+
+
+class RouteStore(BaseModel):
+    """The payload store as an instance of its own: any worker can load these blocks."""
+
+    matched_blocks: int
+    cached_tokens: int
+    tokens_to_prefill: int
+    block_size: int
+
+
+class RouteUnscored(BaseModel):
+    """An engine whose blocks cannot be matched to a prompt, and why."""
+
+    instance: str
+    reason: str
+
+
+class RouteResponse(BaseModel):
+    """Per instance and medium, best first; the payload store; the best of all."""
+
+    model: str
+    prompt_tokens: int
+    instances: list[RouteInstance]
+    store: RouteStore
+    best: RouteInstance | None = Field(
+        description="The row holding the most tokens, an instance before the store on a "
+        "tie; null when nothing holds a single block of the prompt."
+    )
+    unscored: list[RouteUnscored]
+
+
+class KvEventsSource(Protocol):
+    """What the route needs of the service's KV-event ingestion."""
+
+    views: EngineViews
+
+    def engines_for(self, model: str | None) -> list[EngineConfig]:
+        """The engines that may serve `model`."""
+        ...
+
+
+def _request_body() -> dict[str, Any]:
+    # Stated inline (routes read their own bodies, so FastAPI does not collect it as a
+    # component); the integral-float rule of the other bodies holds here too.
+    schema = RouteRequest.model_json_schema(mode="validation")
+    return {"requestBody": {"required": True, "content": {JSON: {"schema": schema}}}}
+
+
+@router.post(
+    "/v1/route",
+    summary="Which instance holds the longest prefix of a prompt",
+    openapi_extra=_request_body(),
+    response_class=Response,
+    responses={
+        200: {"model": RouteResponse, "description": "Success"},
+        **{status: problem_answer(status) for status in (400, 408, 413, 415, 422)},
+    },
+)
+async def route(request: Request) -> Response:
+    """Per instance and medium: leading blocks held, cached tokens and tokens to prefill,
+    best first; and the payload store's own prefix of the caller's namespace (read only:
+    a routing question neither refreshes nor counts as a lookup)."""
+    state = service_state(request)
+    body = await read_request_json(request, state.settings, RouteRequest)
+    namespace = namespace_of(body, principal(request).tenant)
+    if len(body.tokens) >= INLINE_TOKENS:
+        answer = await run_in_threadpool(_answer, state, body, namespace)
+    else:
+        answer = _answer(state, body, namespace)
+    return Response(orjson.dumps(answer), media_type=JSON)
+
+
+def _answer(state: ServiceState, body: RouteRequest, namespace: Namespace) -> dict[str, Any]:
+    state.cache.config.resolve_retention(body.retention)  # an unknown class is a 422
+    store = score_store(state.cache, namespace, body.tokens, block_size=body.block_size)
+    source: KvEventsSource | None = getattr(state, "kv_events", None)
+    configured = source.engines_for(body.model) if source is not None else []
+    engines = select_engines([_spec(engine) for engine in configured], body.instances)
+    if source is not None and engines:
+        scores = RouteScorer(source.views).score(
+            body.tokens, engines, lora_name=body.lora_name, cache_salt=body.cache_salt
+        )
+    else:
+        scores = EngineScores(len(body.tokens), [], [], 0)
+    return route_answer(body.model, scores, store)
+
+
+def _spec(engine: EngineConfig) -> EngineSpec:
+    return EngineSpec(engine.name, engine.hash_scheme, engine.seed, engine.block_size)
+
+
+def route_answer(model: str, scores: EngineScores, store: StoreScore) -> dict[str, Any]:
+    """The JSON answer of POST /v1/route."""
+    rows = [_row(score) for score in scores.instances]
+    best: dict[str, Any] | None = None
+    leader = scores.best
+    if store.matched_blocks and (leader is None or store.cached_tokens > leader.cached_tokens):
+        best = _store_row(store)
+    elif leader is not None:
+        best = _row(leader)
+    return {
+        "model": model,
+        "prompt_tokens": scores.prompt_tokens,
+        "instances": rows,
+        "store": {
+            "matched_blocks": store.matched_blocks,
+            "cached_tokens": store.cached_tokens,
+            "tokens_to_prefill": store.tokens_to_prefill,
+            "block_size": store.block_size,
+        },
+        "best": best,
+        "unscored": [{"instance": u.instance, "reason": u.reason} for u in scores.unscored],
+    }
+
+
+def _row(score: InstanceScore) -> dict[str, Any]:
+    return {
+        "instance": score.instance,
+        "medium": score.medium,
+        "matched_blocks": score.matched_blocks,
+        "cached_tokens": score.cached_tokens,
+        "tokens_to_prefill": score.tokens_to_prefill,
+        "block_size": score.block_size,
+        "data_parallel_rank": score.data_parallel_rank,
+        "stale": score.stale,
+    }
+
+
+def _store_row(store: StoreScore) -> dict[str, Any]:
+    return {
+        "instance": None,
+        "medium": STORE,
+        "matched_blocks": store.matched_blocks,
+        "cached_tokens": store.cached_tokens,
+        "tokens_to_prefill": store.tokens_to_prefill,
+        "block_size": store.block_size,
+        "data_parallel_rank": None,
+        "stale": False,
+    }
