@@ -20,6 +20,8 @@ from cache_service.core.store.lmdb import SYNC_MODES
 from cache_service.core.store.registry import parse_store_url
 from cache_service.core.units import parse_size
 from cache_service.service.api_keys import KeyFileError, KeyRing, load_key_ring
+from cache_service.service.kv_events.config import EngineConfig
+from cache_service.service.kv_events.hub import DEFAULT_MAX_BLOCKS_PER_ENGINE, resolve_engines
 
 ENV_PREFIX = "CACHE_SERVICE_"
 AUTH_MODES = ("none", "keys")
@@ -163,6 +165,43 @@ class Settings(BaseSettings):
     usage_log_max_bytes: int = Field(
         100 * 2**20, gt=0, description="Rotate the usage log at this size (keeps 5 old files)."
     )
+    kv_events: str = Field(
+        "",
+        description="Follow these engines' KV events (vLLM, SGLang): tcp://HOST:PORT[,...], "
+        "one engine per endpoint, named HOST:PORT (data-parallel rank r on port + r); off if "
+        "empty.",
+    )
+    kv_events_config: Path | None = Field(
+        None,
+        description="TOML file of the engines whose KV events to follow (name, endpoint, "
+        "model, block size, hash scheme, seed, replay endpoint, data-parallel size).",
+    )
+    kv_events_model: str | None = Field(
+        None, description="The model of the --kv-events engines (over the file's, if given)."
+    )
+    kv_events_block_size: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens per block of the engines (vLLM --block-size, SGLang --page-size); "
+        "16 unless given here or in the file.",
+    )
+    kv_events_hash_scheme: str | None = Field(
+        None,
+        description="The engines' block hash: vllm-sha256 (vLLM's default), "
+        "vllm-sha256-cbor, vllm-xxhash, vllm-xxhash-cbor, sglang or xxh3-64-1337; "
+        "vllm-sha256 unless given here or in the file.",
+    )
+    kv_events_seed: str | None = Field(
+        None,
+        description="The engines' PYTHONHASHSEED, as set in their environment (vLLM "
+        "schemes need it: without it vLLM's hashes are random per process).",
+    )
+    kv_events_max_blocks: int = Field(
+        DEFAULT_MAX_BLOCKS_PER_ENGINE,
+        ge=1,
+        description="Most entries (rank, group, block, medium) kept per engine's view; the "
+        "least recently stored go first.",
+    )
     log_level: str = Field("info", description="uvicorn log level.")
     access_log: bool = Field(
         False, description="Log every request (costs about 3% of lookup throughput)."
@@ -219,6 +258,7 @@ class Settings(BaseSettings):
         self.retention_policy()  # the default class must be in the table
         if self.workers > 1 and parse_store_url(self.store_url())[0] == "memory":
             raise ValueError("a memory:// store lives in one process: use --workers 1")
+        self.kv_event_engines()  # an unusable engine list is refused at start-up
         keys = self.key_ring()
         if self.auth == "keys" and not len(keys):
             raise ValueError("--auth keys needs keys: --api-keys-file or --api-keys")
@@ -248,6 +288,18 @@ class Settings(BaseSettings):
             return load_key_ring(self.api_keys_file, self.api_keys)
         except KeyFileError as exc:
             raise ValueError(str(exc)) from None
+
+    def kv_event_engines(self) -> tuple[EngineConfig, ...]:
+        """The engines whose KV events to follow (none unless --kv-events or
+        --kv-events-config is given)."""
+        return resolve_engines(
+            endpoints=self.kv_events,
+            config_file=self.kv_events_config,
+            model=self.kv_events_model,
+            block_size=self.kv_events_block_size,
+            hash_scheme=self.kv_events_hash_scheme,
+            seed=self.kv_events_seed,
+        )
 
     def retention_policy(self) -> RetentionPolicy:
         """The configured retention classes."""

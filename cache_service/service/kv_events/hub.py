@@ -1,0 +1,173 @@
+"""KV-event ingestion in a running service: the engines, their views, the subscriber feeding
+them and the verifier checking their hashes, started and stopped as one.
+
+`resolve_engines` turns what `serve` and `doctor` were told (`--kv-events` endpoints or a
+`--kv-events-config` file, and the `--kv-events-*` defaults) into engines, refusing what
+could only fail silently: an unknown scheme, or a vLLM scheme without the engine's seed.
+With `--workers N` every worker process runs its own hub (each its own SUB per engine rank;
+a PUB socket serves any number of subscribers), so whichever worker answers sees the same
+views; their counters are each worker's own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from cache_service.core.engines.schemes import SCHEMES, scheme_named
+from cache_service.core.engines.views import EngineViews
+from cache_service.service.kv_events.config import (
+    EngineConfig,
+    KvEventsConfigError,
+    load_engines,
+    parse_endpoints,
+    with_defaults,
+)
+from cache_service.service.kv_events.subscriber import KvEventSubscriber
+from cache_service.service.kv_events.verifier import SchemeVerifier
+
+log = logging.getLogger("cache_service.kv_events")
+
+# vLLM's default --prefix-caching-hash-algo is sha256 (pickle based).
+DEFAULT_HASH_SCHEME = "vllm-sha256"
+DEFAULT_MAX_BLOCKS_PER_ENGINE = 1 << 18  # about 70 MB of view per engine at most
+
+
+def resolve_engines(
+    *,
+    endpoints: str = "",
+    config_file: str | Path | None = None,
+    model: str | None = None,
+    block_size: int | None = None,
+    hash_scheme: str | None = None,
+    seed: str | None = None,
+    require_seed: bool = True,
+) -> tuple[EngineConfig, ...]:
+    """The engines to follow: from `endpoints` (``tcp://HOST:PORT[,...]``) or a TOML file;
+    the other arguments, where given, set every engine's key (over a file's values). An
+    engine with no scheme gets vLLM's default. Empty when neither source is given.
+    `require_seed=False` lets a vLLM scheme go without a seed (for `doctor`, which then
+    looks for the seed the engine uses)."""
+    if endpoints.strip() and config_file is not None:
+        raise KvEventsConfigError("give --kv-events or --kv-events-config, not both")
+    given: dict[str, Any] = {
+        key: value
+        for key, value in (
+            ("model", model),
+            ("block_size", block_size),
+            ("hash_scheme", hash_scheme),
+            ("seed", seed),
+        )
+        if value is not None
+    }
+    if endpoints.strip():
+        engines = parse_endpoints(endpoints, **given)
+    elif config_file is not None:
+        engines = [with_defaults(engine, **given) for engine in load_engines(config_file)]
+    else:
+        return ()
+    resolved = tuple(
+        engine if engine.hash_scheme else replace(engine, hash_scheme=DEFAULT_HASH_SCHEME)
+        for engine in engines
+    )
+    for engine in resolved:
+        _check_scheme(engine, require_seed=require_seed)
+    return resolved
+
+
+def _check_scheme(engine: EngineConfig, *, require_seed: bool) -> None:
+    assert engine.hash_scheme is not None
+    if engine.hash_scheme not in SCHEMES:
+        raise KvEventsConfigError(
+            f"engine {engine.name}: unknown hash scheme {engine.hash_scheme!r}; "
+            f"known: {', '.join(SCHEMES)}"
+        )
+    if not SCHEMES[engine.hash_scheme].uses_seed or engine.seed is not None:
+        scheme_named(engine.hash_scheme, seed=engine.seed)  # any other refusal, with its reason
+    elif require_seed:
+        raise KvEventsConfigError(
+            f"engine {engine.name}: hash scheme {engine.hash_scheme} needs the engine's "
+            "PYTHONHASHSEED as the seed (--kv-events-seed, or seed in the file): run the "
+            "engine with PYTHONHASHSEED set (unset, vLLM roots every hash at random bytes "
+            "and no routing score can match)"
+        )
+
+
+class KvEventsHub:
+    """The engines' views kept current by a subscriber thread, with hash verification."""
+
+    def __init__(
+        self,
+        engines: Sequence[EngineConfig],
+        *,
+        max_blocks_per_engine: int = DEFAULT_MAX_BLOCKS_PER_ENGINE,
+        replay_timeout_seconds: float = 2.0,
+        poll_interval_seconds: float = 0.05,
+        mismatch_alarm_after: int = 3,
+    ) -> None:
+        if not engines:
+            raise ValueError("a KV-events hub needs at least one engine")
+        self.engines: tuple[EngineConfig, ...] = tuple(engines)
+        self.views = EngineViews(max_blocks_per_engine=max_blocks_per_engine)
+        self.verifier = SchemeVerifier(self.engines)
+        self.subscriber = KvEventSubscriber(
+            self.engines,
+            self.views,
+            verify=self.verifier,
+            replay_timeout_seconds=replay_timeout_seconds,
+            poll_interval_seconds=poll_interval_seconds,
+            mismatch_alarm_after=mismatch_alarm_after,
+        )
+
+    def start(self, *, timeout_seconds: float = 5.0) -> None:
+        """Connect to every engine rank and start following their events (blocks until the
+        subscriber's sockets are connecting: run it off the event loop)."""
+        self.subscriber.start(timeout_seconds=timeout_seconds)
+        log.info(
+            "following KV events of %d engine(s): %s",
+            len(self.engines),
+            ", ".join(f"{engine.name} ({engine.hash_scheme})" for engine in self.engines),
+        )
+
+    def stop(self, *, timeout_seconds: float = 5.0) -> bool:
+        """Stop the subscriber and close its sockets; False if it did not end in time."""
+        return self.subscriber.stop(timeout_seconds=timeout_seconds)
+
+    def engines_for(self, model: str | None) -> list[EngineConfig]:
+        """The engines that may serve `model`: those configured for it and those configured
+        for no model in particular (every engine when `model` is None)."""
+        if model is None:
+            return list(self.engines)
+        return [engine for engine in self.engines if engine.model in (None, model)]
+
+    def report(self) -> dict[str, dict[str, Any]]:
+        """Per engine, what /v1/stats shows: where, how it hashes, and what came in."""
+        stats = self.subscriber.stats()
+        report: dict[str, dict[str, Any]] = {}
+        for engine in self.engines:
+            counters = stats[engine.name]
+            report[engine.name] = {
+                "endpoints": [rank.endpoint for rank in engine.ranks()],
+                "replay_endpoints": [
+                    rank.replay_endpoint for rank in engine.ranks() if rank.replay_endpoint
+                ],
+                "model": engine.model,
+                "block_size": engine.block_size,
+                "hash_scheme": engine.hash_scheme,
+                "stale_ranks": counters.stale_ranks,
+                "blocks": self.views.block_count(engine.name),
+                "batches": counters.batches,
+                "events": counters.events,
+                "gaps": counters.gaps,
+                "replays": counters.replays,
+                "restarts": counters.restarts,
+                "malformed": counters.malformed + counters.malformed_events,
+                "dropped_entries": counters.dropped_entries,
+                "verified": counters.verified,
+                "mismatches": counters.mismatches,
+                "last_mismatch": self.verifier.last_mismatch(engine.name),
+            }
+        return report
