@@ -288,6 +288,9 @@ async def stats_report(state: ServiceState) -> dict[str, Any]:
         "pending_touches": state.cache.touches.pending,
         "retention": by_class,
         "tenants": by_tenant,
+        # Per engine followed: where, how it hashes, and what its events brought (this
+        # worker's subscriber); null when KV-event ingestion is off.
+        "kv_events": None if state.kv_events is None else state.kv_events.report(),
     }
 
 

@@ -27,6 +27,8 @@ from cache_service.service.api.guard import StoreGuard
 from cache_service.service.api.startup import open_store, serving_line
 from cache_service.service.api.state import ServiceState, WriteGate
 from cache_service.service.api_keys import KeyRing
+from cache_service.service.kv_events.hub import KvEventsHub
+from cache_service.service.kv_events.metrics import KvEventsCollector
 from cache_service.service.metrics import CacheMetrics, StoreCollector
 from cache_service.service.quotas import QuotaBook
 from cache_service.service.settings import Settings
@@ -61,6 +63,7 @@ class _Running:
     collector: StoreCollector
     sweeper_lock: ElectionLock
     metrics_port: MetricsPort
+    kv_events_collector: KvEventsCollector | None = None
     workers: list[asyncio.Task[None]] = field(default_factory=list)
 
 
@@ -104,6 +107,9 @@ class Service:
         try:
             # The capacity may have been lowered since the data was written.
             await run_in_threadpool(self._running.state.cache.capacity.enforce)
+            hub = self._running.state.kv_events
+            if hub is not None:  # its start waits for the subscriber's sockets: off the loop
+                await run_in_threadpool(hub.start)
         except BaseException:
             await self.stop()
             raise
@@ -132,6 +138,7 @@ class Service:
 
     def _wire(self, opened: OpenedStore) -> _Running:
         settings, metrics = self.settings, self.metrics
+        engines = settings.kv_event_engines()  # first: a file gone since validation opens nothing
         # Everything reaches the store through the guard (routes, operators, collectors,
         # jobs), so that the stop knows when no thread is inside it.
         guard = StoreGuard()
@@ -159,7 +166,14 @@ class Service:
         quotas = QuotaBook(list(self.keys), folder) if self.keys is not None else None
         writes = WriteGate(settings.max_pending_writes)
         state = ServiceState(cache, metrics, settings, opened.kind, writes, usage_log, quotas)
-        return _Running(opened, state, guard, collector, sweeper_lock, metrics_port)
+        running = _Running(opened, state, guard, collector, sweeper_lock, metrics_port)
+        if engines:  # started by `start` once the store is ready; never touches the store
+            state.kv_events = KvEventsHub(
+                engines, max_blocks_per_engine=settings.kv_events_max_blocks
+            )
+            running.kv_events_collector = KvEventsCollector(state.kv_events)
+            metrics.scrape_registry.register(running.kv_events_collector)
+        return running
 
     def _start_workers(self, running: _Running) -> list[asyncio.Task[None]]:
         settings, cache = self.settings, running.state.cache
@@ -235,6 +249,13 @@ class Service:
         state, guard = running.state, running.guard
         timeout = self.settings.shutdown_timeout
         deadline = time.monotonic() + timeout
+        # The subscriber's thread ends within a poll slice or two; it is joined beside the
+        # writes' wait, within the same deadline, and holds nothing of the store.
+        hub, hub_stopped = state.kv_events, None
+        if hub is not None:
+            hub_stopped = asyncio.ensure_future(
+                run_in_threadpool(hub.stop, timeout_seconds=timeout)
+            )
         for task in running.workers:
             task.cancel()
         await asyncio.gather(*running.workers, return_exceptions=True)
@@ -261,9 +282,27 @@ class Service:
         if state.quotas is not None:
             state.quotas.close()
         self.metrics.scrape_registry.unregister(running.collector)
+        if hub_stopped is not None:
+            await self._stop_kv_events(running, hub_stopped, deadline)
         self.metrics.close()
         if idle and self._given is None:
             running.opened.store.close()
+
+    async def _stop_kv_events(
+        self, running: _Running, stopped: asyncio.Future[bool], deadline: float
+    ) -> None:
+        """Wait for the KV-event subscriber to end (until `deadline`, at least a second) and
+        take its metrics out."""
+        try:
+            await asyncio.wait_for(
+                asyncio.shield(stopped), max(deadline - time.monotonic(), FINAL_FLUSH_SECONDS)
+            )
+        except TimeoutError:  # a daemon thread: it cannot keep the process alive
+            log.warning("the KV-event subscriber did not stop in time")
+        except Exception:
+            log.exception("stopping the KV-event subscriber failed")
+        if running.kv_events_collector is not None:
+            self.metrics.scrape_registry.unregister(running.kv_events_collector)
 
     async def _final_flush(self, running: _Running, deadline: float) -> bool:
         """Apply the deferred touches past the closed guard, in a thread, for at most what is

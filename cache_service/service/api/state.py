@@ -14,6 +14,7 @@ from starlette.requests import Request
 from cache_service.core.cache import PrefixCache
 from cache_service.core.errors import Overloaded, StorageError
 from cache_service.core.operators import Operators
+from cache_service.service.kv_events.hub import KvEventsHub
 from cache_service.service.metrics import CacheMetrics
 from cache_service.service.quotas import QuotaBook
 from cache_service.service.settings import Settings
@@ -84,6 +85,8 @@ class ServiceState:
     writes: WriteGate
     usage_log: UsageLog | None = None
     quotas: QuotaBook | None = None
+    # The engines' KV events (their views, for routing scores); None unless configured.
+    kv_events: KvEventsHub | None = None
     # The status page's charts: this worker's samples of the fleet's totals.
     history: StatusHistory = field(default_factory=StatusHistory)
     operators: Operators = field(init=False)
