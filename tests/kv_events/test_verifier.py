@@ -52,7 +52,10 @@ def test_a_wrong_seed_is_a_mismatch_on_the_event_that_starts_the_prompt(
     assert verifier(config, chained) is None
     reason = verifier.last_mismatch("e")
     assert reason is not None
-    assert reason.startswith(f"{scheme}, an event that starts a prompt: block 0")
+    assert reason.startswith(f"an event that starts a prompt: block 0: {scheme} gives")
+    assert reason.endswith(
+        "PYTHONHASHSEED differs from the configuration (run `cache-service doctor`)"
+    )
     assert "engine e" in caplog.text and "block 0" in caplog.text
 
 
@@ -78,7 +81,8 @@ def test_another_scheme_is_a_mismatch() -> None:
     verifier = SchemeVerifier([config])
     (event,) = decoded(prompt_events("vllm-sha256-cbor", TOKENS, seed="0"))
     assert verifier(config, event) is False
-    assert "vllm-sha256, an event that starts a prompt" in (verifier.last_mismatch("e") or "")
+    reason = verifier.last_mismatch("e") or ""
+    assert reason.startswith("an event that starts a prompt: block 0: vllm-sha256 gives")
 
 
 def test_an_engine_storing_other_block_sizes_is_a_mismatch() -> None:

@@ -101,8 +101,18 @@ class SchemeVerifier:
         if result.outcome == "reproduced":
             return True
         if result.outcome == "mismatch":
-            start = "an event that starts a prompt" if parent is None else "a chained event"
-            return self._mismatch(engine, f"{scheme.name}, {start}: {result.reason}")
+            if parent is None:
+                reason = (
+                    f"an event that starts a prompt: {result.reason}; the engine's hash "
+                    "algorithm or PYTHONHASHSEED differs from the configuration (run "
+                    "`cache-service doctor`)"
+                )
+            else:
+                reason = (
+                    f"a chained event: {result.reason}; the engine's hash algorithm or "
+                    "extra keys (LoRA, cache salt) differ"
+                )
+            return self._mismatch(engine, reason)
         return None
 
     def _remember(
