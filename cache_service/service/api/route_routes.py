@@ -3,7 +3,7 @@ payload store could fill in. A thin translation: the scoring is core/engines/rou
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter
@@ -22,7 +22,6 @@ from cache_service.core.engines.routing import (
     score_store,
     select_engines,
 )
-from cache_service.core.engines.views import EngineViews
 from cache_service.service.api.auth import principal
 from cache_service.service.api.bodies import JSON, namespace_of, read_request_json
 from cache_service.service.api.openapi import problem_answer
@@ -100,16 +99,6 @@ class RouteResponse(BaseModel):
     unscored: list[RouteUnscored]
 
 
-class KvEventsSource(Protocol):
-    """What the route needs of the service's KV-event ingestion."""
-
-    views: EngineViews
-
-    def engines_for(self, model: str | None) -> list[EngineConfig]:
-        """The engines that may serve `model`."""
-        ...
-
-
 def _request_body() -> dict[str, Any]:
     # Stated inline (routes read their own bodies, so FastAPI does not collect it as a
     # component); the integral-float rule of the other bodies holds here too.
@@ -144,11 +133,11 @@ async def route(request: Request) -> Response:
 def _answer(state: ServiceState, body: RouteRequest, namespace: Namespace) -> dict[str, Any]:
     state.cache.config.resolve_retention(body.retention)  # an unknown class is a 422
     store = score_store(state.cache, namespace, body.tokens, block_size=body.block_size)
-    source: KvEventsSource | None = getattr(state, "kv_events", None)
-    configured = source.engines_for(body.model) if source is not None else []
+    hub = state.kv_events  # None unless the service follows engines' KV events
+    configured = hub.engines_for(body.model) if hub is not None else []
     engines = select_engines([_spec(engine) for engine in configured], body.instances)
-    if source is not None and engines:
-        scores = RouteScorer(source.views).score(
+    if hub is not None and engines:
+        scores = RouteScorer(hub.views).score(
             body.tokens, engines, lora_name=body.lora_name, cache_salt=body.cache_salt
         )
     else:
