@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from cache_service import __version__
 from cache_service.service.settings import ENV_PREFIX, Settings, settings_environment
 from cache_service.tools.admin import add_admin_parser, run_admin_command
+from cache_service.tools.doctor import add_doctor_parser, run_doctor_command
 from cache_service.tools.replay.arguments import add_replay_parser, run_replay_command
 
 _FLAG_EXAMPLES = {
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings_flags(serve)
     add_replay_parser(commands)
     add_admin_parser(commands)
+    add_doctor_parser(commands)
     return parser
 
 
@@ -197,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(run_replay_command(parsed))
     if parsed.command == "admin":
         sys.exit(run_admin_command(parsed))
+    if parsed.command == "doctor":
+        sys.exit(run_doctor_command(parsed))
     args = vars(parsed)
     args.pop("command")
     sys.exit(serve(load_settings(args)))

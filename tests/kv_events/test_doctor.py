@@ -4,6 +4,7 @@ exit status and the cause it names for each engine."""
 from __future__ import annotations
 
 import argparse
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,6 +15,7 @@ import pytest
 import zmq
 
 from cache_service.tools.doctor import add_doctor_parser, run_doctor_command
+from tests.integration.conftest import free_port, service_command
 from tests.kv_events.prompts import prompt_events
 from tests.kv_events.publisher import WIRES, TestPublisher
 
@@ -222,3 +224,16 @@ def test_unusable_flags_exit_2_with_the_reason(capsys: pytest.CaptureFixture[str
     bad_scheme = parse("--kv-events", "tcp://127.0.0.1:5557", "--kv-events-hash-scheme", "md5")
     assert run_doctor_command(bad_scheme) == 2
     assert "unknown hash scheme 'md5'" in capsys.readouterr().err
+
+
+def test_the_console_script_runs_the_doctor_and_exits_non_zero_naming_the_engine() -> None:
+    """`cache-service doctor` is registered in the CLI (not only importable)."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"  # nothing publishes there
+    done = subprocess.run(
+        [*service_command(), "doctor", "--kv-events", endpoint,
+         "--kv-events-hash-scheme", "xxh3-64-1337", "--seconds", "1"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert f"engine {endpoint.removeprefix('tcp://')}" in done.stdout
+    assert "no events" in done.stdout
