@@ -297,3 +297,13 @@ def test_diagnosis_says_which_scheme_reproduces_and_why() -> None:
     assert "PYTHONHASHSEED=42" in diagnosis.detail
     later = {**event, "parent": 5}
     assert diagnose_stored_event(scheme_name="sglang", seed="0", **later).cause == "unverifiable"  # type: ignore[arg-type]
+
+
+def test_without_a_seed_an_event_that_continues_a_prompt_cannot_tell() -> None:
+    """The XXH3 chain always extends its parent, so it fails on a vLLM event that continues a
+    prompt; that says nothing about the configured, seedless vLLM scheme."""
+    first = scheme_named("vllm-sha256", seed="0").block_hashes(list(range(8)), block_size=4)
+    event = _event(scheme_named("vllm-sha256", seed="0"), list(range(8)))
+    later = {**event, "parent": first[0]}
+    diagnosis = diagnose_stored_event(scheme_name="vllm-sha256", seed=None, **later)  # type: ignore[arg-type]
+    assert diagnosis.cause == "unverifiable"

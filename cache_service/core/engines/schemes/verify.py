@@ -200,8 +200,11 @@ def diagnose_stored_event(
             "give the engine and the service the same seed",
         )
     configured = outcomes.get(scheme_name)  # None: a vLLM scheme without a seed
+    # Without a seed, only an event that starts a prompt could show the configured scheme
+    # wrong: a later one, that other schemes fail on, says nothing about it.
     if configured == "unverifiable" or (
-        configured is None and all(result == "unverifiable" for result in outcomes.values())
+        configured is None
+        and (parent is not None or all(result == "unverifiable" for result in outcomes.values()))
     ):
         return Diagnosis(
             "unverifiable",
