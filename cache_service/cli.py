@@ -22,6 +22,7 @@ from cache_service.service.settings import ENV_PREFIX, Settings, settings_enviro
 from cache_service.tools.admin import add_admin_parser, run_admin_command
 from cache_service.tools.doctor import add_doctor_parser, run_doctor_command
 from cache_service.tools.replay.arguments import add_replay_parser, run_replay_command
+from cache_service.tools.route_cli import add_route_parser, run_route_command
 
 _FLAG_EXAMPLES = {
     "capacity": "20GiB",
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_replay_parser(commands)
     add_admin_parser(commands)
     add_doctor_parser(commands)
+    add_route_parser(commands)
     return parser
 
 
@@ -201,6 +203,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(run_admin_command(parsed))
     if parsed.command == "doctor":
         sys.exit(run_doctor_command(parsed))
+    if parsed.command == "route":
+        sys.exit(run_route_command(parsed))
     args = vars(parsed)
     args.pop("command")
     sys.exit(serve(load_settings(args)))

@@ -7,7 +7,8 @@ The hierarchy::
     │   ├── MalformedBody            400  body is not valid JSON / not a valid frame stream
     │   ├── InvalidField             422  a field has a bad value (names the field)
     │   │   ├── BlockSizeMismatch    422  the request's block_size differs from the model's
-    │   │   └── UnknownRetention     422  a retention class that is not configured
+    │   │   ├── UnknownRetention     422  a retention class that is not configured
+    │   │   └── UnknownInstance      422  a route names an instance no engine is configured as
     │   ├── Unauthorized             401  no API key, or an unknown one
     │   ├── Forbidden                403  the key's role does not allow the route
     │   ├── QuotaExceeded            403  past the tenant's pin quota
@@ -110,6 +111,14 @@ class UnknownRetention(InvalidField):
 
     problem = "unknown-retention"
     title = "Unknown retention class"
+
+
+class UnknownInstance(InvalidField):
+    """A request names an instance no engine of its model is configured as (422); which
+    instances exist depends on the service's configuration, so no schema can state it."""
+
+    problem = "unknown-instance"
+    title = "Unknown instance"
 
 
 class PayloadTooLarge(RequestError):

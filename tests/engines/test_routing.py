@@ -21,14 +21,13 @@ from cache_service.core.engines.routing import (
     InstanceScore,
     RouteScorer,
     StoreScore,
-    UnknownInstance,
     Unscored,
     score_store,
     select_engines,
 )
 from cache_service.core.engines.schemes import EngineHashScheme, ExtraKeys, scheme_named
 from cache_service.core.engines.views import EngineViews
-from cache_service.core.errors import InvalidField
+from cache_service.core.errors import InvalidField, UnknownInstance
 from cache_service.core.events import CacheEvents
 from cache_service.core.store.base import BlockStore
 
@@ -164,11 +163,6 @@ def test_a_stale_view_is_flagged_and_ranks_after_a_sound_one_of_equal_tokens() -
     assert [(row.instance, row.stale) for row in rows] == [("b", False), ("a", True), ("c", False)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="EngineViews.is_stale reads `view and view.stale_ranks()`: a view holding no "
-    "blocks is falsy, so an engine that lost events before storing any reads as sound",
-)
 def test_a_stale_engine_holding_nothing_is_flagged() -> None:
     views = EngineViews(max_blocks_per_engine=1000)
     views.set_stale("c", 0, True)

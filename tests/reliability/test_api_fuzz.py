@@ -8,7 +8,8 @@ and a fixed number of examples per operation (`scale`), so a CI run is reproduci
 
 Two things no JSON Schema can state, and how this test treats them (nothing else is excused):
 - Refusals that depend on the service's configuration: a block_size that is not the model's
-  (422 block-size-mismatch) and a retention class not configured (422 unknown-retention). The
+  (422 block-size-mismatch), a retention class not configured (422 unknown-retention), and a
+  route's instance that no engine configured names (422 unknown-instance). The
   schema describes both (field descriptions, the 422 answer); they count as `config_refusals`.
   The server runs with --block-size 1, so any non-empty token list holds a full block.
 - The frame body (application/vnd.prompt-cache.frames) is a binary format: to JSON Schema any
@@ -37,7 +38,11 @@ from cache_service.service.api_keys import Role, key_file_entry, new_key
 from tests.integration.conftest import ServerProcess
 
 SEED = 20261201
-CONFIG_REFUSALS = {PROBLEM_BASE + "block-size-mismatch", PROBLEM_BASE + "unknown-retention"}
+CONFIG_REFUSALS = {
+    PROBLEM_BASE + "block-size-mismatch",
+    PROBLEM_BASE + "unknown-retention",
+    PROBLEM_BASE + "unknown-instance",
+}
 MALFORMED = PROBLEM_BASE + "malformed-body"
 
 

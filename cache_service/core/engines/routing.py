@@ -28,18 +28,10 @@ from cache_service.core.cache import PrefixCache, TokenInput
 from cache_service.core.engines.block_hashes import EngineBlockHash
 from cache_service.core.engines.schemes import EngineHashScheme, scheme_named
 from cache_service.core.engines.views import CPU, DISK, GPU, EngineViews
-from cache_service.core.errors import InvalidField
+from cache_service.core.errors import UnknownInstance
 
 SchemeFactory = Callable[[str, str | None], EngineHashScheme]
 _MEDIUM_RANK = {GPU: 0, CPU: 1, DISK: 2}
-
-
-class UnknownInstance(InvalidField):
-    """A request names an instance no engine of its model is configured as (422); which
-    instances exist depends on the service's configuration, so no schema can state it."""
-
-    problem = "unknown-instance"
-    title = "Unknown instance"
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +111,7 @@ def score_store(
 
 
 def select_engines(engines: Sequence[EngineSpec], names: Sequence[str] | None) -> list[EngineSpec]:
-    """The engines named (all when `names` is None); InvalidField naming the unknown ones."""
+    """The engines named (all when `names` is None); UnknownInstance naming the unknown ones."""
     if names is None:
         return list(engines)
     by_name = {engine.name: engine for engine in engines}

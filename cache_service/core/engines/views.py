@@ -264,19 +264,20 @@ class EngineViews:
         """Whether any rank of the engine may miss events."""
         with self._lock:
             view = self._views.get(engine)
-            return bool(view and view.stale_ranks())
+            # A view holding no blocks is falsy (len 0): test for absence, not truth.
+            return view is not None and bool(view.stale_ranks())
 
     def block_count(self, engine: str) -> int:
         """How many (rank, group, block, medium) entries an engine's view holds."""
         with self._lock:
             view = self._views.get(engine)
-            return len(view) if view else 0
+            return len(view) if view is not None else 0
 
     def dropped_total(self, engine: str) -> int:
         """How many entries the bound has dropped from an engine's view."""
         with self._lock:
             view = self._views.get(engine)
-            return view.dropped_total if view else 0
+            return view.dropped_total if view is not None else 0
 
     def holds(
         self, engine: str, rank: int, group: int, block: EngineBlockHash, medium: str = GPU
@@ -284,7 +285,7 @@ class EngineViews:
         """Whether an engine's rank and group holds a block in a medium."""
         with self._lock:
             view = self._views.get(engine)
-            return bool(view and view.holds(rank, group, block, medium))
+            return view is not None and view.holds(rank, group, block, medium)
 
     def match_prefix(
         self, chain: Sequence[EngineBlockHash], *, engines: Iterable[str] | None = None
