@@ -4,17 +4,23 @@ checked against the service's own command line and settings."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
 from cache_service import __version__
 from cache_service.core.disk import MARGIN_MAX_BYTES
+from cache_service.core.engines.schemes.vllm import ALGORITHMS
 from cache_service.service.server import exit_bound_seconds
 from cache_service.service.settings import Settings
 from cache_service.service.usage import DEFAULT_KEEP
@@ -137,8 +143,36 @@ def container_environment(
         assert name in config_maps, f"envFrom names ConfigMap {name}, which is not rendered"
         env.update(config_maps[name]["data"])
     for variable in container.get("env", []):
-        env[variable["name"]] = variable["value"]
+        if "value" in variable:
+            env[variable["name"]] = variable["value"]
+            continue
+        reference = variable["valueFrom"]["configMapKeyRef"]
+        assert reference["name"] in config_maps, f"{variable['name']}: no such ConfigMap"
+        env[variable["name"]] = config_maps[reference["name"]]["data"][reference["key"]]
     return env
+
+
+def expand_variables(text: str, env: dict[str, str]) -> str:
+    """A command line argument as the kubelet runs it: $(NAME) replaced by the container's
+    variable, $$ by $; a $(NAME) of no variable would stay as written, so it fails here."""
+
+    def replace(match: re.Match[str]) -> str:
+        if match[0] == "$$":
+            return "$"
+        assert match[1] in env, f"{text}: the container has no variable {match[1]}"
+        return env[match[1]]
+
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)", replace, text)
+
+
+def flag_values(argv: list[str]) -> dict[str, str]:
+    """The `--flag value` pairs of a command line (each flag given once)."""
+    values: dict[str, str] = {}
+    for flag, value in itertools.pairwise(argv):
+        if flag.startswith("--") and not value.startswith("--"):
+            assert flag not in values, f"{flag} given twice"
+            values[flag] = value
+    return values
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
@@ -244,6 +278,104 @@ def test_in_the_sidecar_layout_the_cache_is_a_native_sidecar_that_cannot_unready
     assert "startupProbe" in workload.container
     (vllm,) = [c for c in workload.pod["containers"] if c["name"] == "vllm"]
     assert "readinessProbe" in vllm  # the pod's readiness is the engine's
+
+
+class Engine:
+    """The sidecar layout's vLLM container: its variables, and its flags as it runs them."""
+
+    def __init__(self, documents: list[dict[str, Any]], pod: dict[str, Any]) -> None:
+        (self.container,) = [c for c in pod["containers"] if c["name"] == "vllm"]
+        self.env = container_environment(self.container, documents)
+        argv = [expand_variables(arg, self.env) for arg in self.container["args"]]
+        self.flags = flag_values(argv)
+        self.kv_events_config: dict[str, Any] = json.loads(self.flags["--kv-events-config"])
+
+    @property
+    def served_model_name(self) -> str:
+        """The model name clients (and /v1/route) use: vLLM's --model unless renamed."""
+        return self.flags.get("--served-model-name", self.flags["--model"])
+
+
+@pytest.fixture(scope="module")
+def sidecar(rendered: dict[str, list[dict[str, Any]]], key_file: Path) -> tuple[Workload, Engine]:
+    """The sidecar layout's cache and the vLLM engine beside it."""
+    documents = rendered["overlays/sidecar"]
+    workload = Workload(documents, "Deployment", key_file)
+    return workload, Engine(documents, workload.pod)
+
+
+def test_the_sidecar_cache_follows_the_kv_events_vllm_publishes_in_the_pod(
+    sidecar: tuple[Workload, Engine],
+) -> None:
+    workload, engine = sidecar
+    # The service's own reading of its settings (flags and variables).
+    (followed,) = workload.settings.kv_event_engines()
+    config = engine.kv_events_config
+    assert config["enable_kv_cache_events"] is True
+    assert config["publisher"] == "zmq"
+    published = urlsplit(config["endpoint"])
+    subscribed = urlsplit(followed.endpoint)
+    assert published.scheme == subscribed.scheme == "tcp"
+    # vLLM's PUB binds (on every address of the pod, loopback among them); the cache's SUB
+    # connects over loopback, to the same port.
+    assert published.hostname in {"*", "0.0.0.0", "127.0.0.1"}
+    assert subscribed.hostname == "127.0.0.1"
+    assert subscribed.port == published.port
+    # Rank r would publish on port + r: one rank here, and the cache follows one.
+    assert int(engine.flags.get("--data-parallel-size", "1")) == followed.data_parallel_size
+    assert followed.replay_endpoint is None  # vLLM's config names no replay socket either
+    assert "replay_endpoint" not in config
+
+
+def test_vllm_hashes_its_blocks_the_way_the_sidecar_cache_recomputes_them(
+    sidecar: tuple[Workload, Engine],
+) -> None:
+    workload, engine = sidecar
+    (followed,) = workload.settings.kv_event_engines()
+    assert followed.hash_scheme is not None
+    algorithm = ALGORITHMS[followed.hash_scheme][0]  # vllm-sha256 -> sha256
+    assert engine.flags["--prefix-caching-hash-algo"] == algorithm
+    assert int(engine.flags["--block-size"]) == followed.block_size
+    assert followed.model == engine.served_model_name
+
+
+def test_pythonhashseed_and_the_cache_seed_come_from_one_configmap_key(
+    sidecar: tuple[Workload, Engine],
+) -> None:
+    workload, engine = sidecar
+    (followed,) = workload.settings.kv_event_engines()
+    key = "CACHE_SERVICE_KV_EVENTS_SEED"
+    # vLLM's PYTHONHASHSEED is that key of the ConfigMap the cache takes its variables from,
+    # and nothing in the cache's own command line or env list overrides it there.
+    (variable,) = [v for v in engine.container["env"] if v["name"] == "PYTHONHASHSEED"]
+    reference = variable["valueFrom"]["configMapKeyRef"]
+    cache_maps = [source["configMapRef"]["name"] for source in workload.container["envFrom"]]
+    assert reference == {"name": reference["name"], "key": key}
+    assert reference["name"] in cache_maps
+    assert "--kv-events-seed" not in workload.container["args"]
+    assert key not in {v["name"] for v in workload.container.get("env", [])}
+    assert followed.seed is not None
+    assert followed.seed == workload.settings.kv_events_seed == engine.env["PYTHONHASHSEED"]
+    # Python refuses to start with any other PYTHONHASHSEED than "random" or an integer in
+    # [0, 4294967295]; "random" would give every vLLM process its own hashes.
+    seeded = subprocess.run(
+        [sys.executable, "-c", "import sys; print(sys.flags.hash_randomization)"],
+        env={"PYTHONHASHSEED": followed.seed},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert seeded.returncode == 0, seeded.stderr
+    assert followed.seed != "random"
+
+
+def test_the_shared_layout_follows_no_kv_events(
+    rendered: dict[str, list[dict[str, Any]]], key_file: Path
+) -> None:
+    # No engine runs beside the shared caches: none to subscribe to.
+    workload = Workload(rendered["overlays/shared"], "StatefulSet", key_file)
+    assert workload.settings.kv_event_engines() == ()
 
 
 def test_in_the_shared_layout_the_cache_is_a_regular_container_with_readiness(
@@ -442,7 +574,13 @@ def test_cache_command_line_starts_a_service_that_answers_probes_and_scrapes(
             "--api-keys-file": str(key_file),
         },
     )
-    with running_service(argv, workload.env, tmp_path / "server.log") as proc:
+    # A port on this machine's loopback where nothing publishes: the cache must start and
+    # serve without its engine (in the pod, it starts before vLLM binds).
+    env = dict(workload.env)
+    engines = settings.kv_event_engines()
+    if engines:
+        env["CACHE_SERVICE_KV_EVENTS"] = f"tcp://127.0.0.1:{free_port()}"
+    with running_service(argv, env, tmp_path / "server.log") as proc:
         for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
             if probe not in workload.container:  # a native sidecar has no readiness probe
                 continue
@@ -456,11 +594,17 @@ def test_cache_command_line_starts_a_service_that_answers_probes_and_scrapes(
         while True:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics") as answer:
-                    assert b"prompt_cache_" in answer.read()
+                    metrics = answer.read().decode()
+                assert "prompt_cache_" in metrics
                 break
             except OSError:
                 assert time.monotonic() < deadline, "the metrics port does not answer"
                 time.sleep(0.1)
+        if engines:  # followed: its counters are there, at zero (nothing published)
+            name = env["CACHE_SERVICE_KV_EVENTS"].removeprefix("tcp://")
+            assert f'prompt_cache_kv_events_batches_total{{engine="{name}"}} 0.0' in metrics
+            # Ready without its engine too (the sidecar has no readiness probe to ask).
+            assert get(f"http://127.0.0.1:{port}/readyz") == 200
         proc.terminate()
         started = time.monotonic()
         assert proc.wait(timeout=60) == 0
