@@ -188,3 +188,26 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.write_sep("=", "reliability findings")
         for line in FINDINGS:
             terminalreporter.write_line(line)
+
+
+# -- real service processes (tests/integration, tests/kv_events, ...) -------------------------
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """A factory of `cache-service serve` processes (tests/integration/conftest.py's
+    ServerProcess) on fresh data folders; every one is stopped at teardown, by its PID."""
+    from tests.integration.conftest import ServerProcess  # noqa: PLC0415
+
+    started: list[ServerProcess] = []
+
+    def factory(**flags: str) -> ServerProcess:
+        index = len(started)
+        server = ServerProcess(tmp_path / f"data{index}", tmp_path / f"server{index}.log", **flags)
+        started.append(server)
+        server.start()
+        return server
+
+    yield factory
+    for server in started:
+        server.stop()

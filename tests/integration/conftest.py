@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -101,23 +101,6 @@ class ServerProcess:
         """Stop and start again on the same data folder and port."""
         self.stop()
         self.start()
-
-
-@pytest.fixture
-def make_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
-    """A factory of servers on fresh data folders; every one is stopped at teardown."""
-    started: list[ServerProcess] = []
-
-    def factory(**flags: str) -> ServerProcess:
-        index = len(started)
-        server = ServerProcess(tmp_path / f"data{index}", tmp_path / f"server{index}.log", **flags)
-        started.append(server)
-        server.start()
-        return server
-
-    yield factory
-    for server in started:
-        server.stop()
 
 
 @pytest.fixture

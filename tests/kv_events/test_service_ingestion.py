@@ -35,23 +35,6 @@ def context() -> Iterator[zmq.Context[Any]]:
     ctx.destroy(linger=0)
 
 
-@pytest.fixture
-def make_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
-    """Servers on fresh data folders, each stopped at teardown (if the test did not)."""
-    started: list[ServerProcess] = []
-
-    def factory(**flags: str) -> ServerProcess:
-        index = len(started)
-        server = ServerProcess(tmp_path / f"data{index}", tmp_path / f"server{index}.log", **flags)
-        started.append(server)
-        server.start()
-        return server
-
-    yield factory
-    for server in started:
-        server.stop()
-
-
 def wait_until(predicate: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + WAIT_SECONDS
     while not predicate():
