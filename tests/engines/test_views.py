@@ -166,3 +166,64 @@ def test_a_32k_token_prompt_against_16_engines_is_answered_well_under_a_millisec
     per_query = (time.perf_counter() - start) / runs
     assert len(holds) == 16 and all(hold.blocks == 512 for hold in holds)
     assert per_query < 0.001, f"{per_query * 1e3:.3f} ms per query"
+
+
+_MEDIA = ("GPU", "CPU", "DISK")
+_event = st.one_of(
+    st.builds(
+        BlockStored,
+        st.lists(st.integers(1, 10), min_size=1, max_size=4).map(lambda b: h(*b)),
+        group_idx=st.sampled_from([None, 0, 1]),
+        medium=st.sampled_from(_MEDIA),
+        kv_cache_spec_kind=st.sampled_from([None, None, "full_attention", "sliding_window"]),
+    ),
+    st.builds(
+        BlockRemoved,
+        st.lists(st.integers(1, 10), min_size=1, max_size=4).map(lambda b: h(*b)),
+        group_idx=st.sampled_from([None, 0, 1]),
+        medium=st.sampled_from(_MEDIA),
+    ),
+    st.builds(AllBlocksCleared),
+)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 1), _event | st.just("reset")),
+        max_size=40,
+    ),
+    st.integers(1, 8),
+)
+def test_the_held_index_counts_exactly_the_blocks_some_engine_holds(
+    ops: list[tuple[str, int, object]], bound: int
+) -> None:
+    # Stores, removals, clears, resets, ignored groups and the bound's drops all keep the
+    # index equal to "some engine, rank, group or medium holds it".
+    views = EngineViews(max_blocks_per_engine=bound)
+    for engine, rank, op in ops:
+        if op == "reset":
+            views.reset(engine, rank)
+        else:
+            views.apply_events(engine, rank, [op])  # type: ignore[list-item]
+    for value in range(1, 11):
+        block = EngineBlockHash(value)
+        anyone = any(
+            views.holds(engine, rank, group, block, medium)
+            for engine in ("a", "b")
+            for rank in (0, 1)
+            for group in (0, 1)
+            for medium in _MEDIA
+        )
+        assert views.held_prefix([block]) == int(anyone)
+    total = sum(views.block_count(engine) for engine in ("a", "b"))
+    assert views.held_blocks() <= total
+
+
+def test_held_prefix_stops_at_the_first_block_nobody_holds() -> None:
+    views = EngineViews(max_blocks_per_engine=100)
+    views.apply_events("a", 0, [BlockStored(h(1, 2))])
+    views.apply_events("b", 0, [BlockStored(h(3), medium="CPU")])
+    assert views.held_prefix(chain(5)) == 3
+    views.apply_events("a", 0, [BlockRemoved(h(2))])
+    assert views.held_prefix(chain(5)) == 1
+    assert views.held_prefix([]) == 0

@@ -12,6 +12,12 @@ prompt's chain of engine hashes, how many leading blocks each engine holds per m
 ``set.issuperset`` and ``takewhile(set.__contains__, chain)`` run in C: 512 blocks against
 16 engines that all hold them take about 0.15 ms (0.2 ms when each misses near the end).
 One lock serialises the subscriber's writes and the router's reads.
+
+Beside the per-engine sets, `EngineViews` counts every held entry by block hash over all
+engines, ranks, groups and media (`held_prefix`): the router stops hashing a prompt at the
+first block nobody holds, since no engine's prefix can reach past it. The count is kept on
+every store, removal, clear, drop and forgotten group, so it is bounded by the views' own
+entries: one dict slot per distinct block (about 60 bytes; the int is shared with the sets).
 """
 
 from __future__ import annotations
@@ -95,7 +101,9 @@ class _Rank:
 class EngineView:
     """One engine's blocks over all its ranks, bounded with LRU by last store."""
 
-    def __init__(self, name: str, *, max_blocks: int) -> None:
+    def __init__(
+        self, name: str, *, max_blocks: int, held: dict[EngineBlockHash, int] | None = None
+    ) -> None:
         if max_blocks < 1:
             raise ValueError("max_blocks must be at least 1")
         self.name = name
@@ -103,6 +111,8 @@ class EngineView:
         self.dropped_total = 0
         self._ranks: dict[int, _Rank] = {}
         self._lru: OrderedDict[_Entry, None] = OrderedDict()
+        # Entries per block over every view sharing this dict (EngineViews passes its own).
+        self._held: dict[EngineBlockHash, int] = {} if held is None else held
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -126,6 +136,7 @@ class EngineView:
         entries = [entry for entry in self._lru if entry[0] == rank]
         for entry in entries:
             del self._lru[entry]
+            self._release(entry[2])
         state.groups.clear()
         state.other_groups.clear()
         return len(entries)
@@ -183,6 +194,7 @@ class EngineView:
             else:
                 self._lru[entry] = None
                 blocks.add(block)
+                self._held[block] = self._held.get(block, 0) + 1
                 result.stored += 1
         while len(self._lru) > self.max_blocks:
             self._drop_oldest()
@@ -200,13 +212,22 @@ class EngineView:
             if block in blocks:
                 blocks.discard(block)
                 del self._lru[(rank, group, block, medium)]
+                self._release(block)
                 result.removed += 1
         return result
 
     def _drop_oldest(self) -> None:
         (rank, group, block, medium), _ = self._lru.popitem(last=False)
         self._ranks[rank].groups[group][medium].discard(block)
+        self._release(block)
         self.dropped_total += 1
+
+    def _release(self, block: EngineBlockHash) -> None:
+        count = self._held[block] - 1
+        if count:
+            self._held[block] = count
+        else:
+            del self._held[block]
 
     def _forget_group(self, rank: int, state: _Rank, group: int) -> None:
         # A group indexed before its kind was known (older events carry none) is dropped
@@ -214,12 +235,15 @@ class EngineView:
         if state.groups.pop(group, None) is not None:
             for entry in [entry for entry in self._lru if entry[:2] == (rank, group)]:
                 del self._lru[entry]
+                self._release(entry[2])
 
 
 def _leading_count(blocks: set[EngineBlockHash] | None, chain: Sequence[EngineBlockHash]) -> int:
-    if not blocks:
+    if not blocks or not chain:
         return 0
-    if blocks.issuperset(chain):  # a whole-prompt hit, the common worst case, in one C call
+    # A whole-prompt hit, the common worst case, in one C call; when the last block is not
+    # held that call would fail after scanning the held prefix, so go straight to counting.
+    if chain[-1] in blocks and blocks.issuperset(chain):
         return len(chain)
     return len(list(takewhile(blocks.__contains__, chain)))
 
@@ -230,6 +254,7 @@ class EngineViews:
     def __init__(self, *, max_blocks_per_engine: int) -> None:
         self.max_blocks_per_engine = max_blocks_per_engine
         self._views: dict[str, EngineView] = {}
+        self._held: dict[EngineBlockHash, int] = {}  # entries per block, all views
         self._lock = threading.Lock()
 
     def engines(self) -> list[str]:
@@ -287,6 +312,17 @@ class EngineViews:
             view = self._views.get(engine)
             return view is not None and view.holds(rank, group, block, medium)
 
+    def held_prefix(self, chain: Sequence[EngineBlockHash]) -> int:
+        """How many leading blocks of `chain` some engine holds (any rank, group, medium):
+        no engine's `match_prefix` can count more."""
+        with self._lock:
+            return len(list(takewhile(self._held.__contains__, chain)))
+
+    def held_blocks(self) -> int:
+        """How many distinct blocks the views hold over all engines."""
+        with self._lock:
+            return len(self._held)
+
     def match_prefix(
         self, chain: Sequence[EngineBlockHash], *, engines: Iterable[str] | None = None
     ) -> list[PrefixHold]:
@@ -303,5 +339,7 @@ class EngineViews:
     def _view(self, engine: str) -> EngineView:
         view = self._views.get(engine)
         if view is None:
-            view = self._views[engine] = EngineView(engine, max_blocks=self.max_blocks_per_engine)
+            view = self._views[engine] = EngineView(
+                engine, max_blocks=self.max_blocks_per_engine, held=self._held
+            )
         return view
