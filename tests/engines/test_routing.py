@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache
 from cache_service.core.engines.block_hashes import EngineBlockHash
+from cache_service.core.engines.chain_memo import ChainMemo
 from cache_service.core.engines.events import BlockStored
 from cache_service.core.engines.routing import (
     EngineSpec,
@@ -246,6 +247,85 @@ def test_each_engine_scores_the_prefix_it_holds(held: list[int], cut: int) -> No
     assert [row.cached_tokens for row in rows] == sorted(
         (row.cached_tokens for row in rows), reverse=True
     )
+
+
+_FLEET = [
+    spec("v0"),
+    spec("v1"),
+    spec("v2", "vllm-sha256"),
+    spec("s0", "sglang", None),
+    spec("d0", "xxh3-64-1337", None, block_size=8),
+]
+_HOLD = st.tuples(
+    st.integers(0, len(_FLEET) - 1),  # which engine
+    st.integers(0, 2),  # which prompt's chain
+    st.integers(0, 12),  # from block
+    st.integers(0, 12),  # how many blocks
+    st.sampled_from([None, "CPU"]),
+    st.integers(0, 1),  # rank
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    holds=st.lists(_HOLD, max_size=12),
+    queries=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 16 * 12 + 5), st.sampled_from([None, "l"])),
+        min_size=1,
+        max_size=6,
+    ),
+    segment_blocks=st.integers(1, 5),
+)
+def test_memo_and_early_stop_give_exactly_the_full_hash_answers(
+    holds: list[tuple[int, int, int, int, str | None, int]],
+    queries: list[tuple[int, int, str | None]],
+    segment_blocks: int,
+) -> None:
+    # Prompts share prefixes (1 and 2 extend 0 differently), engines hold runs of their
+    # chains with gaps, in two media and ranks; the reference hashes every block each time.
+    base = [*PROMPT, *range(5000, 5000 + 16 * 3)]
+    prompts = [base, [*base[:100], *range(7000, 7100)], [*base, *range(9000, 9040)]]
+    views = EngineViews(max_blocks_per_engine=40)  # small: the bound's drops happen too
+    for engine_index, prompt_index, start, count, medium, rank in holds:
+        engine = _FLEET[engine_index]
+        chain = chain_of(engine, prompts[prompt_index], lora_name="l")
+        chain += chain_of(engine, prompts[prompt_index])
+        hold(views, engine, chain[start : start + count], medium=medium, rank=rank)
+    memo = ChainMemo(max_blocks=30, segment_blocks=segment_blocks)
+    fast, reference = RouteScorer(views, memo=memo), RouteScorer(views, full_hash=True)
+    for prompt_index, cut, lora in queries * 2:  # the second pass meets a warm memo
+        tokens = prompts[prompt_index][:cut]
+        assert fast.score(tokens, _FLEET, lora_name=lora) == reference.score(
+            tokens, _FLEET, lora_name=lora
+        )
+    assert memo.blocks <= 30
+
+
+def test_a_prompt_nobody_holds_past_its_first_blocks_is_not_hashed_further() -> None:
+    views = EngineViews(max_blocks_per_engine=10_000)
+    engines = [spec(f"e{i}") for i in range(4)]
+    tokens = list(range(16 * 100))
+    hold(views, engines[0], chain_of(engines[0], tokens)[:3])
+    factory = CountingFactory()
+    scores = RouteScorer(views, scheme_factory=factory).score(tokens, engines)
+    assert scores.instances[0].matched_blocks == 3
+    assert factory.steps == 16  # one segment of 16 blocks, not 100 blocks
+    factory.steps = 0
+    RouteScorer(views, scheme_factory=factory, full_hash=True).score(tokens, engines)
+    assert factory.steps == 100
+
+
+def test_a_shared_memo_spares_a_later_scorer_the_hashing() -> None:
+    views = EngineViews(max_blocks_per_engine=10_000)
+    engine = spec("a")
+    tokens = list(range(16 * 64))
+    hold(views, engine, chain_of(engine, tokens))
+    memo = ChainMemo()
+    factory = CountingFactory()
+    first = RouteScorer(views, scheme_factory=factory, memo=memo).score(tokens, [engine])
+    assert factory.steps == 64
+    again = RouteScorer(views, scheme_factory=factory, memo=memo).score(tokens, [engine])
+    assert again == first and factory.steps == 64
 
 
 class LookupCounter(CacheEvents):

@@ -4,7 +4,11 @@ An engine is known by its spec (name, hash scheme, seed, block size). The prompt
 once per distinct (scheme, seed, block size) among the engines asked about (the LoRA name
 and cache salt are the request's, so the same for all), and each chain is then matched
 against the views of the engines that share it in one `EngineViews.match_prefix` call: with
-16 engines on one vLLM configuration a prompt is hashed once, not 16 times.
+16 engines on one vLLM configuration a prompt is hashed once, not 16 times. Even that once
+is cut short (chain_memo.py): hashing stops at the first block no engine holds at all, and
+a `ChainMemo` shared between requests skips re-hashing a prefix seen before. Both leave
+every answer as hashing the whole prompt would give it (`full_hash=True` does that, for
+tests and the benchmark's baseline).
 
 Every scored engine gets at least one row: one per medium it holds a leading block in, or a
 single GPU row of 0 blocks when it holds none (a candidate that must prefill everything is
@@ -26,6 +30,7 @@ from functools import lru_cache
 from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache, TokenInput
 from cache_service.core.engines.block_hashes import EngineBlockHash
+from cache_service.core.engines.chain_memo import ChainMemo, prompt_chain
 from cache_service.core.engines.schemes import EngineHashScheme, scheme_named
 from cache_service.core.engines.views import CPU, DISK, GPU, EngineViews
 from cache_service.core.errors import UnknownInstance
@@ -132,10 +137,22 @@ def select_engines(engines: Sequence[EngineSpec], names: Sequence[str] | None) -
 
 
 class RouteScorer:
-    """Scores prompts against engines' views; keeps each (scheme, seed)'s hasher."""
+    """Scores prompts against engines' views; keeps each (scheme, seed)'s hasher.
 
-    def __init__(self, views: EngineViews, *, scheme_factory: SchemeFactory | None = None) -> None:
+    `memo` is meant to outlive the scorer (one per service, shared by every request);
+    `full_hash` hashes every block of the prompt with no memo and no early stop."""
+
+    def __init__(
+        self,
+        views: EngineViews,
+        *,
+        scheme_factory: SchemeFactory | None = None,
+        memo: ChainMemo | None = None,
+        full_hash: bool = False,
+    ) -> None:
         self.views = views
+        self.memo = None if full_hash else memo
+        self.full_hash = full_hash
         self._factory = scheme_factory or _named_scheme
         self._schemes: dict[tuple[str, str | None], EngineHashScheme | str] = {}
 
@@ -164,9 +181,20 @@ class RouteScorer:
         for (scheme_name, seed, block_size), members in groups.items():
             scheme = self._schemes[(scheme_name, seed)]
             assert isinstance(scheme, EngineHashScheme)
-            chain = scheme.normalized(
-                tokens, block_size=block_size, lora_name=lora_name, cache_salt=cache_salt
-            )
+            if self.full_hash:
+                chain = scheme.normalized(
+                    tokens, block_size=block_size, lora_name=lora_name, cache_salt=cache_salt
+                )
+            else:
+                chain = prompt_chain(
+                    scheme,
+                    tokens,
+                    block_size=block_size,
+                    lora_name=lora_name,
+                    cache_salt=cache_salt,
+                    memo=self.memo,
+                    held_prefix=self.views.held_prefix,
+                )
             rows += self._rows(chain, members, block_size, prompt_tokens)
         rows.sort(key=_rank)
         return EngineScores(prompt_tokens, rows, unscored, len(groups))
