@@ -5,24 +5,34 @@ Usage: python -m bench.route_scores [--quick]   (also the `route` scenario of py
 
 Each engine's view holds realistic chains: half the engines hold a prefix of the prompt (from
 a quarter of it to all of it, so they share the prompt's leading blocks) among other
-prompts' chains, the other half only other prompts' chains. Per configuration the figures
-are the median of: hashing the prompt once per (scheme, seed, block size) in use, the view
-look-ups for all 16 engines, and the whole `RouteScorer.score`; and the ratio of hashing to
-look-ups.
+prompts' chains, the other half only other prompts' chains. Per fleet (a scheme mix), the
+medians of `RouteScorer.score` in these cases, each with its ratio to the old path (every
+block hashed, no memo, no early stop: `full_hash=True`) measured in the same run:
+
+- cold: no memo, full hit (one engine holds the whole prompt, so every block is hashed);
+- warm: a memo filled by an earlier identical prompt;
+- extended: a fresh memo filled by an earlier prompt sharing the first 90% of this one;
+- partial: the engines hold only the prompt's first 2k tokens (no memo, and warm).
+
+Also the view look-ups alone, and the memory per entry of the memo and of the views.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import sys
+import tracemalloc
 from dataclasses import dataclass
+from typing import Any
 
 from bench.peers.harness import time_calls
-from bench.report import Row, format_table, latency_row
+from bench.report import Row, compare, format_table, latency_row
 from bench.scenarios.context import Context
 from cache_service.core.engines.block_hashes import EngineBlockHash
+from cache_service.core.engines.chain_memo import ChainMemo, prompt_chain
 from cache_service.core.engines.events import BlockStored
 from cache_service.core.engines.routing import EngineSpec, RouteScorer
 from cache_service.core.engines.schemes import scheme_named
@@ -32,6 +42,7 @@ PROMPT_TOKENS = 32768
 ENGINES = 16
 OTHER_PROMPTS_PER_ENGINE = 8  # other prompts' chains (each 8k tokens) in every view
 CASE = f"{PROMPT_TOKENS // 1024}k tokens, {ENGINES} engines"
+PARTIAL_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -54,16 +65,18 @@ QUICK_SETUPS = (SETUPS[0],)
 
 
 def fleet(
-    setup: Setup, prompt: list[int], rng: random.Random
+    setup: Setup, prompt: list[int], rng: random.Random, *, held_tokens: int | None = None
 ) -> tuple[EngineViews, list[EngineSpec]]:
-    """16 engines' specs and views filled as the module docstring says."""
+    """16 engines' specs and views filled as the module docstring says (the holders hold at
+    most the prompt's first `held_tokens` tokens when given)."""
     views = EngineViews(max_blocks_per_engine=1 << 20)
     engines = [
         EngineSpec(f"engine-{i:02d}", setup.schemes[i % len(setup.schemes)], "0", setup.block_size)
         for i in range(ENGINES)
     ]
+    held = prompt if held_tokens is None else prompt[:held_tokens]
     chains = {
-        name: scheme_named(name, seed="0").normalized(prompt, block_size=setup.block_size)
+        name: scheme_named(name, seed="0").normalized(held, block_size=setup.block_size)
         for name in set(setup.schemes)
     }
     for index, engine in enumerate(engines):
@@ -80,46 +93,103 @@ def fleet(
     return views, engines
 
 
+def _timed(case: str, subject: str, reps: int, work: Any, before: Any = None) -> Row:
+    return latency_row("route", case, subject, "in-process",
+                       time_calls(work, repetitions=reps, before=before))  # fmt: skip
+
+
 def measure(setup: Setup, reps: int) -> list[Row]:
-    """Hashing, look-ups and the whole score of one fleet, as rows."""
+    """The old full-hash path and the four cases of one fleet, as rows."""
     rng = random.Random(20261201)
     prompt = [rng.randrange(2**17) for _ in range(PROMPT_TOKENS)]
+    shared = PROMPT_TOKENS * 9 // 10
+    earlier = prompt[:shared] + [rng.randrange(2**17) for _ in range(PROMPT_TOKENS - shared)]
     views, engines = fleet(setup, prompt, rng)
-    scorer = RouteScorer(views)
-    scores = scorer.score(prompt, engines)
-    assert scores.chains_hashed == len(set(setup.schemes))
-    assert scores.best is not None and scores.best.tokens_to_prefill < setup.block_size
+    partial_views, _ = fleet(setup, prompt, rng, held_tokens=PARTIAL_TOKENS)
+    case = f"{CASE}: {setup.name}"
+    old = RouteScorer(views, full_hash=True)
+    reference = old.score(prompt, engines)
+    assert reference.chains_hashed == len(set(setup.schemes))
+    assert reference.best is not None and reference.best.tokens_to_prefill < setup.block_size
+
+    def same(scorer: RouteScorer, expected: object) -> RouteScorer:
+        assert scorer.score(prompt, engines) == expected  # honest: the very same answer
+        return scorer
+
+    rows = [_timed(case, "old: full hash", reps, lambda: old.score(prompt, engines))]
+    cold = same(RouteScorer(views), reference)
+    rows.append(_timed(case, "cold (no memo), full hit", reps, lambda: cold.score(prompt, engines)))
+    warm = same(RouteScorer(views, memo=ChainMemo()), reference)  # fills the memo
+    rows.append(
+        _timed(case, "warm (same prompt before)", reps, lambda: warm.score(prompt, engines))
+    )
+    extended = RouteScorer(views, memo=ChainMemo())
+
+    def fresh_memo() -> None:
+        extended.memo = ChainMemo()
+        extended.score(earlier, engines)
+
+    fresh_memo()
+    same(extended, reference)
+    rows.append(_timed(case, "extended (90% seen before)", reps,
+                       lambda: extended.score(prompt, engines), before=fresh_memo))  # fmt: skip
+    for row in rows[1:]:
+        compare(row, rows[0])
+        row.ratio_to = "old: full hash"
+    old_partial = RouteScorer(partial_views, full_hash=True)
+    partial_reference = old_partial.score(prompt, engines)
+    rows.append(_timed(case, "partial hit (2k held): old full hash", reps,
+                       lambda: old_partial.score(prompt, engines)))  # fmt: skip
+    cold_partial = RouteScorer(partial_views)
+    warm_partial = RouteScorer(partial_views, memo=ChainMemo())
+    for scorer in (cold_partial, warm_partial):
+        assert scorer.score(prompt, engines) == partial_reference
+    rows.append(_timed(case, "partial hit (2k held): cold", reps,
+                       lambda: cold_partial.score(prompt, engines)))  # fmt: skip
+    rows.append(_timed(case, "partial hit (2k held): warm", reps,
+                       lambda: warm_partial.score(prompt, engines)))  # fmt: skip
+    for row in rows[-2:]:
+        compare(row, rows[-3])
+        row.ratio_to = "partial hit: old full hash"
     chains = {
         name: scheme_named(name, seed="0").normalized(prompt, block_size=setup.block_size)
         for name in set(setup.schemes)
     }
     members = {name: [e.name for e in engines if e.hash_scheme == name] for name in chains}
 
-    def hashing() -> object:
-        return [
-            scheme_named(name, seed="0").normalized(prompt, block_size=setup.block_size)
-            for name in chains
-        ]
-
     def lookups() -> object:
         return [views.match_prefix(chain, engines=members[name]) for name, chain in chains.items()]
 
-    case = f"{CASE}: {setup.name}"
-    hashed = latency_row("route", case, "hashing (once per scheme)", "in-process",
-                         time_calls(hashing, repetitions=reps))  # fmt: skip
-    looked = latency_row("route", case, "view look-ups, 16 engines", "in-process",
-                         time_calls(lookups, repetitions=reps))  # fmt: skip
+    rows.append(_timed(case, "view look-ups alone", reps, lookups))
+    return rows
 
-    def score() -> object:
-        return scorer.score(prompt, engines)
 
-    whole = latency_row("route", case, "RouteScorer.score", "in-process",
-                        time_calls(score, repetitions=reps))  # fmt: skip
-    assert hashed.value is not None and looked.value is not None
-    ratio = hashed.value / looked.value
-    whole.note = f"hashing {ratio:.1f}x the look-ups"
-    whole.extra = {"hashing_ms": hashed.value, "lookups_ms": looked.value, "hash_to_lookup": ratio}
-    return [hashed, looked, whole]
+def memory_rows() -> list[Row]:
+    """Bytes per block of a filled memo, and per entry of the views (with the held index)."""
+    rng = random.Random(7)
+    scheme = scheme_named("vllm-sha256", seed="0")
+    prompts = [[rng.randrange(2**17) for _ in range(PROMPT_TOKENS)] for _ in range(4)]
+    gc.collect()
+    tracemalloc.start()
+    memo = ChainMemo()
+    for prompt in prompts:
+        prompt_chain(scheme, prompt, block_size=16, memo=memo)  # no held check: all of it
+    gc.collect()
+    memo_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    blocks = [EngineBlockHash(rng.getrandbits(64)) for _ in range(100_000)]
+    gc.collect()
+    tracemalloc.start()
+    views = EngineViews(max_blocks_per_engine=1 << 20)
+    views.apply_events("a", 0, [BlockStored(tuple(blocks))])
+    views_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return [
+        Row("route", "memo, vllm-sha256 block 16", "bytes per memoized block", "tracemalloc",
+            memo_bytes / memo.blocks, "B", samples=memo.blocks),
+        Row("route", "views, 100k distinct blocks", "bytes per view entry (incl. held index)",
+            "tracemalloc", views_bytes / len(blocks), "B", samples=len(blocks)),
+    ]  # fmt: skip
 
 
 def run(ctx: Context) -> list[Row]:
@@ -127,7 +197,7 @@ def run(ctx: Context) -> list[Row]:
     rows: list[Row] = []
     for setup in QUICK_SETUPS if ctx.quick else SETUPS:
         rows += measure(setup, ctx.reps(15, 100))
-    return rows
+    return rows + memory_rows()
 
 
 def main() -> None:
@@ -137,12 +207,6 @@ def main() -> None:
     args = parser.parse_args()
     rows = run(Context(quick=args.quick, allow_install=False))
     print(format_table(rows))
-    for row in rows:
-        if row.subject == "RouteScorer.score":
-            extra = row.extra
-            print(f"{row.case}: score {row.value:.3f} ms median = hashing "
-                  f"{extra['hashing_ms']:.3f} ms + look-ups {extra['lookups_ms']:.3f} ms "
-                  f"(hashing {extra['hash_to_lookup']:.1f}x the look-ups)")  # fmt: skip
     print(f"medians of {statistics.median([row.samples for row in rows]):.0f} runs each")
     sys.stdout.flush()
 

@@ -130,9 +130,12 @@ def prompt_chain(
     memo: ChainMemo | None = None,
     held_prefix: HeldPrefix | None = None,
     segment_blocks: int = DEFAULT_SEGMENT_BLOCKS,
+    token_bytes: bytes | None = None,
 ) -> list[EngineBlockHash]:
     """The prompt's block hashes in 64-bit form, as `scheme.normalized` gives them, but cut
-    at the first block `held_prefix` says nobody holds (when given) and reusing `memo`."""
+    at the first block `held_prefix` says nobody holds (when given) and reusing `memo`.
+    `token_bytes`, the prompt's `tokens_to_bytes` when the caller has it, saves encoding the
+    prompt again for each scheme."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     full = len(tokens) // block_size
@@ -140,7 +143,8 @@ def prompt_chain(
     prefix: memoryview | None = None
     if memo is not None:
         try:
-            prefix = memoryview(tokens_to_bytes(tokens[: full * block_size]))
+            data = tokens_to_bytes(tokens) if token_bytes is None else token_bytes
+            prefix = memoryview(data)
         except ValueError:  # an id outside u32 has no byte form: hash without the memo
             memo = None
     context = scheme_context(scheme, block_size, lora_name, cache_salt)

@@ -34,6 +34,7 @@ from cache_service.core.engines.chain_memo import ChainMemo, prompt_chain
 from cache_service.core.engines.schemes import EngineHashScheme, scheme_named
 from cache_service.core.engines.views import CPU, DISK, GPU, EngineViews
 from cache_service.core.errors import UnknownInstance
+from cache_service.core.hashing import tokens_to_bytes
 
 SchemeFactory = Callable[[str, str | None], EngineHashScheme]
 _MEDIUM_RANK = {GPU: 0, CPU: 1, DISK: 2}
@@ -178,6 +179,12 @@ class RouteScorer:
             key = (engine.hash_scheme, engine.seed, engine.block_size)
             groups.setdefault(key, []).append(engine)
         rows: list[InstanceScore] = []
+        memo, token_bytes = self.memo, None
+        if memo is not None and groups:
+            try:  # encoded once for every scheme's memo look-ups
+                token_bytes = tokens_to_bytes(tokens)
+            except ValueError:  # an id outside u32: hashed without the memo
+                memo = None
         for (scheme_name, seed, block_size), members in groups.items():
             scheme = self._schemes[(scheme_name, seed)]
             assert isinstance(scheme, EngineHashScheme)
@@ -192,8 +199,9 @@ class RouteScorer:
                     block_size=block_size,
                     lora_name=lora_name,
                     cache_salt=cache_salt,
-                    memo=self.memo,
+                    memo=memo,
                     held_prefix=self.views.held_prefix,
+                    token_bytes=token_bytes,
                 )
             rows += self._rows(chain, members, block_size, prompt_tokens)
         rows.sort(key=_rank)
