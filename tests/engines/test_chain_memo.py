@@ -97,7 +97,7 @@ def test_a_memo_shared_by_prompts_with_common_prefixes_never_changes_a_hash(
 
 @settings(max_examples=60, deadline=None)
 @given(names, st.integers(0, 40), st.sets(st.integers(0, 40)), st.integers(1, 6))
-def test_the_walk_stops_only_past_the_first_block_nobody_holds(
+def test_the_walk_is_cut_only_past_the_first_block_nobody_holds(
     name: str, n_blocks: int, held_indexes: set[int], seg: int
 ) -> None:
     s = scheme(name)
@@ -150,8 +150,10 @@ def test_hashing_stops_a_segment_after_the_first_block_nobody_holds() -> None:
             (i for i, block in enumerate(chain) if block not in held), len(chain)
         ),
     )
-    assert got == full[:20]
-    assert counted.steps == 24  # three segments of 8: the third holds the first unheld block
+    # Three segments of 8: the third holds the first unheld block (20), its last (23) is
+    # unheld, so the chain is cut before 23 and nothing past the third segment is hashed.
+    assert got == full[:23]
+    assert counted.steps == 24
 
 
 def test_the_lora_name_and_salt_key_the_memo_only_for_schemes_that_hash_them() -> None:

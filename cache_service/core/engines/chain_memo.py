@@ -15,10 +15,12 @@ Hashing dominates a routing score (vLLM's sha256 pickles and SHA-256s every 16-t
   XXH3 and a dict look-up per segment; a prompt extending an earlier one hashes only past
   the last shared segment. A memo is bounded by the blocks it holds, least recently used
   dropped first; one lock makes it safe to share between the threadpool's routes.
-- **Stopping early.** Before hashing each segment, the blocks so far are checked with
-  `held_prefix` (how many leading blocks any engine holds, at all): an engine's prefix
-  cannot reach past the first block nobody holds, so the chain is cut there and the rest of
-  the prompt is never hashed. Cutting only shortens what is compared, never a count.
+- **Stopping early.** Before hashing each segment, the last block so far is checked with
+  `held_prefix` (whether any engine holds it, at all): no engine's prefix can reach past a
+  block nobody holds, so the chain is cut before it and the rest of the prompt is never
+  hashed. Cutting only shortens what is compared, never a count. One probe per segment,
+  not per block: probing all 2,048 blocks of a full hit in an index of a million blocks
+  cost 0.2 ms of cache misses; the price is hashing up to a segment past the held prefix.
 
 A scheme's (name, seed) is taken to determine it, as `scheme_named` builds them.
 """
@@ -152,7 +154,6 @@ def prompt_chain(
     # Bound once: a per-block attribute look-up is measurable at 2,048 blocks.
     step, root, rule, publish = scheme.step, scheme.root, scheme.extra_keys_rule, scheme.publish
     out: list[int] = []  # EngineBlockHash values; a memo hit extends it from an array
-    checked = 0  # leading blocks of `out` known to be held by someone
     state: ChainState | None = None
     start = 0
     while start < full:
@@ -167,11 +168,14 @@ def prompt_chain(
                 state = hit.state
                 start = end
                 continue
-        if held_prefix is not None:  # about to hash: is what we have still held?
-            checked += held_prefix(cast("list[EngineBlockHash]", out[checked:]))
-            if checked < len(out):
-                del out[checked:]
-                return cast("list[EngineBlockHash]", out)
+        # About to hash: is the last block so far held by anyone?
+        if (
+            held_prefix is not None
+            and out
+            and not held_prefix(cast("list[EngineBlockHash]", out[-1:]))
+        ):
+            del out[-1]
+            return cast("list[EngineBlockHash]", out)
         hashes: list[EngineBlockHash] = []
         for index in range(start, end):
             block = tokens[index * block_size : (index + 1) * block_size]
