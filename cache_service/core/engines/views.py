@@ -17,7 +17,8 @@ Beside the per-engine sets, `EngineViews` counts every held entry by block hash 
 engines, ranks, groups and media (`held_prefix`): the router stops hashing a prompt at the
 first block nobody holds, since no engine's prefix can reach past it. The count is kept on
 every store, removal, clear, drop and forgotten group, so it is bounded by the views' own
-entries: one dict slot per distinct block (about 60 bytes; the int is shared with the sets).
+entries: one dict slot per distinct block (52 bytes measured: 272 per view entry with it,
+219 without, for 100k distinct blocks; the int object is shared with the sets).
 """
 
 from __future__ import annotations
