@@ -137,7 +137,7 @@ def _answer(state: ServiceState, body: RouteRequest, namespace: Namespace) -> di
     configured = hub.engines_for(body.model) if hub is not None else []
     engines = select_engines([_spec(engine) for engine in configured], body.instances)
     if hub is not None and engines:
-        scores = RouteScorer(hub.views).score(
+        scores = RouteScorer(hub.views, memo=hub.chain_memo).score(
             body.tokens, engines, lora_name=body.lora_name, cache_salt=body.cache_salt
         )
     else:

@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from cache_service.core.engines.chain_memo import ChainMemo
 from cache_service.core.engines.schemes import SCHEMES, scheme_named
 from cache_service.core.engines.views import EngineViews
 from cache_service.service.kv_events.config import (
@@ -112,6 +113,9 @@ class KvEventsHub:
             raise ValueError("a KV-events hub needs at least one engine")
         self.engines: tuple[EngineConfig, ...] = tuple(engines)
         self.views = EngineViews(max_blocks_per_engine=max_blocks_per_engine)
+        # Prompts' engine chains, kept across /v1/route requests: a repeated or extended
+        # prompt hashes only its new blocks (bounded: about 34 bytes a block).
+        self.chain_memo = ChainMemo()
         self.verifier = SchemeVerifier(self.engines)
         self.subscriber = KvEventSubscriber(
             self.engines,
