@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_service.core.engines.schemes import scheme_names
+from cache_service.core.engines.block_hashes import EngineBlockHash, normalize_block_hash
+from cache_service.core.engines.chain_memo import ChainMemo, prompt_chain
+from cache_service.core.engines.routing import EngineSpec, RouteScorer
+from cache_service.core.engines.schemes import (
+    ExtraKeys,
+    scheme_named,
+    scheme_names,
+    vllm_extra_keys,
+)
+from cache_service.core.engines.views import EngineViews
 from cache_service.service.kv_events.config import EngineConfig
 from cache_service.service.kv_events.verifier import SchemeVerifier
-from tests.kv_events.prompts import decoded, prompt_events
+from tests.kv_events.prompts import decoded, prompt_events, published_hashes
+from tests.kv_events.publisher import stored
 
 VLLM = ("vllm-sha256-cbor", "vllm-xxhash-cbor", "vllm-sha256", "vllm-xxhash")
 TOKENS = list(range(100, 164))  # four blocks of 16
@@ -161,3 +173,143 @@ def test_any_prompt_split_any_way_verifies_with_the_engines_own_seed(
     if scheme in VLLM:  # a wrong seed shows on the event that starts the prompt
         wrong = engine(scheme, seed=seed + "x")
         assert SchemeVerifier([wrong])(wrong, events[0]) is False
+
+
+# --- feeding the route memo -------------------------------------------------------------
+
+LONG = [(7 + i * 7919) % 50_000 for i in range(40 * 16)]  # 40 blocks: 2 whole segments
+
+
+def counted_chain(
+    scheme_name: str, tokens: list[int], memo: ChainMemo, **keys: str | None
+) -> tuple[list[EngineBlockHash], int]:
+    """The prompt's chain through the memo, and how many blocks had to be hashed."""
+    steps = 0
+    inner = scheme_named(scheme_name, seed="0")
+
+    def step(parent: Any, block: Any, extra: Any) -> Any:
+        nonlocal steps
+        steps += 1
+        return inner.step(parent, block, extra)
+
+    counted = replace(inner, step=step)
+    return prompt_chain(counted, tokens, block_size=16, memo=memo, **keys), steps
+
+
+@pytest.mark.parametrize("scheme", scheme_names())
+def test_stored_events_fill_the_route_memo_with_the_segments_they_complete(scheme: str) -> None:
+    config = engine(scheme)
+    memo = ChainMemo()
+    verifier = SchemeVerifier([config], chain_memo=memo)
+    events = decoded(prompt_events(scheme, LONG, seed="0", splits=[5, 13, 7, 15]))
+    assert all(verifier(config, event) for event in events)
+    assert len(memo) == 2  # blocks 0-15 and 16-31; 32-39 close no segment
+    chain, steps = counted_chain(scheme, LONG, memo)
+    assert chain == scheme_named(scheme, seed="0").normalized(LONG, block_size=16)
+    assert steps == 8  # only the 8 blocks past the last whole segment
+    assert memo.stats()["hits"] == 2
+
+
+def test_an_event_whose_parent_was_never_seen_feeds_nothing() -> None:
+    config = engine("vllm-sha256-cbor")
+    memo = ChainMemo()
+    verifier = SchemeVerifier([config], chain_memo=memo)
+    _, second = decoded(
+        prompt_events("vllm-sha256-cbor", LONG, seed="0", splits=[4, 36], int_hashes=False)
+    )
+    assert verifier(config, second) is True  # bytes hashes chain without the parent...
+    assert len(memo) == 0  # ...but the prefix's tokens are unknown: no memo entry
+    assert verifier.memo_feed is not None and verifier.memo_feed.skipped == 1
+
+
+def test_a_salted_prompt_is_memoized_under_its_salt_only() -> None:
+    scheme = "vllm-sha256"
+    config = engine(scheme)
+    memo = ChainMemo()
+    verifier = SchemeVerifier([config], chain_memo=memo)
+    hashes = published_hashes(scheme, LONG, seed="0", cache_salt="s1", lora_name="l")
+    keys = [vllm_extra_keys(i, "l", "s1") for i in range(40)]
+    events = [
+        stored(
+            hashes[start:end],
+            parent_block_hash=hashes[start - 1] if start else None,
+            token_ids=LONG[start * 16 : end * 16],
+            lora_name="l",
+            extra_keys=[list(k) if k else None for k in keys[start:end]],
+        )
+        for start, end in ((0, 10), (10, 40))
+    ]
+    assert [verifier(config, event) for event in decoded(events)] == [True, True]
+    assert len(memo) == 2
+    _, salted_steps = counted_chain(scheme, LONG, memo, lora_name="l", cache_salt="s1")
+    _, unsalted_steps = counted_chain(scheme, LONG, memo, lora_name="l")
+    assert (salted_steps, unsalted_steps) == (8, 40)
+
+
+def test_blocks_with_multimodal_extra_keys_are_never_memoized() -> None:
+    scheme = "vllm-sha256-cbor"
+    config = engine(scheme)
+    memo = ChainMemo()
+    verifier = SchemeVerifier([config], chain_memo=memo)
+    keys: list[ExtraKeys] = [(("img-hash", 0),) if i == 3 else None for i in range(40)]
+    raw = scheme_named(scheme, seed="0").block_hashes(LONG, block_size=16, extra_keys_by_block=keys)
+    hashes = [int(normalize_block_hash(value)) for value in raw]
+    event = stored(
+        hashes,
+        token_ids=LONG,
+        extra_keys=[[list(k[0])] if k else None for k in keys],
+    )
+    assert verifier(config, decoded([event])[0]) is True
+    assert len(memo) == 0
+
+
+def test_a_mismatching_prompt_feeds_nothing() -> None:
+    config = engine("vllm-sha256", seed="0")
+    memo = ChainMemo()
+    verifier = SchemeVerifier([config], chain_memo=memo)
+    (event,) = decoded(prompt_events("vllm-sha256", LONG, seed="1"))
+    assert verifier(config, event) is False
+    assert len(memo) == 0
+
+
+def test_the_memos_links_are_bounded_by_the_known_states_bound() -> None:
+    config = engine("xxh3-64-1337")
+    memo = ChainMemo()
+    verifier = SchemeVerifier([config], chain_memo=memo, max_known_states_per_engine=20)
+    for event in decoded(prompt_events("xxh3-64-1337", LONG, seed="0", splits=[20, 20])):
+        verifier(config, event)
+    assert verifier.memo_feed is not None and verifier.memo_feed.blocks("e") == 20
+    assert len(memo) == 2
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    scheme=st.sampled_from(scheme_names()),
+    blocks=st.integers(1, 70),
+    cuts=st.lists(st.integers(1, 69), max_size=6),
+    shared=st.integers(0, 70),
+    data=st.data(),
+)
+def test_scores_with_an_ingestion_fed_memo_equal_the_full_hash_reference(
+    scheme: str, blocks: int, cuts: list[int], shared: int, data: st.DataObject
+) -> None:
+    config = engine(scheme)
+    tokens = data.draw(
+        st.lists(st.integers(0, 2**32 - 1), min_size=blocks * 16, max_size=blocks * 16 + 15)
+    )
+    splits_at = sorted({cut for cut in cuts if cut < blocks})
+    splits = [b - a for a, b in zip([0, *splits_at], [*splits_at, blocks], strict=True)]
+    memo = ChainMemo(segment_blocks=data.draw(st.sampled_from([1, 4, 16])))
+    verifier = SchemeVerifier([config], chain_memo=memo)
+    views = EngineViews(max_blocks_per_engine=1 << 12)
+    events = decoded(prompt_events(scheme, tokens[: blocks * 16], seed="0", splits=splits))
+    for event in events:
+        verifier(config, event)
+    views.apply_events("e", 0, events)
+    assert len(memo) == blocks // memo.segment_blocks  # every whole segment, however split
+    # The scored prompt shares `shared` blocks with the stored one, then differs.
+    prompt = tokens[: shared * 16] + [t ^ 1 for t in tokens[shared * 16 :]]
+    specs = [EngineSpec("e", scheme, "0", 16)]
+    fed = RouteScorer(views, memo=memo).score(prompt, specs)
+    reference = RouteScorer(views, full_hash=True).score(prompt, specs)
+    assert fed == reference

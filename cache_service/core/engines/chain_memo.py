@@ -22,7 +22,8 @@ Hashing dominates a routing score (vLLM's sha256 pickles and SHA-256s every 16-t
   not per block: probing all 2,048 blocks of a full hit in an index of a million blocks
   cost 0.2 ms of cache misses; the price is hashing up to a segment past the held prefix.
 
-A scheme's (name, seed) is taken to determine it, as `scheme_named` builds them.
+A scheme's (name, seed) is taken to determine it, as `scheme_named` builds them. Ingestion
+fills the memo too (memo_feed.py): the segments of prompts an engine stored, keyed the same.
 """
 
 from __future__ import annotations
@@ -104,6 +105,16 @@ class ChainMemo:
             while self._blocks > self.max_blocks and self._segments:
                 _, dropped = self._segments.popitem(last=False)
                 self._blocks -= len(dropped.hashes)
+
+    def stats(self) -> dict[str, int]:
+        """Segments and blocks held, and look-ups that hit or missed (a consistent snapshot)."""
+        with self._lock:
+            return {
+                "segments": len(self._segments),
+                "blocks": self._blocks,
+                "hits": self.hits,
+                "misses": self.misses,
+            }
 
     def clear(self) -> None:
         """Forget every segment."""

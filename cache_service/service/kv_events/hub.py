@@ -114,9 +114,10 @@ class KvEventsHub:
         self.engines: tuple[EngineConfig, ...] = tuple(engines)
         self.views = EngineViews(max_blocks_per_engine=max_blocks_per_engine)
         # Prompts' engine chains, kept across /v1/route requests: a repeated or extended
-        # prompt hashes only its new blocks (bounded: about 34 bytes a block).
+        # prompt hashes only its new blocks (bounded: about 34 bytes a block). The verifier
+        # fills it with the prompts the engines store, so their first route is warm too.
         self.chain_memo = ChainMemo()
-        self.verifier = SchemeVerifier(self.engines)
+        self.verifier = SchemeVerifier(self.engines, chain_memo=self.chain_memo)
         self.subscriber = KvEventSubscriber(
             self.engines,
             self.views,

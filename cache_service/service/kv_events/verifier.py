@@ -11,7 +11,8 @@ a later event of the same prompt then chains on its verified parent.
 Answers as the subscriber expects: True (reproduced), False (a mismatch: counted and
 alarmed), None (cannot tell: no scheme, bigram tokens, an unknown parent, an odd shape).
 It runs in the subscriber's thread only; `last_mismatch` is read from any thread (a dict
-read of an immutable string).
+read of an immutable string). Given the route's `ChainMemo`, it also records there the
+segments of the prompts whose blocks it reproduced (memo_feed.py): the memo is locked.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from cache_service.core.engines.block_hashes import EngineBlockHash, normalize_block_hash
+from cache_service.core.engines.chain_memo import ChainMemo
 from cache_service.core.engines.events import BlockStored
+from cache_service.core.engines.memo_feed import MemoFeed
 from cache_service.core.engines.schemes import (
     ChainState,
     EngineHashScheme,
@@ -47,6 +50,7 @@ class SchemeVerifier:
         engines: Iterable[EngineConfig],
         *,
         max_known_states_per_engine: int = DEFAULT_KNOWN_STATES,
+        chain_memo: ChainMemo | None = None,
     ) -> None:
         if max_known_states_per_engine < 1:
             raise ValueError("max_known_states_per_engine must be at least 1")
@@ -56,6 +60,13 @@ class SchemeVerifier:
             self._schemes[engine.name] = _scheme_of(engine)
         self._known: dict[str, OrderedDict[EngineBlockHash, ChainState]] = {}
         self._last_mismatch: dict[str, str] = {}
+        # Verified prompts' segments go to the route memo, so a prompt an engine stored is
+        # not hashed on its first /v1/route (links bounded like the chain states).
+        self.memo_feed = (
+            None
+            if chain_memo is None
+            else MemoFeed(chain_memo, max_blocks_per_engine=max_known_states_per_engine)
+        )
 
     def last_mismatch(self, engine: str) -> str | None:
         """Why the engine's latest mismatching event did not verify; None if none did."""
@@ -98,6 +109,10 @@ class SchemeVerifier:
             known_states=known,
         )
         self._remember(known, hashes, result.states)
+        if self.memo_feed is not None and result.states:
+            self._feed_memo(
+                engine, scheme, event, parent=parent, hashes=hashes, states=result.states
+            )
         if result.outcome == "reproduced":
             return True
         if result.outcome == "mismatch":
@@ -127,6 +142,34 @@ class SchemeVerifier:
             known.move_to_end(key)
         while len(known) > self.max_known_states:
             known.popitem(last=False)
+
+    def _feed_memo(
+        self,
+        engine: EngineConfig,
+        scheme: EngineHashScheme,
+        event: BlockStored,
+        *,
+        parent: PublishedHash | None,
+        hashes: tuple[PublishedHash, ...],
+        states: tuple[ChainState, ...],
+    ) -> None:
+        assert self.memo_feed is not None and event.token_ids is not None
+        try:  # reproduced hashes and their parent were normalised by the check already
+            normal = [normalize_block_hash(value) for value in hashes[: len(states)]]
+            parent_normal = None if parent is None else normalize_block_hash(parent)
+        except (TypeError, ValueError):
+            return
+        self.memo_feed.feed(
+            engine.name,
+            scheme,
+            block_size=engine.block_size,
+            parent=parent_normal,
+            hashes=normal,
+            states=states,
+            token_ids=event.token_ids,
+            extra_keys=event.extra_keys,
+            lora_name=event.lora_name,
+        )
 
     def _mismatch(self, engine: EngineConfig, reason: str) -> bool:
         if engine.name not in self._last_mismatch:
