@@ -10,6 +10,10 @@ medians of `RouteScorer.score` in these cases, each with its ratio to the old pa
 block hashed, no memo, no early stop: `full_hash=True`) measured in the same run:
 
 - cold: no memo, full hit (one engine holds the whole prompt, so every block is hashed);
+- cold, engine stored it: the holders' views and the memo filled only by feeding their
+  stored events (with token ids, in vLLM-like chunks of 2k tokens) through the verifier, as
+  ingestion does; /v1/route never saw the prompt (the score adds nothing to such a memo,
+  so every repetition is a first-time score);
 - warm: a memo filled by an earlier identical prompt;
 - extended: a fresh memo filled by an earlier prompt sharing the first 90% of this one;
 - partial: the engines hold only the prompt's first 2k tokens (no memo, and warm).
@@ -31,18 +35,22 @@ from typing import Any
 from bench.peers.harness import time_calls
 from bench.report import Row, compare, format_table, latency_row
 from bench.scenarios.context import Context
-from cache_service.core.engines.block_hashes import EngineBlockHash
+from cache_service.core.engines.block_hashes import EngineBlockHash, normalize_block_hash
 from cache_service.core.engines.chain_memo import ChainMemo, prompt_chain
 from cache_service.core.engines.events import BlockStored
+from cache_service.core.engines.memo_feed import MemoFeed
 from cache_service.core.engines.routing import EngineSpec, RouteScorer
 from cache_service.core.engines.schemes import scheme_named
 from cache_service.core.engines.views import EngineViews
+from cache_service.service.kv_events.config import EngineConfig
+from cache_service.service.kv_events.verifier import SchemeVerifier
 
 PROMPT_TOKENS = 32768
 ENGINES = 16
 OTHER_PROMPTS_PER_ENGINE = 8  # other prompts' chains (each 8k tokens) in every view
 CASE = f"{PROMPT_TOKENS // 1024}k tokens, {ENGINES} engines"
 PARTIAL_TOKENS = 2048
+STORED_EVENT_TOKENS = 2048  # one BlockStored per chunk of prefill, as vLLM's chunked prefill
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,48 @@ def fleet(
     return views, engines
 
 
+def ingested(
+    setup: Setup, prompt: list[int], rng: random.Random
+) -> tuple[EngineViews, ChainMemo, list[EngineSpec]]:
+    """The fleet's views with the holders' prefixes of `prompt` applied from stored events
+    that carry their tokens, each verified by a SchemeVerifier feeding a fresh memo."""
+    views, engines = fleet(setup, prompt, rng, held_tokens=0)
+    memo = ChainMemo()
+    configs = [
+        EngineConfig(e.name, "tcp://127.0.0.1:1", hash_scheme=e.hash_scheme, seed=e.seed,
+                     block_size=e.block_size)
+        for e in engines
+    ]  # fmt: skip
+    verifier = SchemeVerifier(configs, chain_memo=memo)
+    size = setup.block_size
+    for index, (engine, config) in enumerate(zip(engines, configs, strict=True)):
+        if index % 2:
+            continue
+        assert engine.hash_scheme is not None
+        scheme = scheme_named(engine.hash_scheme, seed="0")
+        held = prompt[: len(prompt) // size * (1 + index // 2 % 4) // 4 * size]
+        raw = scheme.block_hashes(held, block_size=size)
+        step = STORED_EVENT_TOKENS // size
+        events = []
+        for start in range(0, len(raw), step):
+            ints = tuple(int(normalize_block_hash(h)) for h in raw[start : start + step])
+            events.append(
+                BlockStored(
+                    tuple(EngineBlockHash(h) for h in ints),
+                    parent_block_hash=(
+                        EngineBlockHash(normalize_block_hash(raw[start - 1])) if start else None
+                    ),
+                    token_ids=tuple(held[start * size : (start + step) * size]),
+                    block_size=size,
+                    raw_block_hashes=ints,
+                )
+            )
+        for event in events:
+            assert verifier(config, event) is True
+        views.apply_events(engine.name, 0, events)
+    return views, memo, engines
+
+
 def _timed(case: str, subject: str, reps: int, work: Any, before: Any = None) -> Row:
     return latency_row("route", case, subject, "in-process",
                        time_calls(work, repetitions=reps, before=before))  # fmt: skip
@@ -119,6 +169,13 @@ def measure(setup: Setup, reps: int) -> list[Row]:
     rows = [_timed(case, "old: full hash", reps, lambda: old.score(prompt, engines))]
     cold = same(RouteScorer(views), reference)
     rows.append(_timed(case, "cold (no memo), full hit", reps, lambda: cold.score(prompt, engines)))
+    stored_views, stored_memo, _ = ingested(setup, prompt, rng)
+    segments = len(stored_memo)
+    stored = RouteScorer(stored_views, memo=stored_memo)
+    assert RouteScorer(stored_views, full_hash=True).score(prompt, engines) == reference
+    rows.append(_timed(case, "cold, engine stored it (ingestion-fed memo)", reps,
+                       lambda: stored.score(prompt, engines)))  # fmt: skip
+    assert stored.score(prompt, engines) == reference and len(stored_memo) == segments
     warm = same(RouteScorer(views, memo=ChainMemo()), reference)  # fills the memo
     rows.append(
         _timed(case, "warm (same prompt before)", reps, lambda: warm.score(prompt, engines))
@@ -180,6 +237,19 @@ def memory_rows() -> list[Row]:
     gc.collect()
     memo_bytes = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
+    states = scheme.chain(prompts[0], block_size=16)
+    hashes = [scheme.normal_form(state) for state in states]
+    gc.collect()
+    tracemalloc.start()
+    feed = MemoFeed(ChainMemo(), max_blocks_per_engine=1 << 20)
+    for start in range(0, len(states), 128):  # events of 2k tokens, chained
+        feed.feed("a", scheme, block_size=16, parent=hashes[start - 1] if start else None,
+                  hashes=hashes[start : start + 128], states=states[start : start + 128],
+                  token_ids=prompts[0][start * 16 : (start + 128) * 16])  # fmt: skip
+    gc.collect()
+    feed_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert feed.blocks("a") == len(states) and len(feed.memo) == len(states) // 16
     blocks = [EngineBlockHash(rng.getrandbits(64)) for _ in range(100_000)]
     gc.collect()
     tracemalloc.start()
@@ -190,6 +260,9 @@ def memory_rows() -> list[Row]:
     return [
         Row("route", "memo, vllm-sha256 block 16", "bytes per memoized block", "tracemalloc",
             memo_bytes / memo.blocks, "B", samples=memo.blocks),
+        Row("route", "memo feed, vllm-sha256 block 16",
+            "bytes per ingested block (links + the memo segments)", "tracemalloc",
+            feed_bytes / len(states), "B", samples=len(states)),
         Row("route", "views, 100k distinct blocks", "bytes per view entry (incl. held index)",
             "tracemalloc", views_bytes / len(blocks), "B", samples=len(blocks)),
     ]  # fmt: skip

@@ -231,3 +231,12 @@ def test_a_memo_needs_a_positive_bound() -> None:
         ChainMemo(max_blocks=0)
     with pytest.raises(ValueError):
         ChainMemo(segment_blocks=0)
+
+
+def test_stats_count_segments_blocks_hits_and_misses() -> None:
+    memo = ChainMemo(segment_blocks=4)
+    tokens = tokens_of(10 * 16)
+    prompt_chain(scheme("sglang"), tokens, block_size=16, memo=memo)
+    assert memo.stats() == {"segments": 3, "blocks": 10, "hits": 0, "misses": 3}
+    prompt_chain(scheme("sglang"), tokens, block_size=16, memo=memo)
+    assert memo.stats() == {"segments": 3, "blocks": 10, "hits": 3, "misses": 3}

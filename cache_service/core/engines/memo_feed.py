@@ -15,7 +15,7 @@ Never a wrong entry: an event is fed only with the chain states the verifier rep
 parent not seen (or no longer kept) ends the feed for that event; and under a scheme that
 hashes extra keys every block's must be what the scheme's rule gives for one (LoRA, salt),
 which then names the context (multimodal or prompt-embeds keys are never memoized). Links
-are bounded per engine, least recently used dropped: about 250 bytes a block at 16 tokens
+are bounded per engine, least recently used dropped: about 275 bytes a block at 16 tokens
 (a 64-byte bytes object, the link and its dict entry, a stream state per segment).
 Single-threaded (the subscriber's); the memo it writes is locked.
 """
