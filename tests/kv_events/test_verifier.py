@@ -313,3 +313,5 @@ def test_scores_with_an_ingestion_fed_memo_equal_the_full_hash_reference(
     fed = RouteScorer(views, memo=memo).score(prompt, specs)
     reference = RouteScorer(views, full_hash=True).score(prompt, specs)
     assert fed == reference
+    # Every whole segment the two prompts share came from the fed memo.
+    assert memo.stats()["hits"] == min(shared, blocks) // memo.segment_blocks

@@ -62,9 +62,13 @@ class MemoFeed:
             raise ValueError("max_blocks_per_engine must be at least 1")
         self.memo = memo
         self.max_blocks = max_blocks_per_engine
-        self.recorded = 0  # segments recorded into the memo
+        self._recorded: dict[str, int] = {}  # segments recorded into the memo, per engine
         self.skipped = 0  # events not fed: unknown parent, foreign extra keys, odd tokens
         self._links: dict[str, OrderedDict[EngineBlockHash, _Link]] = {}
+
+    def segments_recorded(self, engine: str) -> int:
+        """How many segments an engine's events have recorded into the memo (ever)."""
+        return self._recorded.get(engine, 0)
 
     def blocks(self, engine: str) -> int:
         """How many blocks' links are kept for an engine."""
@@ -140,7 +144,7 @@ class MemoFeed:
             links.move_to_end(hashes[offset])
         while len(links) > self.max_blocks:
             links.popitem(last=False)
-        self.recorded += recorded
+        self._recorded[engine] = self._recorded.get(engine, 0) + recorded
         return recorded
 
     def _resume(

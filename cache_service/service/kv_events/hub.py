@@ -174,5 +174,7 @@ class KvEventsHub:
                 "verified": counters.verified,
                 "mismatches": counters.mismatches,
                 "last_mismatch": self.verifier.last_mismatch(engine.name),
+                # Its prompts' segments ingestion put in /v1/route's memo (never hashed there).
+                "route_memo_segments": self.verifier.memo_segments(engine.name),
             }
         return report

@@ -72,6 +72,10 @@ class SchemeVerifier:
         """Why the engine's latest mismatching event did not verify; None if none did."""
         return self._last_mismatch.get(engine)
 
+    def memo_segments(self, engine: str) -> int:
+        """How many route-memo segments the engine's stored events have recorded (ever)."""
+        return 0 if self.memo_feed is None else self.memo_feed.segments_recorded(engine)
+
     def known_states(self, engine: str) -> int:
         """How many verified chain states are kept for an engine."""
         return len(self._known.get(engine, ()))
