@@ -240,3 +240,16 @@ def test_stats_count_segments_blocks_hits_and_misses() -> None:
     assert memo.stats() == {"segments": 3, "blocks": 10, "hits": 0, "misses": 3}
     prompt_chain(scheme("sglang"), tokens, block_size=16, memo=memo)
     assert memo.stats() == {"segments": 3, "blocks": 10, "hits": 3, "misses": 3}
+
+
+def test_a_copy_holds_the_same_segments_and_is_independent() -> None:
+    memo = ChainMemo(segment_blocks=4)
+    tokens = tokens_of(8 * 16)
+    prompt_chain(scheme("sglang"), tokens, block_size=16, memo=memo)
+    other = memo.copy()
+    other.clear()
+    assert (len(memo), memo.blocks, len(other)) == (2, 8, 0)
+    copied = memo.copy()
+    chain = prompt_chain(scheme("sglang"), tokens, block_size=16, memo=copied)
+    assert chain == scheme("sglang").normalized(tokens, block_size=16)
+    assert copied.stats()["hits"] == 2 and memo.stats()["hits"] == 0

@@ -116,6 +116,14 @@ class ChainMemo:
                 "misses": self.misses,
             }
 
+    def copy(self) -> ChainMemo:
+        """An independent memo holding the same segments in the same order (no counts)."""
+        other = ChainMemo(max_blocks=self.max_blocks, segment_blocks=self.segment_blocks)
+        with self._lock:
+            other._segments = self._segments.copy()
+            other._blocks = self._blocks
+        return other
+
     def clear(self) -> None:
         """Forget every segment."""
         with self._lock:
