@@ -164,6 +164,21 @@ def test_a_stale_view_is_flagged_and_ranks_after_a_sound_one_of_equal_tokens() -
     assert [(row.instance, row.stale) for row in rows] == [("b", False), ("a", True), ("c", False)]
 
 
+def test_the_best_row_is_a_sound_view_even_when_a_stale_one_claims_more() -> None:
+    views = EngineViews(max_blocks_per_engine=1000)
+    a, b = spec("a"), spec("b")
+    full = chain_of(a, PROMPT)
+    hold(views, a, full[:6])
+    hold(views, b, full[:3])
+    views.set_stale("a", 0, True)  # a lost events: its 6 blocks may be gone
+    scores = RouteScorer(views).score(PROMPT, [a, b])
+    assert [row.instance for row in scores.instances] == ["a", "b"]  # still shown first
+    assert scores.best is not None and scores.best.instance == "b"
+    views.set_stale("b", 0, True)  # no sound view holds anything: the stale claim is all
+    scores = RouteScorer(views).score(PROMPT, [a, b])
+    assert scores.best is not None and scores.best.instance == "a"
+
+
 def test_a_stale_engine_holding_nothing_is_flagged() -> None:
     views = EngineViews(max_blocks_per_engine=1000)
     views.set_stale("c", 0, True)

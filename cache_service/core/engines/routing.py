@@ -83,10 +83,11 @@ class EngineScores:
 
     @property
     def best(self) -> InstanceScore | None:
-        """The best row, if any engine holds at least one block of the prompt."""
-        if self.instances and self.instances[0].matched_blocks:
-            return self.instances[0]
-        return None
+        """The row to route to: the most tokens among sound views (a stale view may claim
+        blocks its engine dropped), a stale one only when no sound view holds any."""
+        holding = [row for row in self.instances if row.matched_blocks]
+        sound = [row for row in holding if not row.stale]
+        return (sound or holding or [None])[0]
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,7 +94,9 @@ class RouteResponse(BaseModel):
     store: RouteStore
     best: RouteInstance | None = Field(
         description="The row holding the most tokens, an instance before the store on a "
-        "tie; null when nothing holds a single block of the prompt."
+        "tie, a sound instance before a stale one (whatever their tokens; a stale one only "
+        "when no sound instance holds a block); null when nothing holds a single block of "
+        "the prompt."
     )
     unscored: list[RouteUnscored]
 
