@@ -200,9 +200,51 @@ def test_an_engines_event_verifies_against_its_own_scheme(
 def test_a_wrong_seed_does_not_verify(name: str) -> None:
     engine = scheme_named(name, seed="1")
     event = _event(engine, list(range(8)))
-    result = verify_stored_event(scheme_named(name, seed="0"), **event)  # type: ignore[arg-type]
+    # A newer event shows block 0 has no extra keys: only the seed can explain it.
+    unsalted = [None, None]
+    result = verify_stored_event(scheme_named(name, seed="0"), **event, extra_keys=unsalted)  # type: ignore[arg-type]
     assert result.outcome == "mismatch" and result.reproduced == 0
     assert "block 0" in result.reason
+
+
+@pytest.mark.parametrize("name", VLLM)
+@pytest.mark.parametrize("int_hashes", [False, True])
+def test_a_salted_start_without_extra_keys_is_unverifiable_not_a_mismatch(
+    name: str, int_hashes: bool
+) -> None:
+    scheme = scheme_named(name, seed="0")
+    tokens = list(range(12))
+    hashes = scheme.block_hashes(tokens, block_size=4, cache_salt="tenant")
+    published = [normalize_block_hash(h) if int_hashes else h for h in hashes]
+    result = verify_stored_event(
+        scheme, parent=None, token_ids=tokens, block_hashes=published, block_size=4
+    )
+    assert result.outcome == "unverifiable" and result.keys_unknown
+    assert "cache_salt" in result.reason and result.states == ()
+    # With the digests, blocks 1.. are checked from block 0's: the algorithm still shows.
+    assert ("blocks 1..2 were reproduced" in result.reason) is not int_hashes
+
+
+@pytest.mark.parametrize("name", VLLM)
+def test_a_wrong_algorithm_still_shows_past_block_0_of_an_event_without_extra_keys(
+    name: str,
+) -> None:
+    # A digest of the other length (16 bytes for 32) shows the algorithm at block 0 already.
+    other = next(o for o in VLLM if o != name and ("xxhash" in o) == ("xxhash" in name))
+    hashes = scheme_named(other, seed="0").block_hashes(list(range(12)), block_size=4)
+    result = verify_stored_event(
+        scheme_named(name, seed="0"),
+        parent=None,
+        token_ids=list(range(12)),
+        block_hashes=hashes,
+        block_size=4,
+    )
+    assert result.outcome == "mismatch" and "from block 0's published digest" in result.reason
+    longer = next(o for o in VLLM if ("xxhash" in o) != ("xxhash" in name))
+    hashes = scheme_named(longer, seed="0").block_hashes(list(range(12)), block_size=4)
+    event = {"parent": None, "token_ids": list(range(12)), "block_hashes": hashes}
+    result = verify_stored_event(scheme_named(name, seed="0"), **event, block_size=4)  # type: ignore[arg-type]
+    assert result.outcome == "mismatch" and "bytes" in result.reason
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -241,8 +283,9 @@ def test_events_extra_keys_override_the_lora_rule() -> None:
     tokens = list(range(8))
     hashes = scheme.block_hashes(tokens, block_size=4, lora_name="a", cache_salt="salt")
     common = {"parent": None, "token_ids": tokens, "block_hashes": hashes, "block_size": 4}
-    # An older event carries the LoRA name only: a salted prompt cannot verify from it.
-    assert not verify_stored_event(scheme, **common, lora_name="a").ok  # type: ignore[arg-type]
+    # An older event carries the LoRA name only: a salted prompt cannot tell from it.
+    older = verify_stored_event(scheme, **common, lora_name="a")  # type: ignore[arg-type]
+    assert older.outcome == "unverifiable" and older.keys_unknown
     keys = [["a", "salt"], ["a"]]
     assert verify_stored_event(scheme, **common, extra_keys=keys).ok  # type: ignore[arg-type]
 
@@ -288,6 +331,18 @@ def test_diagnosis_names_a_wrong_scheme_a_wrong_seed_and_an_unknown_root() -> No
     assert _diagnose("vllm-sha256-cbor", "42", "vllm-sha256-cbor", None) == "wrong-seed"
     # An unset PYTHONHASHSEED roots vLLM at random bytes: no seed reproduces it.
     assert _diagnose("vllm-sha256-cbor", "not-a-common-seed", "vllm-sha256", "0") == "unknown"
+
+
+def test_diagnosis_of_a_salted_start_without_extra_keys_cannot_tell_and_says_why() -> None:
+    scheme = scheme_named("vllm-sha256", seed="0")
+    tokens = list(range(8))
+    hashes = [
+        normalize_block_hash(h) for h in scheme.block_hashes(tokens, block_size=4, cache_salt="s")
+    ]
+    event = {"parent": None, "token_ids": tokens, "block_hashes": hashes, "block_size": 4}
+    diagnosis = diagnose_stored_event(scheme_name="vllm-sha256", seed="0", **event)  # type: ignore[arg-type]
+    assert diagnosis.cause == "unverifiable"
+    assert "cache_salt" in diagnosis.detail and "unsalted" in diagnosis.detail
 
 
 def test_diagnosis_says_which_scheme_reproduces_and_why() -> None:

@@ -16,7 +16,7 @@ import zmq
 
 from cache_service.tools.doctor import add_doctor_parser, run_doctor_command
 from tests.integration.conftest import free_port, service_command
-from tests.kv_events.prompts import prompt_events
+from tests.kv_events.prompts import prompt_events, published_hashes
 from tests.kv_events.publisher import WIRES, TestPublisher
 
 PROMPT = list(range(500, 548))  # three blocks of 16
@@ -130,14 +130,38 @@ def test_a_wrong_scheme_is_named_with_the_scheme_that_matches(
 def test_an_unguessable_seed_is_unknown_with_the_pythonhashseed_hint(
     publisher: TestPublisher, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    status, _ = doctor(
-        publish_prompts(publisher, "vllm-sha256", "random-per-process-31337"),
-        "--kv-events", publisher.endpoint, "--kv-events-seed", "0",
-    )  # fmt: skip
+    def feed() -> None:
+        publisher.wait_for_subscriber()
+        events = prompt_events("vllm-sha256", PROMPT, seed="random-per-process-31337")
+        events[0]["extra_keys"] = [None] * 3  # newer vLLM: block 0 is shown unsalted
+        publisher.publish(events)
+
+    status, _ = doctor(feed, "--kv-events", publisher.endpoint, "--kv-events-seed", "0")
     out = capsys.readouterr().out
     assert status == 1, out
     assert ": unknown\n" in out
     assert "PYTHONHASHSEED is most likely unset" in out
+
+
+def test_salted_prompts_without_extra_keys_are_not_called_a_wrong_setup(
+    publisher: TestPublisher, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Older vLLM events do not show block 0's cache_salt: a healthy engine is not 'unknown'."""
+
+    def feed() -> None:
+        publisher.wait_for_subscriber()
+        events = prompt_events("vllm-sha256", PROMPT, seed="0")
+        events[0]["block_hashes"] = published_hashes(
+            "vllm-sha256", PROMPT, seed="0", cache_salt="tenant-7"
+        )
+        publisher.publish(events)
+
+    status, _ = doctor(feed, "--kv-events", publisher.endpoint, "--kv-events-seed", "0")
+    out = capsys.readouterr().out
+    assert ": unknown\n" not in out and "PYTHONHASHSEED is most likely unset" not in out
+    assert ": unverifiable\n" in out, out
+    assert "may have a cache_salt" in out and "send the engine an unsalted" in out
+    assert status == 1  # not ok either: nothing it saw could confirm the seed
 
 
 def test_another_block_size_is_named(

@@ -57,7 +57,9 @@ def test_a_wrong_seed_is_a_mismatch_on_the_event_that_starts_the_prompt(
 ) -> None:
     config = engine(scheme, seed="0")
     verifier = SchemeVerifier([config])
-    first, chained = decoded(prompt_events(scheme, TOKENS, seed="42", splits=[3, 1]))
+    events = prompt_events(scheme, TOKENS, seed="42", splits=[3, 1])
+    events[0]["extra_keys"] = [None, None, None]  # newer vLLM: block 0 is not salted
+    first, chained = decoded(events)
     with caplog.at_level(logging.WARNING, logger="cache_service.kv_events"):
         assert verifier(config, first) is False
     # Its parent never verified: the chained event cannot tell, and is never a mismatch.
@@ -91,7 +93,9 @@ def test_an_int_parent_never_seen_cannot_tell() -> None:
 def test_another_scheme_is_a_mismatch() -> None:
     config = engine("vllm-sha256")
     verifier = SchemeVerifier([config])
-    (event,) = decoded(prompt_events("vllm-sha256-cbor", TOKENS, seed="0"))
+    events = prompt_events("vllm-sha256-cbor", TOKENS, seed="0")
+    events[0]["extra_keys"] = [None] * 4  # newer vLLM: block 0 shows it is not salted
+    (event,) = decoded(events)
     assert verifier(config, event) is False
     reason = verifier.last_mismatch("e") or ""
     assert reason.startswith("an event that starts a prompt: block 0: vllm-sha256 gives")
@@ -121,8 +125,35 @@ def test_lora_names_and_extra_keys_are_hashed_as_vllm_does() -> None:
     )
     salted[0]["extra_keys"] = [["tenant-salt"]]
     assert verifier(config, decoded(salted)[0]) is True
-    salted[0]["extra_keys"] = None  # an older event: the salt is unknown
-    assert verifier(config, decoded(salted)[0]) is False
+    salted[0]["extra_keys"] = None  # an older event: the salt is unknown, so it cannot tell
+    assert verifier(config, decoded(salted)[0]) is None
+    assert verifier.last_mismatch("e") is None
+
+
+@pytest.mark.parametrize("int_hashes", [True, False])
+@pytest.mark.parametrize("scheme", VLLM)
+def test_a_salted_start_without_extra_keys_is_no_alarm(
+    scheme: str, int_hashes: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Older vLLM events do not show block 0's cache_salt: the right seed must not alarm."""
+    config = engine(scheme, seed="0")
+    verifier = SchemeVerifier([config])
+    events = prompt_events(scheme, TOKENS, seed="0", int_hashes=int_hashes)
+    hashes = published_hashes(scheme, TOKENS, seed="0", int_hashes=int_hashes, cache_salt="t")
+    events[0]["block_hashes"] = hashes
+    with caplog.at_level(logging.WARNING, logger="cache_service.kv_events"):
+        assert verifier(config, decoded(events)[0]) is None
+    assert verifier.last_mismatch("e") is None and verifier.known_states("e") == 0
+    assert "PYTHONHASHSEED" not in caplog.text and "not reproduced" not in caplog.text
+
+
+def test_an_unsalted_start_with_a_wrong_seed_is_still_a_mismatch() -> None:
+    config = engine("vllm-sha256-cbor", seed="0")
+    verifier = SchemeVerifier([config])
+    events = prompt_events("vllm-sha256-cbor", TOKENS, seed="7")
+    events[0]["extra_keys"] = [None] * 4
+    assert verifier(config, decoded(events)[0]) is False
+    assert "PYTHONHASHSEED differs" in (verifier.last_mismatch("e") or "")
 
 
 def test_events_that_cannot_tell_are_neither_verified_nor_mismatches() -> None:
@@ -168,11 +199,15 @@ def test_any_prompt_split_any_way_verifies_with_the_engines_own_seed(
         splits.append(data.draw(st.integers(1, blocks - sum(splits))))
     config = engine(scheme, seed=seed)
     verifier = SchemeVerifier([config])
-    events = decoded(prompt_events(scheme, tokens, seed=seed, splits=splits, lora_name=lora))
+    raw = prompt_events(scheme, tokens, seed=seed, splits=splits, lora_name=lora)
+    events = decoded(raw)
     assert all(verifier(config, event) is True for event in events)
-    if scheme in VLLM:  # a wrong seed shows on the event that starts the prompt
+    if scheme in VLLM:  # a wrong seed shows on the event that starts the prompt...
         wrong = engine(scheme, seed=seed + "x")
-        assert SchemeVerifier([wrong])(wrong, events[0]) is False
+        # ...when it shows block 0's extra keys; without them a salt could explain it.
+        assert SchemeVerifier([wrong])(wrong, events[0]) is None
+        raw[0]["extra_keys"] = [[lora] if lora else None] * splits[0]
+        assert SchemeVerifier([wrong])(wrong, decoded(raw)[0]) is False
 
 
 # --- feeding the route memo -------------------------------------------------------------
@@ -267,7 +302,9 @@ def test_a_mismatching_prompt_feeds_nothing() -> None:
     config = engine("vllm-sha256", seed="0")
     memo = ChainMemo()
     verifier = SchemeVerifier([config], chain_memo=memo)
-    (event,) = decoded(prompt_events("vllm-sha256", LONG, seed="1"))
+    events = prompt_events("vllm-sha256", LONG, seed="1")
+    events[0]["extra_keys"] = [None] * 40
+    (event,) = decoded(events)
     assert verifier(config, event) is False
     assert len(memo) == 0
 

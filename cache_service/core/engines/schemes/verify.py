@@ -11,6 +11,12 @@ parent's own store event was verified before: callers keep the `states` a verifi
 returns, by normal form, and pass them back as `known_states`. Without them such an event
 is "unverifiable", never a mismatch. Only an event that starts a prompt (no parent) shows a
 wrong seed: later blocks chain on their parent whatever the root was.
+
+An event without `extra_keys` (vLLM before they were published) does not show block 0's
+cache_salt or multimodal keys. When its block 0 is not reproduced from the LoRA name alone
+the event is "unverifiable" (`keys_unknown`), not a mismatch: a healthy engine serving salted
+prompts must not raise the alarm. Its later blocks are still checked when block 0's
+published hash is the full digest, so a wrong hash algorithm still shows.
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ class Verification:
     reproduced: int
     states: tuple[ChainState, ...]  # the reproduced blocks' chain states, for their children
     reason: str
+    # Block 0 was not reproduced and the event does not show its extra keys: a cache_salt or
+    # multimodal keys, or a wrong seed; this event cannot tell which.
+    keys_unknown: bool = False
 
     @property
     def ok(self) -> bool:
@@ -124,9 +133,58 @@ def verify_stored_event(
                 f"block {index}: {scheme.name} gives {got:016x}, "
                 f"the event has {expected[index]:016x}"
             )
+            if index == 0 and parent is None and extra_keys is None and scheme.covers_extra_keys:
+                return _unknown_block0_keys(scheme, block_hashes, token_ids, block_size, lora_name)
             return Verification("mismatch", blocks, index, tuple(states), reason)
         states.append(state)
     return Verification("reproduced", blocks, blocks, tuple(states), "")
+
+
+def _unknown_block0_keys(
+    scheme: EngineHashScheme,
+    block_hashes: Sequence[PublishedHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    lora_name: str | None,
+) -> Verification:
+    """A start event whose block 0 did not reproduce and whose extra keys are not shown.
+
+    The seed enters only through the root, that is block 0: blocks 1.. chain on block 0's
+    digest whatever the seed was. So when block 0's published hash is that digest (vLLM
+    with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) blocks 1.. still check the hash algorithm:
+    a failure there is a mismatch. The int form keeps too little of the digest: block 0's
+    salt or the seed stays unknown and nothing after it can be checked."""
+    blocks = len(block_hashes)
+    why = (
+        "block 0 was not reproduced and the event carries no extra_keys: its prompt may have "
+        "a cache_salt or multimodal inputs (or the seed differs)"
+    )
+    first = block_hashes[0]
+    state = scheme.recover(first)
+    if state is None and isinstance(first, bytes | bytearray):
+        reason = f"block 0: the event's digest is {len(first)} bytes, not {scheme.name}'s"
+        return Verification("mismatch", blocks, 0, (), reason)
+    if state is None or blocks == 1:
+        return Verification("unverifiable", blocks, 0, (), why, keys_unknown=True)
+    for index in range(1, blocks):
+        block = token_ids[index * block_size : (index + 1) * block_size]
+        # Blocks past 0 take the LoRA name only (the salt is block 0's).
+        extra = scheme.extra_keys_rule(index, lora_name, None)
+        try:
+            state = scheme.extend(state, block, extra)
+        except (TypeError, ValueError) as exc:
+            return Verification("unverifiable", blocks, 0, (), str(exc), keys_unknown=True)
+        got = scheme.normal_form(state)
+        want = normalize_block_hash(block_hashes[index])
+        if got != want:
+            reason = (
+                f"block {index}: {scheme.name} gives {got:016x} from block 0's published "
+                f"digest, the event has {want:016x}"
+            )
+            return Verification("mismatch", blocks, 0, (), reason)
+    # Nothing is kept for children or the route memo: block 0's keys are still unknown.
+    reason = f"{why}; blocks 1..{blocks - 1} were reproduced from block 0's published digest"
+    return Verification("unverifiable", blocks, 0, (), reason, keys_unknown=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +212,10 @@ def diagnose_stored_event(
 ) -> Diagnosis:
     """Try every registered scheme on one stored event and name the likely cause."""
 
+    keys_unknown: list[str] = []  # the reasons of schemes that could not see block 0's keys
+
     def outcome(name: str, try_seed: str | int | None) -> Outcome:
-        return verify_stored_event(
+        result = verify_stored_event(
             scheme_named(name, seed=try_seed),
             parent=parent,
             token_ids=token_ids,
@@ -164,7 +224,10 @@ def diagnose_stored_event(
             extra_keys=extra_keys,
             lora_name=lora_name,
             known_states=known_states,
-        ).outcome
+        )
+        if result.keys_unknown:
+            keys_unknown.append(result.reason)
+        return result.outcome
 
     seeded = {name for name in scheme_names() if SCHEMES[name].uses_seed}
     outcomes = {
@@ -200,6 +263,15 @@ def diagnose_stored_event(
             "give the engine and the service the same seed",
         )
     configured = outcomes.get(scheme_name)  # None: a vLLM scheme without a seed
+    if keys_unknown and configured != "mismatch":
+        # A salted (or multimodal) prompt looks like a wrong seed here: say so, not "unknown".
+        return Diagnosis(
+            "unverifiable",
+            (),
+            (),
+            f"{keys_unknown[0]}; send the engine an unsalted, text-only prompt of more than "
+            "one block: if its event is not reproduced either, PYTHONHASHSEED differs",
+        )
     # Without a seed, only an event that starts a prompt could show the configured scheme
     # wrong: a later one, that other schemes fail on, says nothing about it.
     if configured == "unverifiable" or (
