@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -408,4 +409,35 @@ def test_a_replay_socket_that_never_answers_times_out_and_marks_the_engine_stale
             assert silent.recv_multipart()[1:] == [b"", (1).to_bytes(8, "big")]
     finally:
         silent.close(linger=0)
+        publisher.close()
+
+
+def test_stop_is_prompt_while_a_publisher_floods_large_batches(context: zmq.Context[Any]) -> None:
+    """A round reads for a bounded time and looks at the stop flag between messages."""
+    from cache_service.service.kv_events.verifier import SchemeVerifier  # noqa: PLC0415
+    from tests.kv_events.prompts import prompt_events  # noqa: PLC0415
+    from tests.kv_events.publisher import encode_batch  # noqa: PLC0415
+
+    tokens = [(i * 7919) % 50_000 for i in range(32 * 1024)]  # 2048 blocks of 16
+    publisher = TestPublisher(context, wire=WIRES["vllm-map-batch"])
+    config = engine(publisher, hash_scheme="vllm-sha256-cbor", seed="0")
+    views = EngineViews(max_blocks_per_engine=1 << 16)
+    subscriber = KvEventSubscriber([config], views, verify=SchemeVerifier([config]))
+    subscriber.start()
+    try:
+        publisher.wait_for_subscriber()
+        payload = encode_batch(
+            publisher.wire, prompt_events("vllm-sha256-cbor", tokens, seed="0"), ts=0.0
+        )
+        for _ in range(400):  # each costs the subscriber ~10 ms to decode, verify, apply
+            publisher.publish_payload(payload)
+        wait_until(lambda: subscriber.stats()["e"].verified >= 2, "the flood being read")
+        started = time.monotonic()
+        assert subscriber.stop(timeout_seconds=5.0)
+        took = time.monotonic() - started
+        assert took < 2.0, took
+        assert subscriber.stats()["e"].batches < 400  # it stopped mid-flood
+        assert not any(t.name == "kv-events" and t.is_alive() for t in threading.enumerate())
+    finally:
+        subscriber.stop()
         publisher.close()
