@@ -441,3 +441,57 @@ def test_stop_is_prompt_while_a_publisher_floods_large_batches(context: zmq.Cont
     finally:
         subscriber.stop()
         publisher.close()
+
+
+def test_a_restart_read_together_with_its_disconnect_is_not_taken_for_duplicates(
+    context: zmq.Context[Any], views: EngineViews
+) -> None:
+    """The subscriber is held inside a drain (by its verify hook) while the publisher
+    restarts at seq 5 and sends: the disconnect is then queued with the new numbers, and
+    must be noted before they are judged (else 5 passes for a duplicate of the old 5)."""
+    entered, release = threading.Event(), threading.Event()
+    holder: list[KvEventSubscriber] = []
+
+    def hold_on_block_6(config: EngineConfig, event: BlockStored) -> bool | None:
+        if event.block_hashes[0] == 6:
+            entered.set()
+            # Held, but letting the SUB socket process ZMQ's commands (in this, its own
+            # thread): that is how it resends its subscription to the new publisher, as
+            # its recv calls would while it drains a busy stream.
+            sub = holder[0]._streams[0].sub  # the hold needs the socket itself
+            assert sub is not None
+            deadline = time.monotonic() + 10.0
+            while not release.is_set() and time.monotonic() < deadline:
+                sub.getsockopt(zmq.EVENTS)
+                time.sleep(0.005)
+        return None
+
+    first = TestPublisher(context, wire=WIRES["vllm-map-batch"])
+    with subscribed(views, engine(first), verify=hold_on_block_6) as subscriber:
+        holder.append(subscriber)
+        second: TestPublisher | None = None
+        try:
+            first.wait_for_subscriber()
+            for block in range(1, 7):  # seqs 0..5; the subscriber stops at the last
+                first.publish([stored([block], token_ids=[block] * 16)])
+            assert entered.wait(WAIT_SECONDS)
+            first.close()
+            second = TestPublisher(
+                context, wire=WIRES["vllm-map-batch"], port=first.port, rebind_wait_seconds=2.0
+            )
+            second.next_seq = 5  # its first numbers were missed: 5 and 6 are what arrives
+            second.wait_for_subscriber()  # ZMQ reconnected while the subscriber was held
+            second.publish([stored([20], token_ids=[20] * 16)])
+            second.publish([stored([21], token_ids=[21] * 16)])
+            time.sleep(0.3)  # both are queued in the SUB socket, behind the disconnect
+            release.set()
+            wait_until(lambda: views.holds("e", 0, 0, EngineBlockHash(21)), "the new stores")
+            assert subscriber.stats()["e"].restarts == 1
+            assert subscriber.stats()["e"].duplicates == 0
+            assert views.holds("e", 0, 0, EngineBlockHash(20))
+            assert views.block_count("e") == 2  # the old process's blocks are forgotten
+        finally:
+            release.set()
+            first.close()
+            if second is not None:
+                second.close()

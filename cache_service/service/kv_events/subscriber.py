@@ -155,13 +155,17 @@ class KvEventSubscriber:
             interval_ms = max(1, int(self.poll_interval_seconds * 1000))
             while not self._stop.is_set():
                 ready = dict(poller.poll(interval_ms))
-                draining = [stream for stream in self._streams if stream.sub in ready]
-                share = DRAIN_SECONDS / max(1, len(draining))
+                # Connection events first: a disconnect must be noted before a restarted
+                # publisher's first (low) numbers are judged, or they pass for duplicates.
                 for stream in self._streams:
-                    if stream in draining and not self._stop.is_set():
-                        self._drain(stream, deadline=time.monotonic() + share)
                     if stream.monitor in ready:
                         self._watch_connection(stream)
+                draining = [stream for stream in self._streams if stream.sub in ready]
+                share = DRAIN_SECONDS / max(1, len(draining))
+                for stream in draining:
+                    if self._stop.is_set():
+                        break
+                    self._drain(stream, deadline=time.monotonic() + share)
         except Exception:  # the loop must never die silently: log, and let stop() see it
             log.exception("the KV-event subscriber failed")
         finally:
@@ -198,10 +202,14 @@ class KvEventSubscriber:
 
     def _drain(self, stream: _Stream, *, deadline: float) -> None:
         """Read the stream's queued messages until none is left, `deadline`, or stop."""
-        assert stream.sub is not None
+        assert stream.sub is not None and stream.monitor is not None
         for _ in range(MAX_DRAIN):
             if self._stop.is_set() or time.monotonic() >= deadline:
                 return
+            # A disconnect noticed while this stream was being read (a restart mid-drain)
+            # is noted before the next number is judged.
+            if stream.monitor.poll(0):
+                self._watch_connection(stream)
             try:
                 frames = stream.sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
