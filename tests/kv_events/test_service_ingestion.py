@@ -129,7 +129,9 @@ def test_a_wrong_seed_raises_the_alarm_on_metrics_stats_and_the_log(
         assert metric(server, mismatch) == 0.0
         for offset in range(3):  # the engine runs with PYTHONHASHSEED=1
             tokens = [token + offset for token in PROMPT]
-            publisher.publish(prompt_events(SCHEME, tokens, seed="1"))
+            # With each block's extra keys shown, block 0 can only be a wrong seed (an event
+            # without them might carry a cache_salt: unverifiable, not a mismatch).
+            publisher.publish(prompt_events(SCHEME, tokens, seed="1", extra_keys=[None] * 4))
         wait_until(lambda: metric(server, mismatch) == 3.0, "three mismatches")
         stats = engine_stats(server, name)
         assert (stats["mismatches"], stats["verified"], stats["blocks"]) == (3, 0, 12)

@@ -87,7 +87,8 @@ class EngineScores:
         blocks its engine dropped), a stale one only when no sound view holds any."""
         holding = [row for row in self.instances if row.matched_blocks]
         sound = [row for row in holding if not row.stale]
-        return (sound or holding or [None])[0]
+        chosen = sound or holding
+        return chosen[0] if chosen else None
 
 
 @dataclass(frozen=True, slots=True)
