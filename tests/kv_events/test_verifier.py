@@ -21,7 +21,7 @@ from cache_service.core.engines.schemes import (
 )
 from cache_service.core.engines.views import EngineViews
 from cache_service.service.kv_events.config import EngineConfig
-from cache_service.service.kv_events.verifier import SchemeVerifier
+from cache_service.service.kv_events.verifier import UNVERIFIABLE_STARTS_WARNING, SchemeVerifier
 from tests.kv_events.prompts import decoded, prompt_events, published_hashes
 from tests.kv_events.publisher import stored
 
@@ -145,6 +145,40 @@ def test_a_salted_start_without_extra_keys_is_no_alarm(
         assert verifier(config, decoded(events)[0]) is None
     assert verifier.last_mismatch("e") is None and verifier.known_states("e") == 0
     assert "PYTHONHASHSEED" not in caplog.text and "not reproduced" not in caplog.text
+
+
+def test_an_engine_whose_starts_are_never_verifiable_is_reported_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Older vLLM events without extra_keys and a wrong seed look like salted prompts: not a
+    mismatch, but after 16 such prompts and none verified the service says it cannot check."""
+    config = engine("vllm-sha256", seed="0")
+    verifier = SchemeVerifier([config])
+    with caplog.at_level(logging.WARNING, logger="cache_service.kv_events"):
+        for offset in range(UNVERIFIABLE_STARTS_WARNING + 4):
+            tokens = [token + offset for token in TOKENS]
+            (event,) = decoded(prompt_events("vllm-sha256", tokens, seed="7"))[:1]
+            assert verifier(config, event) is None
+    assert verifier.unverifiable_starts("e") == UNVERIFIABLE_STARTS_WARNING + 4
+    assert caplog.text.count("could not be verified") == 1
+    assert "cache-service doctor" in caplog.text
+
+
+def test_no_such_report_once_an_unsalted_start_verified(caplog: pytest.LogCaptureFixture) -> None:
+    config = engine("vllm-sha256", seed="0")
+    verifier = SchemeVerifier([config])
+    first = prompt_events("vllm-sha256", TOKENS, seed="0")
+    first[0]["extra_keys"] = [None] * 4
+    assert verifier(config, decoded(first)[0]) is True
+    with caplog.at_level(logging.WARNING, logger="cache_service.kv_events"):
+        for offset in range(1, UNVERIFIABLE_STARTS_WARNING + 2):
+            tokens = [token + offset for token in TOKENS]
+            events = prompt_events("vllm-sha256", tokens, seed="0")
+            events[0]["block_hashes"] = published_hashes(
+                "vllm-sha256", tokens, seed="0", cache_salt="t"
+            )
+            assert verifier(config, decoded(events)[0]) is None
+    assert "could not be verified" not in caplog.text
 
 
 def test_an_unsalted_start_with_a_wrong_seed_is_still_a_mismatch() -> None:

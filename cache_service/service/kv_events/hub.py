@@ -174,6 +174,8 @@ class KvEventsHub:
                 "verified": counters.verified,
                 "mismatches": counters.mismatches,
                 "last_mismatch": self.verifier.last_mismatch(engine.name),
+                # Prompts whose first block could not be checked (no extra_keys shown).
+                "unverifiable_starts": self.verifier.unverifiable_starts(engine.name),
                 # Its prompts' segments ingestion put in /v1/route's memo (never hashed there).
                 "route_memo_segments": self.verifier.memo_segments(engine.name),
             }

@@ -40,6 +40,10 @@ log = logging.getLogger("cache_service.kv_events")
 # default costs some 10 MB per engine at most. A prompt whose parent fell out is only
 # unverifiable, never a mismatch.
 DEFAULT_KNOWN_STATES = 65_536
+# Prompts an engine may start, none of them verifiable for keys its events do not show (an
+# older vLLM: no extra_keys), before the service says it cannot check the engine at all: a
+# wrong seed would look exactly like that, so it must not stay silent.
+UNVERIFIABLE_STARTS_WARNING = 16
 
 
 class SchemeVerifier:
@@ -60,6 +64,9 @@ class SchemeVerifier:
             self._schemes[engine.name] = _scheme_of(engine)
         self._known: dict[str, OrderedDict[EngineBlockHash, ChainState]] = {}
         self._last_mismatch: dict[str, str] = {}
+        # Per engine: starts verified, and starts that could not be for unknown keys.
+        self._verified_starts: dict[str, int] = {}
+        self._unknown_key_starts: dict[str, int] = {}
         # Verified prompts' segments go to the route memo, so a prompt an engine stored is
         # not hashed on its first /v1/route (links bounded like the chain states).
         self.memo_feed = (
@@ -117,6 +124,8 @@ class SchemeVerifier:
             self._feed_memo(
                 engine, scheme, event, parent=parent, hashes=hashes, states=result.states
             )
+        if parent is None:
+            self._count_start(engine, result.outcome, keys_unknown=result.keys_unknown)
         if result.outcome == "reproduced":
             return True
         if result.outcome == "mismatch":
@@ -133,6 +142,33 @@ class SchemeVerifier:
                 )
             return self._mismatch(engine, reason)
         return None
+
+    def _count_start(self, engine: EngineConfig, outcome: str, *, keys_unknown: bool) -> None:
+        """Warn once when an engine's prompts start, again and again, where nothing can be
+        verified: its seed may be wrong, and no mismatch would ever say so."""
+        name = engine.name
+        if outcome == "reproduced":
+            self._verified_starts[name] = self._verified_starts.get(name, 0) + 1
+            return
+        if not keys_unknown:
+            return
+        count = self._unknown_key_starts.get(name, 0) + 1
+        self._unknown_key_starts[name] = count
+        if count == UNVERIFIABLE_STARTS_WARNING and not self._verified_starts.get(name):
+            log.warning(
+                "engine %s: the first blocks of %d prompts could not be verified: its events "
+                "do not carry extra_keys (an older vLLM), and without them block 0 does not "
+                "reproduce with %s and the configured seed. Either every prompt is salted "
+                "(cache_salt) or multimodal, or PYTHONHASHSEED or the hash algorithm differ: "
+                "run `cache-service doctor` while the engine serves an unsalted text prompt",
+                name,
+                count,
+                engine.hash_scheme,
+            )
+
+    def unverifiable_starts(self, engine: str) -> int:
+        """Prompts the engine started whose first block could not be verified (keys unknown)."""
+        return self._unknown_key_starts.get(engine, 0)
 
     def _remember(
         self,
