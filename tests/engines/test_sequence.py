@@ -5,7 +5,12 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cache_service.core.engines.sequence import Decision, SequenceTracker, Verdict
+from cache_service.core.engines.sequence import (
+    RECONNECT_WINDOW,
+    Decision,
+    SequenceTracker,
+    Verdict,
+)
 
 
 def test_the_first_number_starts_the_stream_and_names_the_history_missed() -> None:
@@ -78,6 +83,28 @@ def test_a_reconnect_without_a_step_back_is_an_ordinary_number() -> None:
     tracker.on_replayed(0)
     tracker.note_reconnect()
     assert tracker.on_live(1).verdict is Verdict.IN_ORDER
+
+
+def test_the_old_publishers_queued_messages_do_not_hide_the_restart_after_them() -> None:
+    """After a reconnect the old publisher's last queued numbers may come first; the new
+    publisher's low numbers after them are still its restart, not duplicates."""
+    tracker = SequenceTracker(duplicate_window=1024)
+    tracker.on_live(100)
+    tracker.on_replayed(100)
+    tracker.note_reconnect()
+    for seq in (101, 102):  # still queued from the old publisher
+        assert tracker.on_live(seq).verdict is Verdict.IN_ORDER
+    assert tracker.on_live(5).verdict is Verdict.RESTART
+
+
+def test_the_reconnect_window_closes_after_enough_ordinary_numbers() -> None:
+    tracker = SequenceTracker(duplicate_window=1024)
+    tracker.on_live(0)
+    tracker.on_replayed(0)
+    tracker.note_reconnect()
+    for seq in range(1, RECONNECT_WINDOW + 2):
+        assert tracker.on_live(seq).verdict is Verdict.IN_ORDER
+    assert tracker.on_live(RECONNECT_WINDOW - 5).verdict is Verdict.DUPLICATE
 
 
 @given(st.lists(st.booleans(), min_size=1, max_size=60))

@@ -21,6 +21,9 @@ import enum
 from dataclasses import dataclass
 
 DEFAULT_DUPLICATE_WINDOW = 1024
+# Messages the old publisher may still have queued after a reconnect: for this many forward
+# steps a backward one is still taken as the restart the reconnect announced.
+RECONNECT_WINDOW = 64
 
 
 class Verdict(enum.Enum):
@@ -54,22 +57,24 @@ class SequenceTracker:
         self.duplicate_window = duplicate_window
         self.last_live: int | None = None
         self.last_applied: int | None = None  # None: nothing applied in this incarnation
-        self._reconnected = False
+        self._reconnect_window = 0  # forward steps left in which a step back is a restart
 
     def note_reconnect(self) -> None:
         """The connection to the publisher was re-established (it may have restarted)."""
-        self._reconnected = True
+        self._reconnect_window = RECONNECT_WINDOW
 
     def on_live(self, seq: int) -> Decision:
         """Classify a number read from the live stream."""
-        last_live, reconnected = self.last_live, self._reconnected
-        self._reconnected = False
+        last_live, reconnected = self.last_live, self._reconnect_window > 0
         if last_live is None or seq > last_live:
+            # The old publisher's queued messages may come first: the window stays open.
+            self._reconnect_window = max(0, self._reconnect_window - 1)
             self.last_live = seq
             if last_live is None:
                 self.last_applied = None
                 return Decision(Verdict.FIRST, seq, range(0, seq))
             return self._classify(seq)
+        self._reconnect_window = 0
         if reconnected or seq == 0 or last_live - seq > self.duplicate_window:
             self.last_live, self.last_applied = seq, None
             return Decision(Verdict.RESTART, seq, range(0, seq))
