@@ -19,6 +19,9 @@ from cache_service.core.store.codec import decode_meta
 from cache_service.core.store.lmdb import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 
+# Fixtures of real servers following real engine publishers (tests/integration, tests/kv_events).
+pytest_plugins = ["tests.kv_events.following"]
+
 LMDB_MAP_SIZE_BYTES = 1 << 30
 CLOCK_START = 1_700_000_000.0
 

@@ -8,28 +8,26 @@ import argparse
 import asyncio
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema_rs
 import pytest
-import zmq
 
 from cache_service.client import AsyncCacheClient, CacheClient, InstanceHold, RouteAnswer
 from cache_service.core.engines.schemes import scheme_named
 from cache_service.tools.route_cli import add_route_parser, run_route_command
 from tests.integration.conftest import ServerProcess
-from tests.kv_events.publisher import WIRES, TestPublisher, stored
+from tests.kv_events.following import BLOCK, SCHEME, SEED
+from tests.kv_events.publisher import TestPublisher, stored
 
 pytestmark = pytest.mark.integration
 
-BLOCK = 16
 MODEL = "m"
 PROMPT = list(range(5000, 5000 + 10 * BLOCK + 5))  # ten full blocks and five tokens
 PROBLEM = "application/problem+json"
-SCHEME, SEED = "vllm-sha256-cbor", "0"
 
 
 def route(server: ServerProcess, **body: Any) -> httpx.Response:
@@ -181,36 +179,6 @@ def test_the_schema_admits_exactly_the_bodies_the_route_accepts(plain: ServerPro
 
 
 # -- with KV events from a real publisher ------------------------------------------------------
-
-
-@pytest.fixture
-def publishers() -> Iterator[dict[str, TestPublisher]]:
-    """Two engines' publishers on 127.0.0.1, in the newest vLLM wire; closed at the end."""
-    context: zmq.Context[Any] = zmq.Context()
-    opened = {name: TestPublisher(context, wire=WIRES["vllm-map-batch"]) for name in ("a", "b")}
-    yield opened
-    for publisher in opened.values():
-        publisher.close()
-    context.term()
-
-
-@pytest.fixture
-def following(
-    make_server: Callable[..., ServerProcess], publishers: dict[str, TestPublisher], tmp_path: Path
-) -> ServerProcess:
-    """A server following engines `engine-a` and `engine-b` (vLLM sha256_cbor, seed 0)."""
-    config = tmp_path / "engines.toml"
-    tables = "\n".join(
-        f'[[engine]]\nname = "engine-{name}"\nendpoint = "{publisher.endpoint}"\n'
-        for name, publisher in publishers.items()
-    )
-    config.write_text(
-        f'[defaults]\nblock_size = {BLOCK}\nhash_scheme = "{SCHEME}"\nseed = "{SEED}"\n\n{tables}'
-    )
-    server = make_server(block_size=str(BLOCK), kv_events_config=str(config))
-    for publisher in publishers.values():
-        publisher.wait_for_subscriber(timeout_seconds=10)
-    return server
 
 
 def publish_prefix(publisher: TestPublisher, tokens: list[int], blocks: int, **fields: Any) -> None:

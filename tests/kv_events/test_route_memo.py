@@ -5,56 +5,23 @@ route asked for it, and the first route of it answers as hashing the prompt woul
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
-import zmq
 
 from cache_service.core.engines.routing import EngineSpec, RouteScorer
 from cache_service.service.kv_events.config import EngineConfig
 from cache_service.service.kv_events.hub import KvEventsHub
 from tests.integration.conftest import ServerProcess
+from tests.kv_events.following import BLOCK, SCHEME, SEED
 from tests.kv_events.prompts import prompt_events
-from tests.kv_events.publisher import WIRES, TestPublisher
+from tests.kv_events.publisher import TestPublisher
 
 pytestmark = pytest.mark.integration
 
-BLOCK = 16
-SCHEME, SEED = "vllm-sha256-cbor", "0"
 PROMPT = [(11 + i * 7919) % 50_000 for i in range(40 * BLOCK + 5)]  # 40 blocks and 5 tokens
-
-
-@pytest.fixture
-def publishers() -> Iterator[dict[str, TestPublisher]]:
-    """Two engines' publishers on 127.0.0.1 (vLLM's newest wire); closed at the end."""
-    context: zmq.Context[Any] = zmq.Context()
-    opened = {name: TestPublisher(context, wire=WIRES["vllm-map-batch"]) for name in ("a", "b")}
-    yield opened
-    for publisher in opened.values():
-        publisher.close()
-    context.term()
-
-
-@pytest.fixture
-def following(
-    make_server: Callable[..., ServerProcess], publishers: dict[str, TestPublisher], tmp_path: Path
-) -> ServerProcess:
-    """A server following `engine-a` and `engine-b` (vLLM sha256_cbor, seed 0, block 16)."""
-    config = tmp_path / "engines.toml"
-    tables = "\n".join(
-        f'[[engine]]\nname = "engine-{name}"\nendpoint = "{publisher.endpoint}"\n'
-        for name, publisher in publishers.items()
-    )
-    config.write_text(
-        f'[defaults]\nblock_size = {BLOCK}\nhash_scheme = "{SCHEME}"\nseed = "{SEED}"\n\n{tables}'
-    )
-    server = make_server(block_size=str(BLOCK), kv_events_config=str(config))
-    for publisher in publishers.values():
-        publisher.wait_for_subscriber(timeout_seconds=10)
-    return server
 
 
 def kv_stats(server: ServerProcess) -> dict[str, Any]:
