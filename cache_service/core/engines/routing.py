@@ -166,9 +166,11 @@ class RouteScorer:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        token_bytes: bytes | None = None,
     ) -> EngineScores:
         """Each engine's rows for the prompt `tokens` (with a LoRA name and a cache salt as
-        the engines hash them), best first."""
+        the engines hash them), best first. `token_bytes`, the prompt's `tokens_to_bytes`
+        when the caller has it (the store's score encodes it too), saves encoding it again."""
         prompt_tokens = len(tokens)
         groups: dict[tuple[str, str | None, int], list[EngineSpec]] = {}
         unscored: list[Unscored] = []
@@ -181,8 +183,8 @@ class RouteScorer:
             key = (engine.hash_scheme, engine.seed, engine.block_size)
             groups.setdefault(key, []).append(engine)
         rows: list[InstanceScore] = []
-        memo, token_bytes = self.memo, None
-        if memo is not None and groups:
+        memo = self.memo
+        if memo is not None and groups and token_bytes is None:
             try:  # encoded once for every scheme's memo look-ups
                 token_bytes = tokens_to_bytes(tokens)
             except ValueError:  # an id outside u32: hashed without the memo

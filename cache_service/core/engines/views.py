@@ -8,17 +8,16 @@ model, so each group is its own set and a removal from one never touches another
 
 Memory is bounded per engine: at most ``max_blocks_per_engine`` (rank, group, block, medium)
 entries, the least recently stored dropped first and counted. A query answers, for a
-prompt's chain of engine hashes, how many leading blocks each engine holds per medium:
-``set.issuperset`` and ``takewhile(set.__contains__, chain)`` run in C: 512 blocks against
-16 engines that all hold them take about 0.15 ms (0.2 ms when each misses near the end).
+prompt's chain of engine hashes, how many leading blocks each engine holds per medium.
 One lock serialises the subscriber's writes and the router's reads.
 
-Beside the per-engine sets, `EngineViews` counts every held entry by block hash over all
-engines, ranks, groups and media (`held_prefix`): the router stops hashing a prompt at the
-first block nobody holds, since no engine's prefix can reach past it. The count is kept on
-every store, removal, clear, drop and forgotten group, so it is bounded by the views' own
-entries: one dict slot per distinct block (52 bytes measured: 272 per view entry with it,
-219 without, for 100k distinct blocks; the int object is shared with the sets).
+Beside the per-engine sets, `EngineViews` keeps a `HeldIndex` over all engines: per block
+hash, a bitmask of the (engine, rank, group, medium) slots holding it (held_index.py). A
+query walks the chain once for every engine (its masks AND-accumulated), and the router
+stops hashing a prompt at the first block nobody holds (`held_prefix`), since no engine's
+prefix can reach past it. The index is kept on every store, removal, clear, drop and
+forgotten group, so it is bounded by the views' own entries: one dict slot per distinct
+block.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import takewhile
 
 from cache_service.core.engines.block_hashes import EngineBlockHash
 from cache_service.core.engines.events import (
@@ -37,6 +35,7 @@ from cache_service.core.engines.events import (
     EventBatch,
     KVEvent,
 )
+from cache_service.core.engines.held_index import HeldIndex, leading_count
 
 FULL_ATTENTION = "full_attention"
 GPU, CPU, DISK = "GPU", "CPU", "DISK"
@@ -102,9 +101,7 @@ class _Rank:
 class EngineView:
     """One engine's blocks over all its ranks, bounded with LRU by last store."""
 
-    def __init__(
-        self, name: str, *, max_blocks: int, held: dict[EngineBlockHash, int] | None = None
-    ) -> None:
+    def __init__(self, name: str, *, max_blocks: int, index: HeldIndex | None = None) -> None:
         if max_blocks < 1:
             raise ValueError("max_blocks must be at least 1")
         self.name = name
@@ -112,8 +109,8 @@ class EngineView:
         self.dropped_total = 0
         self._ranks: dict[int, _Rank] = {}
         self._lru: OrderedDict[_Entry, None] = OrderedDict()
-        # Entries per block over every view sharing this dict (EngineViews passes its own).
-        self._held: dict[EngineBlockHash, int] = {} if held is None else held
+        # Which slots hold each block, over every view sharing it (EngineViews passes its own).
+        self._index = HeldIndex() if index is None else index
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -137,7 +134,7 @@ class EngineView:
         entries = [entry for entry in self._lru if entry[0] == rank]
         for entry in entries:
             del self._lru[entry]
-            self._release(entry[2])
+            self._release(entry)
         state.groups.clear()
         state.other_groups.clear()
         return len(entries)
@@ -156,8 +153,9 @@ class EngineView:
         media = state.groups.get(group, {}) if state else {}
         return block in media.get(normalize_medium(medium), ())
 
-    def leading(self, chain: Sequence[EngineBlockHash]) -> list[PrefixHold]:
-        """Per medium, the most leading blocks of the chain any rank holds."""
+    def leading(self, prefix_masks: list[int]) -> list[PrefixHold]:
+        """Per medium, the most leading blocks of a chain any rank holds, given the chain's
+        `HeldIndex.prefix_masks`."""
         best: dict[str, PrefixHold] = {}
         for rank, state in self._ranks.items():
             if not state.groups:
@@ -166,12 +164,18 @@ class EngineView:
             for medium in media:
                 # A block serves a prefix only if every full-attention group holds it.
                 count = min(
-                    _leading_count(groups.get(medium), chain) for groups in state.groups.values()
+                    leading_count(prefix_masks, self._bit(rank, group, medium))
+                    if medium in groups
+                    else 0
+                    for group, groups in state.groups.items()
                 )
                 held = best.get(medium)
                 if count and (held is None or count > held.blocks):
                     best[medium] = PrefixHold(self.name, medium, count, rank, state.stale)
         return sorted(best.values(), key=lambda hold: hold.medium)
+
+    def _bit(self, rank: int, group: int, medium: str) -> int:
+        return self._index.bit((self.name, rank, group, medium))
 
     def _store(self, rank: int, state: _Rank, event: BlockStored) -> Applied:
         group = event.group_idx or 0
@@ -187,6 +191,7 @@ class EngineView:
             return result
         medium = normalize_medium(event.medium)
         blocks = state.groups.setdefault(group, {}).setdefault(medium, set())
+        bit, index = self._bit(rank, group, medium), self._index
         for block in event.block_hashes:
             entry = (rank, group, block, medium)
             if entry in self._lru:
@@ -195,7 +200,7 @@ class EngineView:
             else:
                 self._lru[entry] = None
                 blocks.add(block)
-                self._held[block] = self._held.get(block, 0) + 1
+                index.add(block, bit)
                 result.stored += 1
         while len(self._lru) > self.max_blocks:
             self._drop_oldest()
@@ -212,23 +217,22 @@ class EngineView:
         for block in event.block_hashes:
             if block in blocks:
                 blocks.discard(block)
-                del self._lru[(rank, group, block, medium)]
-                self._release(block)
+                entry = (rank, group, block, medium)
+                del self._lru[entry]
+                self._release(entry)
                 result.removed += 1
         return result
 
     def _drop_oldest(self) -> None:
-        (rank, group, block, medium), _ = self._lru.popitem(last=False)
+        entry, _ = self._lru.popitem(last=False)
+        rank, group, block, medium = entry
         self._ranks[rank].groups[group][medium].discard(block)
-        self._release(block)
+        self._release(entry)
         self.dropped_total += 1
 
-    def _release(self, block: EngineBlockHash) -> None:
-        count = self._held[block] - 1
-        if count:
-            self._held[block] = count
-        else:
-            del self._held[block]
+    def _release(self, entry: _Entry) -> None:
+        rank, group, block, medium = entry
+        self._index.discard(block, self._bit(rank, group, medium))
 
     def _forget_group(self, rank: int, state: _Rank, group: int) -> None:
         # A group indexed before its kind was known (older events carry none) is dropped
@@ -236,17 +240,7 @@ class EngineView:
         if state.groups.pop(group, None) is not None:
             for entry in [entry for entry in self._lru if entry[:2] == (rank, group)]:
                 del self._lru[entry]
-                self._release(entry[2])
-
-
-def _leading_count(blocks: set[EngineBlockHash] | None, chain: Sequence[EngineBlockHash]) -> int:
-    if not blocks or not chain:
-        return 0
-    # A whole-prompt hit, the common worst case, in one C call; when the last block is not
-    # held that call would fail after scanning the held prefix, so go straight to counting.
-    if chain[-1] in blocks and blocks.issuperset(chain):
-        return len(chain)
-    return len(list(takewhile(blocks.__contains__, chain)))
+                self._release(entry)
 
 
 class EngineViews:
@@ -255,7 +249,7 @@ class EngineViews:
     def __init__(self, *, max_blocks_per_engine: int) -> None:
         self.max_blocks_per_engine = max_blocks_per_engine
         self._views: dict[str, EngineView] = {}
-        self._held: dict[EngineBlockHash, int] = {}  # entries per block, all views
+        self._index = HeldIndex()  # which views' slots hold each block
         self._lock = threading.Lock()
 
     def engines(self) -> list[str]:
@@ -317,12 +311,12 @@ class EngineViews:
         """How many leading blocks of `chain` some engine holds (any rank, group, medium):
         no engine's `match_prefix` can count more."""
         with self._lock:
-            return len(list(takewhile(self._held.__contains__, chain)))
+            return self._index.held_prefix(chain)
 
     def held_blocks(self) -> int:
         """How many distinct blocks the views hold over all engines."""
         with self._lock:
-            return len(self._held)
+            return len(self._index)
 
     def match_prefix(
         self, chain: Sequence[EngineBlockHash], *, engines: Iterable[str] | None = None
@@ -330,17 +324,18 @@ class EngineViews:
         """Per (engine, medium) holding at least one leading block: how many it holds."""
         with self._lock:
             names = self._views if engines is None else engines
+            prefix_masks = self._index.prefix_masks(chain)  # once for every engine
             holds: list[PrefixHold] = []
             for name in names:
                 view = self._views.get(name)
                 if view is not None:
-                    holds.extend(view.leading(chain))
+                    holds.extend(view.leading(prefix_masks))
             return holds
 
     def _view(self, engine: str) -> EngineView:
         view = self._views.get(engine)
         if view is None:
             view = self._views[engine] = EngineView(
-                engine, max_blocks=self.max_blocks_per_engine, held=self._held
+                engine, max_blocks=self.max_blocks_per_engine, index=self._index
             )
         return view

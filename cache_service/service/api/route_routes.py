@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from cache_service.core.blocks import Namespace
+from cache_service.core.cache import as_token_bytes
 from cache_service.core.engines.routing import (
     EngineScores,
     EngineSpec,
@@ -134,13 +135,18 @@ async def route(request: Request) -> Response:
 
 def _answer(state: ServiceState, body: RouteRequest, namespace: Namespace) -> dict[str, Any]:
     state.cache.config.resolve_retention(body.retention)  # an unknown class is a 422
-    store = score_store(state.cache, namespace, body.tokens, block_size=body.block_size)
+    token_bytes = as_token_bytes(body.tokens)  # encoded once, for the store and the engines
+    store = score_store(state.cache, namespace, token_bytes, block_size=body.block_size)
     hub = state.kv_events  # None unless the service follows engines' KV events
     configured = hub.engines_for(body.model) if hub is not None else []
     engines = select_engines([_spec(engine) for engine in configured], body.instances)
     if hub is not None and engines:
         scores = RouteScorer(hub.views, memo=hub.chain_memo).score(
-            body.tokens, engines, lora_name=body.lora_name, cache_salt=body.cache_salt
+            body.tokens,
+            engines,
+            lora_name=body.lora_name,
+            cache_salt=body.cache_salt,
+            token_bytes=token_bytes,
         )
     else:
         scores = EngineScores(len(body.tokens), [], [], 0)
