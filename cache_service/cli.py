@@ -106,13 +106,13 @@ def check_store(settings: Settings) -> None:
     made with other settings (a worker's failed start-up would print a traceback instead)."""
     import lmdb  # noqa: PLC0415
 
-    from cache_service.core.errors import StorageError  # noqa: PLC0415
+    from cache_service.core.errors import NotSupportedByStore, StorageError  # noqa: PLC0415
     from cache_service.service.api.startup import open_store  # noqa: PLC0415
 
     try:
         open_store(settings).store.close()
-    except (StorageError, lmdb.Error, OSError) as exc:
-        sys.exit(f"cache-service: {exc}")
+    except (StorageError, NotSupportedByStore, lmdb.Error, OSError, ValueError) as exc:
+        sys.exit(f"cache-service: {exc}")  # ValueError: a store URL or server refused
 
 
 def serve(settings: Settings) -> int:

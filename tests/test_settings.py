@@ -132,7 +132,9 @@ def test_a_true_false_setting_is_also_a_bare_switch() -> None:
     ("overrides", "message"),
     [
         ({"eviction_policy": "fifo"}, "unknown eviction policy 'fifo' \\(known: lru\\)"),
-        ({"store": "redis://cache:6379"}, "unknown store scheme 'redis'.*lmdb://, memory://"),
+        ({"store": "valkey://cache:6379"}, "unknown store scheme 'valkey'.*lmdb://, memory://"),
+        ({"store": "redis://cache:6379/0"}, "redis:// takes HOST:PORT only"),
+        ({"store": "redis://"}, "an empty node"),
         ({"store": "memory://", "workers": 2}, "memory:// store lives in one process"),
         # Checked with the settings, so that `serve` says so rather than a worker's traceback.
         ({"store": "lmdb://"}, "lmdb:// needs a folder"),

@@ -86,7 +86,7 @@ def test_the_opener_passes_the_policy_and_the_removal_log_size(tmp_path: Path) -
 
 def test_an_unknown_scheme_is_refused_naming_the_known_ones() -> None:
     with pytest.raises(ValueError) as refused:
-        parse_store_url("redis://cache:6379")
+        parse_store_url("valkey://cache:6379")
     message = str(refused.value)
-    assert "'redis'" in message
+    assert "'valkey'" in message
     assert all(f"{name}://" in message for name in BACKENDS)

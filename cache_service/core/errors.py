@@ -213,6 +213,15 @@ class NotStored(RequestError):
     title = "Prefix not stored"
 
 
+class NotSupportedByStore(PromptCacheError):
+    """The store this service runs on cannot do what was asked (a Redis store keeps no pins,
+    for one); nothing was changed."""
+
+    status = 501
+    problem = "not-supported-by-store"
+    title = "Not supported by this store"
+
+
 class StorageError(PromptCacheError):
     """The store failed to do what was asked."""
 

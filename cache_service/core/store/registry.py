@@ -7,6 +7,9 @@ A store is named by a URL or a plain folder path:
     lmdb:///var/lib/cache            the same, absolute: everything after "lmdb://" is the path
     lmdb://cache-data                a path relative to the working directory
     memory://                        a store in process memory (one process; gone on exit)
+    redis://HOST:PORT[,HOST:PORT]    Redis: a Cluster (any of its nodes) or one node; the
+    rediss://HOST:PORT[,...]         same over TLS (store/redis_connect.py: the password
+                                     comes from the environment, never the URL)
 
 A URL is recognised by "<scheme>://"; anything else is a folder, so existing `--data-dir`
 values keep meaning what they meant.
@@ -22,6 +25,8 @@ from cache_service.core.eviction import EvictionPolicy
 from cache_service.core.store.base import BlockStore, IdentityCheck
 from cache_service.core.store.lmdb import LmdbStore
 from cache_service.core.store.memory import MemoryStore
+from cache_service.core.store.redis_connect import parse_nodes
+from cache_service.core.store.redis_store import RedisStore
 
 FOLDER_SCHEME = "lmdb"  # what a plain folder path opens
 
@@ -59,7 +64,7 @@ class Entry:
     class of the stores it opens (to name a store a caller opened itself)."""
 
     open: Opener
-    location: str  # "folder": a path is needed; "none": the URL takes no path
+    location: str  # "folder": a path is needed; "none": the URL takes no path; "hosts"
     store_class: type
 
 
@@ -82,9 +87,22 @@ def _open_memory(location: str, options: StoreOptions) -> OpenedStore:
     return OpenedStore(store, "memory", None, "memory://")
 
 
+def _open_redis(location: str, options: StoreOptions, *, tls: bool) -> OpenedStore:
+    address = parse_nodes(location, tls=tls)
+    store = RedisStore(address, policy=options.policy, identity=options.identity)
+    kind = "redis cluster" if store.clustered else "redis"
+    return OpenedStore(store, "redis", None, f"{kind} {address.describe()}")
+
+
 BACKENDS: dict[str, Entry] = {
     "lmdb": Entry(_open_lmdb, "folder", LmdbStore),
     "memory": Entry(_open_memory, "none", MemoryStore),
+    "redis": Entry(
+        lambda where, options: _open_redis(where, options, tls=False), "hosts", RedisStore
+    ),
+    "rediss": Entry(
+        lambda where, options: _open_redis(where, options, tls=True), "hosts", RedisStore
+    ),
 }
 
 
@@ -106,6 +124,8 @@ def parse_store_url(url_or_path: str) -> tuple[str, str]:
         raise ValueError(
             f"{scheme}:// needs a folder: {scheme}:///absolute/path or {scheme}://relative"
         )
+    if entry.location == "hosts":
+        parse_nodes(location, tls=scheme == "rediss")  # ValueError naming what is wrong
     if entry.location == "none" and location:
         raise ValueError(f"{scheme}:// takes no path (got {url_or_path!r})")
     return scheme, location

@@ -24,7 +24,7 @@ from cache_service.service.api.background import (
     sweeper,
 )
 from cache_service.service.api.guard import StoreGuard
-from cache_service.service.api.startup import open_store, serving_line
+from cache_service.service.api.startup import open_store, serving_line, store_capacity
 from cache_service.service.api.state import ServiceState, WriteGate
 from cache_service.service.api_keys import KeyRing
 from cache_service.service.kv_events.hub import KvEventsHub
@@ -118,7 +118,7 @@ class Service:
         log.info("%s", serving_line(settings, opened.where))
         return self._running.state
 
-    def _build_cache(self, store: BlockStore) -> PrefixCache:
+    def _build_cache(self, store: BlockStore, capacity_bytes: int) -> PrefixCache:
         settings, keys = self.settings, self.keys
         return PrefixCache(
             store,
@@ -127,7 +127,7 @@ class Service:
             clock=self.clock,
             default_block_size=settings.block_size,
             model_block_sizes=settings.model_block_sizes(),
-            capacity_bytes=settings.capacity,
+            capacity_bytes=capacity_bytes,
             high_water=settings.high_water,
             low_water=settings.low_water,
             defer_touches=True,
@@ -142,10 +142,9 @@ class Service:
         # Everything reaches the store through the guard (routes, operators, collectors,
         # jobs), so that the stop knows when no thread is inside it.
         guard = StoreGuard()
-        cache = self._build_cache(guard.wrap(opened.store))
-        collector = StoreCollector(
-            cache.capacity.usage, settings.capacity, disk=cache.capacity.disk
-        )
+        capacity_bytes = store_capacity(opened, settings)
+        cache = self._build_cache(guard.wrap(opened.store), capacity_bytes)
+        collector = StoreCollector(cache.capacity.usage, capacity_bytes, disk=cache.capacity.disk)
         metrics.scrape_registry.register(collector)
         # Jobs one worker process runs are elected through lock files beside the data;
         # a store with no such folder has a single process, which runs them all.

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from cache_service.core.disk import DiskWarning, measure_room
+from cache_service.core.errors import NotSupportedByStore
 from cache_service.core.eviction import make_policy
 from cache_service.core.identity import StoreIdentity, identity_of
 from cache_service.core.store import registry
@@ -47,8 +48,38 @@ def open_store(settings: Settings) -> OpenedStore:
     )
     for note in identity.notes:
         log.info("%s", note)
+    try:
+        refuse_unsupported(opened, settings)
+    except BaseException:
+        opened.store.close()
+        raise
     check_disk(opened, settings.capacity)
     return opened
+
+
+def refuse_unsupported(opened: OpenedStore, settings: Settings) -> None:
+    """NotSupportedByStore for settings the store could not honour (never silently ignored):
+    tenant byte quotas on Redis, whose store does not count a tenant's bytes."""
+    if opened.kind != "redis":
+        return
+    quotas = settings.key_ring().tenant_capacity if settings.auth == "keys" else {}
+    if quotas:
+        raise NotSupportedByStore(
+            "tenant capacity quotas (the key file's [tenants] capacity) are not enforced by the "
+            f"Redis store: remove them for {', '.join(sorted(quotas))}, or use LMDB"
+        )
+
+
+def store_capacity(opened: OpenedStore, settings: Settings) -> int:
+    """The capacity the cache works within: Redis's maxmemory summed over its primaries
+    when the store is on Redis (Redis evicts within it; --capacity does not apply), else
+    --capacity."""
+    limit = getattr(opened.store, "memory_limit_bytes", None)
+    if limit is not None:
+        known = int(limit())
+        if known > 0:
+            return known
+    return settings.capacity
 
 
 def check_disk(opened: OpenedStore, capacity_bytes: int) -> None:

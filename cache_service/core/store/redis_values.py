@@ -1,0 +1,103 @@
+"""How the Redis store lays out a block: its keys, its value (record and payload
+together), the space it takes, and the small helpers every Redis store module shares.
+
+    pc:b:<store key>   u32 LE record length, the block record (store/codec.py, format 4),
+                       then the payload: written once with SET NX PX
+    pc:n:<scope>       the encoded namespace of a (partition, root)
+    pc:identity        the settings the data was made with
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import redis
+import xxhash
+
+from cache_service.core.blocks import BlockMeta, StoreKey
+from cache_service.core.store.codec import TOKENS_AT, encode_meta
+
+BLOCK_PREFIX = b"pc:b:"
+NAMESPACE_PREFIX = b"pc:n:"
+IDENTITY_KEY = b"pc:identity"  # the settings the cluster's data was made with (no expiry)
+LENGTH = struct.Struct("<I")
+RETENTION_SLACK = 32  # bytes read past the tokens for the retention name (longer: read again)
+BLOCK_OVERHEAD_BYTES = 96  # Redis's dict entry, key and object headers, measured roughly
+
+
+def block_key(key: StoreKey) -> bytes:
+    """The Redis key of a block."""
+    return BLOCK_PREFIX + key
+
+
+def namespace_key(scope: StoreKey) -> bytes:
+    """The Redis key of a scope's encoded namespace."""
+    return NAMESPACE_PREFIX + scope
+
+
+def pack_value(meta: BlockMeta, payload: bytes | memoryview) -> bytes:
+    """A block's value: record length, record, payload."""
+    record = encode_meta(meta)
+    return LENGTH.pack(len(record)) + record + bytes(payload)
+
+
+def split_value(value: bytes) -> tuple[bytes, bytes] | None:
+    """(record, payload) of a block's value; None if the value is cut short."""
+    if len(value) < LENGTH.size:
+        return None
+    (length,) = LENGTH.unpack_from(value)
+    end = LENGTH.size + length
+    if end > len(value):
+        return None
+    return value[LENGTH.size : end], value[end:]
+
+
+def checksum(payload: bytes | memoryview) -> int:
+    """The payload checksum kept with every block (xxh3-64), as the LMDB store keeps it."""
+    return int(xxhash.xxh3_64_intdigest(payload))
+
+
+class RedisSpace:
+    """How the Redis store counts the space a block takes."""
+
+    def estimate_bytes(self, payload_size: int, token_bytes: int) -> int:
+        """Payload, record, length prefix, key and Redis's per-key overhead."""
+        record = TOKENS_AT + 8 + token_bytes
+        return payload_size + record + LENGTH.size + 40 + BLOCK_OVERHEAD_BYTES
+
+    def reserved_bytes(self) -> int:
+        """Nothing: Redis's own memory is not the cache's to count."""
+        return 0
+
+
+def record_of(
+    client: Any, skey: StoreKey, value: bytes | None, *, whole: bool
+) -> tuple[bytes | None, bytes | None]:
+    """(record, payload) of a fetched value (None, None when absent; b"" for a record cut
+    short, which reads as damaged). A value read only in part (`whole` False) whose record
+    runs past the read, for a long retention name, is read again whole."""
+    if value is None or value == b"":
+        return None, None
+    parts = split_value(value)
+    if parts is None and not whole and len(value) >= LENGTH.size:
+        parts = split_value(client.get(block_key(skey)) or b"")
+    if parts is None:
+        return b"", None
+    return parts
+
+
+def glob_escape(raw: bytes) -> bytes:
+    """`raw` as a SCAN MATCH pattern matching itself only."""
+    out = bytearray()
+    for byte in raw:
+        if byte in b"*?[]\\":
+            out += b"\\"
+        out.append(byte)
+    return bytes(out)
+
+
+def is_redis_error(exc: BaseException) -> bool:
+    """Whether an exception is redis-py's (connection, timeout, cluster, response) or a
+    socket error under it: what a store call may turn into a miss or a 503."""
+    return isinstance(exc, redis.RedisError | OSError)

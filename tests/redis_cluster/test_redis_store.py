@@ -1,0 +1,362 @@
+"""The Redis store against a real Redis Cluster (three primaries, three replicas) and real
+single redis-server processes: layout, verification, put-if-absent, TTLs, purge, refusals,
+and what a Redis failure turns into (a miss for a lookup, a 503 behind a breaker for a write).
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from cache_service.core.blocks import (
+    Chain,
+    ChainLink,
+    InsertResult,
+    Namespace,
+    NewBlock,
+    Touch,
+    store_key,
+)
+from cache_service.core.errors import (
+    MissingParent,
+    NotSupportedByStore,
+    SettingsMismatch,
+    StorageFailure,
+)
+from cache_service.core.hashing import BlockHasher, tenant_partition, tokens_to_bytes
+from cache_service.core.identity import StoreIdentity, identity_of
+from cache_service.core.store.breaker import CircuitBreaker
+from cache_service.core.store.redis_connect import RedisAddress, parse_nodes
+from cache_service.core.store.redis_store import RedisStore, block_key
+from cache_service.core.store.registry import open_store, parse_store_url
+from tests.redis_cluster.cluster import LocalRedisCluster
+from tests.redis_cluster.conftest import require_tools
+
+BLOCK = 4
+TTL = 3600.0
+HASHER = BlockHasher()
+NS = Namespace(model="redis-model")
+NSID = HASHER.namespace_id(NS)
+MEMORY = ["--maxmemory", str(64 * 2**20), "--maxmemory-policy", "volatile-lru"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    """A cluster set up as the store wants it: maxmemory with volatile-lru."""
+    server, cli = require_tools()
+    with LocalRedisCluster(
+        tmp_path_factory.mktemp("redis-store"),
+        maxmemory_bytes=64 * 2**20,
+        maxmemory_policy="volatile-lru",
+        redis_server=server,
+        redis_cli=cli,
+    ) as started:
+        yield started
+
+
+@pytest.fixture
+def store(cluster: LocalRedisCluster) -> Iterator[RedisStore]:
+    """A Redis store on the emptied cluster."""
+    cluster.flush_all()
+    opened = RedisStore(_address(cluster))
+    yield opened
+    opened.close()
+
+
+def _address(cluster: LocalRedisCluster) -> RedisAddress:
+    return parse_nodes(",".join(f"{a.host}:{a.port}" for a in cluster.primaries()), tls=False)
+
+
+def chain(labels: list[int], namespace: Namespace = NS) -> Chain:
+    tokens = [label for label in labels for _ in range(BLOCK)]
+    return HASHER.chain(namespace, tokens_to_bytes(tokens), block_size=BLOCK)
+
+
+def payload(index: int, size: int = 100) -> bytes:
+    return bytes([index % 251]) * size
+
+
+def put(
+    store: RedisStore,
+    links: Sequence[ChainLink],
+    start: int = 0,
+    *,
+    namespace: Namespace = NS,
+    ttl: float = TTL,
+    pay: Callable[[int], bytes] = payload,
+) -> InsertResult:
+    blocks = [NewBlock(link, pay(link.depth)) for link in links[start:]]
+    return store.insert(
+        HASHER.namespace_id(namespace),
+        blocks,
+        parent=links[start - 1] if start else None,
+        now=time.time(),
+        retention="chat",
+        ttl_seconds=ttl,
+    )
+
+
+def test_a_long_prefix_is_stored_spread_over_every_primary_and_matched_whole(
+    store: RedisStore, cluster: LocalRedisCluster
+) -> None:
+    links = chain(list(range(300)))
+    result = put(store, links)
+    assert len(result.stored) == 300 and not result.collisions
+    assert store.match(NSID, links, now=time.time()).matched == 300
+    held = [cluster.node_client(a).dbsize() for a in cluster.primaries()]
+    assert all(count > 50 for count in held), held  # no hash tag: spread over the slots
+    got = store.match(NSID, links, now=time.time(), with_payloads=True)
+    assert got.matched == 300 and got.payloads == tuple(payload(i) for i in range(300))
+    fetched, corrupt = store.get_payloads(NSID, [links[5].key, links[299].key], now=time.time())
+    assert fetched == [payload(5), payload(299)] and corrupt == 0
+    longer = chain([*range(300), 7, 8])
+    assert store.match(NSID, longer, now=time.time()).matched == 300
+
+
+def test_a_gap_in_the_middle_stops_the_match_there(store: RedisStore) -> None:
+    links = chain(list(range(40)))
+    put(store, links)
+    store.client.unlink(block_key(store_key(b"", links[25].key)))  # as if Redis evicted it
+    assert store.match(NSID, links, now=time.time()).matched == 25
+    got = store.match(NSID, links, now=time.time(), with_payloads=True)
+    assert got.matched == 25 and got.payloads is not None and len(got.payloads) == 25
+
+
+def test_damaged_records_and_payloads_are_misses_and_dropped(store: RedisStore) -> None:
+    links = chain(list(range(30)))
+    put(store, links)
+    record_key = block_key(store_key(b"", links[20].key))
+    store.client.setrange(record_key, 40, b"\xff\xfe")  # inside the record
+    assert store.match(NSID, links, now=time.time()).matched == 20
+    assert store.damage_pending() == 1
+    payload_key = block_key(store_key(b"", links[10].key))
+    size = store.client.strlen(payload_key)
+    store.client.setrange(payload_key, size - 1, b"\x00")  # the payload's last byte
+    # The record still verifies: a lookup without payloads counts it, as LMDB's does.
+    assert store.match(NSID, links, now=time.time()).matched == 20
+    got = store.match(NSID, links, now=time.time(), with_payloads=True)
+    assert (got.matched, got.corrupt) == (10, 1)
+    assert store.get_payloads(NSID, [links[10].key], now=time.time()) == ([None], 1)
+    dropped = store.drop_damaged(now=time.time(), ttl_seconds=TTL)
+    assert dropped.records == 2 and store.damage_pending() == 0
+    assert store.client.exists(record_key, payload_key) == 0
+
+
+def test_put_if_absent_keeps_the_first_writer_and_counts_a_conflict(store: RedisStore) -> None:
+    links = chain([1, 2, 3])
+    assert len(put(store, links).stored) == 3
+    again = put(store, links)
+    assert (len(again.stored), again.refreshed, again.conflicts) == (0, 3, 0)
+    other = put(store, links, pay=lambda depth: b"x" * 100)
+    assert (other.refreshed, other.conflicts) == (3, 3)
+    got = store.match(NSID, links, now=time.time(), with_payloads=True)
+    assert got.payloads == tuple(payload(i) for i in range(3))
+
+
+def test_a_missing_parent_is_refused_and_nothing_is_written(store: RedisStore) -> None:
+    links = chain([1, 2, 3, 4])
+    with pytest.raises(MissingParent):
+        put(store, links, start=2)
+    assert store.match(NSID, links, now=time.time()).matched == 0
+    put(store, links[:2])
+    assert len(put(store, links, start=2).stored) == 2
+    assert store.match(NSID, links, now=time.time()).matched == 4
+
+
+def test_tenants_and_namespaces_never_see_each_other(store: RedisStore) -> None:
+    tenant = Namespace(model="redis-model", tenant="acme")
+    put(store, chain([1, 2, 3]))
+    assert (
+        store.match(HASHER.namespace_id(tenant), chain([1, 2, 3], tenant), now=time.time()).matched
+        == 0
+    )
+    put(store, chain([1, 2, 3], tenant), namespace=tenant)
+    tenant_id = HASHER.namespace_id(tenant)
+    assert tenant_id.partition == tenant_partition("acme")
+    assert store.match(tenant_id, chain([1, 2, 3], tenant), now=time.time()).matched == 3
+    # A block key of one namespace asked for in another is not handed out.
+    assert store.get_payloads(tenant_id, [chain([1])[0].key], now=time.time()) == ([None], 0)
+
+
+def test_blocks_live_by_native_expiry_and_a_hit_slides_the_whole_prefix(
+    store: RedisStore,
+) -> None:
+    links = chain([1, 2, 3])
+    put(store, links, ttl=0.5)
+    keys = [block_key(store_key(b"", link.key)) for link in links]
+    assert all(0 < store.client.pttl(key) <= 500 for key in keys)
+    hit = Touch(
+        keys=tuple(link.key for link in links), at=time.time(), retention="chat", ttl_seconds=60
+    )
+    store.touch([hit], resolution_seconds=1.0, slide_fraction=0.05)
+    assert all(55_000 < store.client.pttl(key) <= 60_000 for key in keys)
+    store.touch([hit], resolution_seconds=1.0, slide_fraction=0.05)  # within the slide: no-op
+    short = chain([9, 8])
+    put(store, short, ttl=0.2)
+    time.sleep(0.4)
+    assert store.match(NSID, short, now=time.time()).matched == 0
+    assert store.match(NSID, links, now=time.time()).matched == 3
+
+
+def test_purge_a_tenant_or_a_namespace_scans_every_primary(store: RedisStore) -> None:
+    tenant = Namespace(model="redis-model", tenant="acme")
+    other_model = Namespace(model="other-model", tenant="acme")
+    put(store, chain(list(range(50))))
+    put(store, chain(list(range(60)), tenant), namespace=tenant)
+    put(store, chain(list(range(70)), other_model), namespace=other_model)
+    partition = tenant_partition("acme")
+    by_namespace = store.purge(
+        partition, root=HASHER.namespace_id(other_model).root, now=time.time()
+    )
+    assert by_namespace.blocks == 70
+    assert (
+        store.match(
+            HASHER.namespace_id(tenant), chain(list(range(60)), tenant), now=time.time()
+        ).matched
+        == 60
+    )
+    by_tenant = store.purge(partition, now=time.time())
+    assert by_tenant.blocks == 60 and by_tenant.payload_bytes > 60 * 100
+    assert (
+        store.match(NSID, chain(list(range(50))), now=time.time()).matched == 50
+    )  # default tenant
+    with pytest.raises(NotSupportedByStore):
+        store.purge(partition, under=store_key(partition, chain([1])[0].key), now=time.time())
+
+
+def test_what_the_redis_store_does_not_keep_is_refused(store: RedisStore) -> None:
+    links = chain([1, 2])
+    put(store, links)
+    with pytest.raises(NotSupportedByStore) as refused:
+        store.pin(NSID, links, now=time.time(), by="admin")
+    assert refused.value.status == 501 and "pins" in refused.value.detail
+    assert store.pins(b"") == []
+    assert store.inspect(NSID, links[1], now=time.time()).status == "stored"
+    assert store.inspect(NSID, chain([1, 5])[1], now=time.time()).status == "absent"
+
+
+def test_usage_reports_the_cluster_memory_and_its_limit(store: RedisStore) -> None:
+    put(store, chain(list(range(20))))
+    time.sleep(1.1)  # past the reuse of the last report
+    usage = store.usage()
+    assert usage.blocks >= 20 and usage.used_bytes > 0
+    assert store.memory_limit_bytes() == 3 * 64 * 2**20
+
+
+def test_the_registry_opens_redis_urls_and_refuses_bad_ones(cluster: LocalRedisCluster) -> None:
+    first = cluster.primaries()[0]
+    opened = open_store(f"redis://{first.host}:{first.port}", map_size_bytes=1 << 20)
+    try:
+        assert opened.kind == "redis" and opened.folder is None
+        assert isinstance(opened.store, RedisStore) and opened.store.clustered
+        assert opened.where.startswith("redis cluster redis://")
+    finally:
+        opened.store.close()
+    for bad, says in (
+        ("redis://", "empty node"),
+        ("redis://:6379", "host"),
+        ("redis://h:port", "not a number"),
+        ("redis://user:pw@h:1", "HOST:PORT only"),
+        ("redis://h:1/0", "HOST:PORT only"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            parse_store_url(bad)
+
+
+def test_settings_that_define_the_data_must_match_across_replicas(
+    cluster: LocalRedisCluster,
+) -> None:
+    cluster.flush_all()
+    first = cluster.primaries()[0]
+    url = f"redis://{first.host}:{first.port}"
+
+    def identity(seed: str) -> StoreIdentity:
+        return identity_of(
+            seed=seed,
+            default_block_size=64,
+            model_block_sizes={},
+            retention_ttl_seconds={"chat": 60.0},
+            capacity_bytes=1 << 30,
+            high_water=0.95,
+            low_water=0.85,
+            eviction_policy="lru",
+        )
+
+    open_store(url, map_size_bytes=1, identity=identity("one")).store.close()
+    open_store(url, map_size_bytes=1, identity=identity("one")).store.close()
+    with pytest.raises(SettingsMismatch):
+        open_store(url, map_size_bytes=1, identity=identity("two"))
+
+
+@contextmanager
+def single_node(directory: Path, *args: str) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """One redis-server (not a cluster) on a free port, stopped after."""
+    server, _cli = require_tools()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(directory), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        yield process, port
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_node_without_a_memory_limit_or_with_noeviction_is_refused(tmp_path: Path) -> None:
+    with single_node(tmp_path) as (_process, port), pytest.raises(ValueError, match="noeviction"):
+        RedisStore(parse_nodes(f"127.0.0.1:{port}", tls=False))
+    volatile = ("--maxmemory-policy", "volatile-lru")
+    with (
+        single_node(tmp_path, *volatile) as (_process, port),
+        pytest.raises(ValueError, match="is 0"),
+    ):
+        RedisStore(parse_nodes(f"127.0.0.1:{port}", tls=False))
+
+
+def test_redis_down_is_a_miss_for_lookups_and_a_fast_503_for_writes(tmp_path: Path) -> None:
+    with single_node(tmp_path, *MEMORY) as (process, port):
+        store = RedisStore(
+            parse_nodes(f"127.0.0.1:{port}", tls=False),
+            breaker=CircuitBreaker(failures=2, open_for=30.0),
+        )
+        assert not store.clustered
+        links = chain([1, 2, 3])
+        put(store, links)
+        assert store.match(NSID, links, now=time.time()).matched == 3
+        process.kill()
+        process.wait()
+        assert store.match(NSID, links, now=time.time()).matched == 0
+        assert store.lookup_errors == 1
+        assert store.get_payloads(NSID, [links[0].key], now=time.time()) == ([None], 0)
+        for _ in range(2):
+            with pytest.raises(StorageFailure) as failed:
+                put(store, chain([4, 5]))
+            assert failed.value.status == 503
+        started = time.monotonic()
+        with pytest.raises(StorageFailure, match="refused") as refused:
+            put(store, chain([4, 5]))
+        # The breaker is open: refused without trying Redis (a try waits up to the 2 s socket
+        # timeout; the bound is loose for a noisy machine).
+        assert time.monotonic() - started < 1.0
+        assert refused.value.extensions["retry_after_seconds"] > 1
+        store.close()

@@ -1,0 +1,97 @@
+"""Two `cache-service serve` processes on one real Redis Cluster: what one stores, the other
+serves byte for byte; what the Redis store cannot do is a clear problem, never a 500."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cache_service.client import CacheClient
+from cache_service.service.api_keys import Role, key_file_entry, new_key
+from tests.integration.conftest import ServerProcess, free_port, service_command
+from tests.redis_cluster.cluster import LocalRedisCluster
+from tests.redis_cluster.conftest import require_tools
+
+PROMPT = list(range(9000, 9000 + 64 * 40))  # 40 blocks of 64
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    """A cluster as the store wants it: maxmemory with volatile-lru."""
+    server, cli = require_tools()
+    with LocalRedisCluster(
+        tmp_path_factory.mktemp("redis-replicas"),
+        maxmemory_bytes=64 * 2**20,
+        maxmemory_policy="volatile-lru",
+        redis_server=server,
+        redis_cli=cli,
+    ) as started:
+        yield started
+
+
+def redis_url(cluster: LocalRedisCluster) -> str:
+    """The store URL naming every primary."""
+    return "redis://" + ",".join(f"{a.host}:{a.port}" for a in cluster.primaries())
+
+
+def test_two_replicas_share_one_cache(
+    cluster: LocalRedisCluster, make_server: Callable[..., ServerProcess]
+) -> None:
+    cluster.flush_all()
+    url = redis_url(cluster)
+    one = make_server(store=url, touch_flush_interval="0.05")
+    two = make_server(store=url, touch_flush_interval="0.05")
+    payloads = [bytes([i]) * 4096 for i in range(40)]
+    with CacheClient(one.url) as writer, CacheClient(two.url) as reader:
+        stored = writer.store("m", PROMPT, payloads)
+        assert stored.stored_blocks == 40
+        hit = reader.lookup("m", PROMPT, fetch=True)
+        assert hit.matched_blocks == 40
+        assert hit.payloads is not None and [bytes(p) for p in hit.payloads] == payloads
+        again = reader.store("m", PROMPT, payloads)  # the same blocks from the other replica
+        assert again.stored_blocks == 0
+        info = httpx.get(two.url + "/v1/info").json()
+        assert "redis" in str(info).lower()
+        pinned = httpx.post(one.url + "/v1/pin", json={"model": "m", "tokens": PROMPT[:128]})
+        assert pinned.status_code == 501, pinned.text
+        assert pinned.headers["content-type"].startswith("application/problem+json")
+        assert pinned.json()["type"].endswith("/not-supported-by-store")
+
+
+def test_the_capacity_is_redis_maxmemory(
+    cluster: LocalRedisCluster, make_server: Callable[..., ServerProcess]
+) -> None:
+    server = make_server(store=redis_url(cluster))
+    info = httpx.get(server.url + "/v1/info").json()
+    assert (info["store"], info["capacity_bytes"]) == ("redis", 3 * 64 * 2**20)
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "prompt_cache_capacity_bytes 2.01326592e+08" in metrics  # 3 x 64 MiB
+
+
+def serve_refused(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """`cache-service serve` with flags that must be refused at start-up."""
+    args = [*service_command(), "serve", "--host", "127.0.0.1", "--port", str(free_port())]
+    return subprocess.run(
+        [*args, *flags], capture_output=True, text=True, timeout=60, cwd=tmp_path, check=False
+    )
+
+
+def test_tenant_quotas_and_a_bad_redis_are_refused_at_start_up_with_the_reason(
+    cluster: LocalRedisCluster, tmp_path: Path
+) -> None:
+    key_file = tmp_path / "keys.toml"
+    writer = key_file_entry("a-writer", "team-a", Role.parse("writer"), new_key())
+    key_file.write_text(writer + '\n[tenants.team-a]\ncapacity = "1MiB"\n')
+    refused = serve_refused(
+        tmp_path, "--store", redis_url(cluster), "--auth", "keys", "--api-keys-file", str(key_file)
+    )
+    assert refused.returncode != 0
+    assert "tenant capacity quotas" in refused.stderr and "team-a" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    nobody = serve_refused(tmp_path, "--store", f"redis://127.0.0.1:{free_port()}")
+    assert nobody.returncode != 0 and "no Redis node" in nobody.stderr
+    assert "Traceback" not in nobody.stderr
