@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from tests.redis_cluster.cluster import LocalRedisCluster
+    from bench.redis_cluster import LocalRedisCluster
 
 
 def missing(reason: str) -> None:
@@ -46,7 +46,7 @@ def start_cluster(directory: Path) -> LocalRedisCluster:
     """A started three-primary, three-replica cluster in `directory`."""
     server, cli = require_tools()
     # Imported here: redis-py is optional, and a module-level import would break collection.
-    from tests.redis_cluster.cluster import LocalRedisCluster  # noqa: PLC0415
+    from bench.redis_cluster import LocalRedisCluster  # noqa: PLC0415
 
     return LocalRedisCluster(directory, redis_server=server, redis_cli=cli).start()
 

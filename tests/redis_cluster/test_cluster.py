@@ -18,7 +18,7 @@ import pytest
 if TYPE_CHECKING:
     from redis.cluster import RedisCluster
 
-    from tests.redis_cluster.cluster import LocalRedisCluster
+    from bench.redis_cluster import LocalRedisCluster
 
 SLOTS = 16384
 SPREAD_KEYS = 1000

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.redis_cluster import LocalRedisCluster
 from cache_service.core.blocks import (
     Chain,
     ChainLink,
@@ -35,7 +37,6 @@ from cache_service.core.store.breaker import CircuitBreaker
 from cache_service.core.store.redis_connect import RedisAddress, parse_nodes
 from cache_service.core.store.redis_store import RedisStore, block_key
 from cache_service.core.store.registry import open_store, parse_store_url
-from tests.redis_cluster.cluster import LocalRedisCluster
 from tests.redis_cluster.conftest import require_tools
 
 BLOCK = 4
@@ -338,6 +339,7 @@ def test_redis_down_is_a_miss_for_lookups_and_a_fast_503_for_writes(tmp_path: Pa
         store = RedisStore(
             parse_nodes(f"127.0.0.1:{port}", tls=False),
             breaker=CircuitBreaker(failures=2, open_for=30.0),
+            write_retry_seconds=0.3,
         )
         assert not store.clustered
         links = chain([1, 2, 3])
@@ -345,7 +347,9 @@ def test_redis_down_is_a_miss_for_lookups_and_a_fast_503_for_writes(tmp_path: Pa
         assert store.match(NSID, links, now=time.time()).matched == 3
         process.kill()
         process.wait()
+        started = time.monotonic()
         assert store.match(NSID, links, now=time.time()).matched == 0
+        assert time.monotonic() - started < 2.0  # a miss at once, not after backoffs
         assert store.lookup_errors == 1
         assert store.get_payloads(NSID, [links[0].key], now=time.time()) == ([None], 0)
         for _ in range(2):
@@ -360,3 +364,31 @@ def test_redis_down_is_a_miss_for_lookups_and_a_fast_503_for_writes(tmp_path: Pa
         assert time.monotonic() - started < 1.0
         assert refused.value.extensions["retry_after_seconds"] > 1
         store.close()
+
+
+def test_a_write_rides_out_a_short_outage_within_its_retry_window(tmp_path: Path) -> None:
+    with single_node(tmp_path, *MEMORY) as (process, port):
+        store = RedisStore(parse_nodes(f"127.0.0.1:{port}", tls=False), write_retry_seconds=10.0)
+        process.kill()
+        process.wait()
+        server, _cli = require_tools()
+        args = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *MEMORY]
+        restarted: list[subprocess.Popen[bytes]] = []
+
+        def restart_soon() -> None:
+            time.sleep(1.0)
+            restarted.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, cwd=tmp_path))
+
+        helper = threading.Thread(target=restart_soon)
+        helper.start()
+        try:
+            links = chain([1, 2, 3])
+            assert len(put(store, links).stored) == 3  # waited for the node, then stored
+            assert store.write_retries >= 1  # the store's own retries, not only redis-py's
+            assert store.match(NSID, links, now=time.time()).matched == 3
+        finally:
+            helper.join()
+            store.close()
+            for started in restarted:
+                started.kill()
+                started.wait()

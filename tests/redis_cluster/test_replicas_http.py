@@ -10,10 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.redis_cluster import LocalRedisCluster
 from cache_service.client import CacheClient
 from cache_service.service.api_keys import Role, key_file_entry, new_key
 from tests.integration.conftest import ServerProcess, free_port, service_command
-from tests.redis_cluster.cluster import LocalRedisCluster
 from tests.redis_cluster.conftest import require_tools
 
 PROMPT = list(range(9000, 9000 + 64 * 40))  # 40 blocks of 64

@@ -16,12 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
 
 PASSWORD_ENV = "CACHE_SERVICE_REDIS_PASSWORD"
 USERNAME_ENV = "CACHE_SERVICE_REDIS_USERNAME"
 DEFAULT_PORT = 6379
-SOCKET_TIMEOUT_SECONDS = 2.0  # a lookup waits at most this for a node before it is a miss
+SOCKET_TIMEOUT_SECONDS = 2.0
+CLIENT_RETRIES = 2  # a lookup waits at most this for a node before it is a miss
 # What Redis may evict on its own: only keys with an expiry (every block has one; a pinned
 # block, when pins come, will not), least recently used first.
 GOOD_POLICIES = ("volatile-lru", "volatile-lfu", "volatile-ttl", "volatile-random")
@@ -75,6 +78,10 @@ def connect(address: RedisAddress) -> tuple[Any, bool]:
         "ssl": address.tls,
         "socket_timeout": SOCKET_TIMEOUT_SECONDS,
         "socket_connect_timeout": SOCKET_TIMEOUT_SECONDS,
+        # One quick try more, no backoff: a lookup that fails is a miss at once, and the
+        # store tries a write again on its own terms (RedisStore.write_retry_seconds). On a
+        # Cluster the count is also how often a command follows a new slot map.
+        "retry": Retry(NoBackoff(), CLIENT_RETRIES),
     }
     errors = []
     for host, port in address.nodes:

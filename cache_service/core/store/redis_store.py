@@ -88,6 +88,7 @@ from cache_service.core.store.redis_values import (
 )
 
 PROBE_BLOCKS = 16  # the first round trip of a lookup: a miss costs little
+WRITE_RETRY_SECONDS = 5.0  # covers a failover at cluster-node-timeout 1-2 s, not at 15 s
 USAGE_SECONDS = 1.0  # how long a usage report (INFO on every primary) is reused
 
 
@@ -104,8 +105,11 @@ class RedisStore(RedisControls):
         identity: IdentityCheck | None = None,
         check_settings: bool = True,
         breaker: CircuitBreaker | None = None,
+        write_retry_seconds: float = WRITE_RETRY_SECONDS,
     ) -> None:
         self.address = address
+        self.write_retry_seconds = write_retry_seconds
+        self.write_retries = 0  # writes tried again after Redis failed them
         self.client, self.clustered = connect(address)
         self.policy: EvictionPolicy = policy or LruPolicy()
         self.lifetimes: Lifetimes = UNBOUNDED
@@ -326,26 +330,39 @@ class RedisStore(RedisControls):
         ttl_seconds: float,
     ) -> InsertResult:
         """Store consecutive blocks, each put-if-absent with the class TTL; MissingParent if
-        `parent` is not stored. Behind the circuit breaker: Redis failing is a 503."""
+        `parent` is not stored. A Redis failure is tried again for up to `write_retry_seconds`
+        (a failover promotes a replica in a few seconds; a retried write that had landed
+        reads as refreshed, never twice); past that, a 503 and the breaker counts it."""
         if not blocks:
             return InsertResult()
         self.breaker.check("store")
-        try:
-            result = self._insert(
-                namespace,
-                blocks,
-                parent=parent,
-                now=now,
-                retention=retention,
-                ttl_seconds=ttl_seconds,
-            )
-        except Exception as exc:
-            if not is_redis_error(exc):
-                raise
-            self.breaker.failed()
-            raise StorageFailure(
-                f"Redis failed the store: {type(exc).__name__}: {exc}", retry_after_seconds=1.0
-            ) from exc
+        deadline = time.monotonic() + self.write_retry_seconds
+        pause = 0.05
+        while True:
+            try:
+                result = self._insert(
+                    namespace,
+                    blocks,
+                    parent=parent,
+                    now=now,
+                    retention=retention,
+                    ttl_seconds=ttl_seconds,
+                )
+                break
+            except Exception as exc:
+                if not is_redis_error(exc):
+                    raise
+                if time.monotonic() + pause < deadline:
+                    with self._lock:
+                        self.write_retries += 1
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.5)
+                    continue
+                self.breaker.failed()
+                raise StorageFailure(
+                    f"Redis failed the store: {type(exc).__name__}: {exc}",
+                    retry_after_seconds=1.0,
+                ) from exc
         self.breaker.succeeded()
         return result
 

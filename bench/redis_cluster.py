@@ -1,5 +1,6 @@
-"""A real Redis Cluster on 127.0.0.1 for tests: redis-server processes, `redis-cli --cluster
-create`, the topology read back from CLUSTER NODES, kill -9 of a primary and its failover timed.
+"""A real Redis Cluster on 127.0.0.1 for tests and benchmarks: redis-server processes,
+`redis-cli --cluster create`, the topology read back from CLUSTER NODES, kill -9 of a primary
+and its failover timed.
 
     with LocalRedisCluster(tmp_path) as cluster:      # 3 primaries, 1 replica each
         client = cluster.cluster_client()             # redis.cluster.RedisCluster
