@@ -22,14 +22,19 @@ from cache_service.core.blocks import (
     InsertResult,
     Namespace,
     NewBlock,
+    PinLimits,
     Touch,
     store_key,
 )
 from cache_service.core.errors import (
+    Forbidden,
     MissingParent,
+    NotStored,
     NotSupportedByStore,
+    QuotaExceeded,
     SettingsMismatch,
     StorageFailure,
+    StoreFull,
 )
 from cache_service.core.hashing import BlockHasher, tenant_partition, tokens_to_bytes
 from cache_service.core.identity import StoreIdentity, identity_of
@@ -227,17 +232,79 @@ def test_purge_a_tenant_or_a_namespace_scans_every_primary(store: RedisStore) ->
     assert (
         store.match(NSID, chain(list(range(50))), now=time.time()).matched == 50
     )  # default tenant
-    with pytest.raises(NotSupportedByStore):
-        store.purge(partition, under=store_key(partition, chain([1])[0].key), now=time.time())
 
 
-def test_what_the_redis_store_does_not_keep_is_refused(store: RedisStore) -> None:
+def test_a_pinned_prefix_loses_its_expiry_until_its_last_pin_lets_go(store: RedisStore) -> None:
+    links = chain(list(range(10)))
+    put(store, links, ttl=600)
+    keys = [block_key(store_key(b"", link.key)) for link in links]
+    short, created = store.pin(NSID, links[:5], now=time.time(), by="writer-key", rank=1)
+    assert created and (short.blocks, short.by, short.rank) == (5, "writer-key", 1)
+    assert short.bytes > 5 * 100
+    store.pin(NSID, links, now=time.time(), by="writer-key", rank=1)
+    assert [store.client.pttl(key) for key in keys] == [-1] * 10  # no expiry: never evicted
+    again, created = store.pin(NSID, links, now=time.time(), by="admin-key", rank=2)
+    assert not created and (again.by, again.rank) == ("admin-key", 2)  # taken over
+    assert sorted(pin.blocks for pin in store.pins(b"")) == [5, 10]
+    with pytest.raises(Forbidden):
+        store.unpin(NSID, links[-1].key, now=time.time(), ttl_seconds=60, rank=1)
+    assert store.unpin(NSID, links[-1].key, now=time.time(), ttl_seconds=60, rank=2) == 10
+    ttls = [store.client.pttl(key) for key in keys]
+    assert ttls[:5] == [-1] * 5  # still held by the short pin
+    assert all(55_000 < ttl <= 60_000 for ttl in ttls[5:])
+    assert store.unpin(NSID, links[4].key, now=time.time(), ttl_seconds=60, rank=1) == 5
+    assert all(0 < store.client.pttl(key) <= 60_000 for key in keys)
+    assert store.pins(b"") == []
+    assert store.unpin(NSID, links[4].key, now=time.time(), ttl_seconds=60, rank=1) == 0
+    assert store.match(NSID, links, now=time.time()).matched == 10
+
+
+def test_a_prefix_not_stored_whole_is_not_pinned(store: RedisStore) -> None:
+    links = chain(list(range(6)))
+    put(store, links[:4])
+    with pytest.raises(NotStored) as refused:
+        store.pin(NSID, links, now=time.time(), by="k")
+    assert refused.value.extensions["block"] == 4
+    assert store.pins(b"") == [] and all(
+        store.client.pttl(block_key(store_key(b"", link.key))) > 0 for link in links[:4]
+    )
+    assert [link.key for link in store.links_of(NSID, [link.key for link in links[:4]], now=0)] == [
+        link.key for link in links[:4]
+    ]
+    with pytest.raises(NotStored):
+        store.links_of(NSID, [links[1].key], now=0)  # not block 0
+
+
+def test_pin_quotas_are_kept(store: RedisStore) -> None:
+    links = chain(list(range(8)))
+    put(store, links)
+    with pytest.raises(QuotaExceeded):
+        store.pin(NSID, links, now=time.time(), by="k", limits=PinLimits(blocks=5))
+    store.pin(NSID, links[:4], now=time.time(), by="k", limits=PinLimits(blocks=5))
+    with pytest.raises(QuotaExceeded):
+        store.pin(NSID, links[:6], now=time.time(), by="k", limits=PinLimits(blocks=5))
+
+
+def test_a_purge_lets_the_tenants_pins_go(store: RedisStore) -> None:
+    tenant = Namespace(model="redis-model", tenant="acme")
+    links = chain(list(range(5)), tenant)
+    put(store, links, namespace=tenant)
+    tenant_id = HASHER.namespace_id(tenant)
+    store.pin(tenant_id, links, now=time.time(), by="k")
+    purged = store.purge(tenant_partition("acme"), now=time.time())
+    assert (purged.blocks, purged.pins) == (5, 1)
+    assert store.pins(tenant_partition("acme")) == []
+    put(store, links, namespace=tenant)  # stored again: not pinned by a stale count
+    stored_again = [block_key(store_key(tenant_id.partition, link.key)) for link in links]
+    assert all(store.client.pttl(key) > 0 for key in stored_again)
+
+
+def test_what_the_redis_store_does_not_do_is_refused_or_said(store: RedisStore) -> None:
     links = chain([1, 2])
     put(store, links)
     with pytest.raises(NotSupportedByStore) as refused:
-        store.pin(NSID, links, now=time.time(), by="admin")
-    assert refused.value.status == 501 and "pins" in refused.value.detail
-    assert store.pins(b"") == []
+        store.purge(b"", under=store_key(b"", links[0].key), now=time.time())
+    assert refused.value.status == 501
     assert store.inspect(NSID, links[1], now=time.time()).status == "stored"
     assert store.inspect(NSID, chain([1, 5])[1], now=time.time()).status == "absent"
 
@@ -392,3 +459,43 @@ def test_a_write_rides_out_a_short_outage_within_its_retry_window(tmp_path: Path
             for started in restarted:
                 started.kill()
                 started.wait()
+
+
+def test_under_memory_pressure_redis_evicts_blocks_but_never_a_pinned_one(tmp_path: Path) -> None:
+    small = ("--maxmemory", str(4 * 2**20), "--maxmemory-policy", "volatile-lru")
+    with single_node(tmp_path, *small) as (_process, port):
+        store = RedisStore(parse_nodes(f"127.0.0.1:{port}", tls=False))
+        try:
+            pinned = chain(list(range(10)))
+            put(store, pinned, pay=lambda depth: bytes([depth]) * 10_000)
+            store.pin(NSID, pinned, now=time.time(), by="k")
+            for batch in range(40):  # 40 x 50 x 10 kB: five times the memory limit
+                others = chain([1000 + batch * 50 + i for i in range(50)])
+                put(store, others, pay=lambda depth: b"o" * 10_000)
+            assert store.client.dbsize() < 40 * 50  # Redis evicted within its limit
+            got = store.match(NSID, pinned, now=time.time(), with_payloads=True)
+            assert got.matched == 10  # every pinned block is still there, verified
+            assert got.payloads == tuple(bytes([depth]) * 10_000 for depth in range(10))
+        finally:
+            store.close()
+
+
+def test_a_redis_full_of_what_it_may_not_evict_refuses_writes_with_507_at_once(
+    tmp_path: Path,
+) -> None:
+    small = ("--maxmemory", str(16 * 2**20), "--maxmemory-policy", "volatile-lru")
+    with single_node(tmp_path, *small) as (_process, port):
+        store = RedisStore(parse_nodes(f"127.0.0.1:{port}", tls=False))
+        try:
+            # Keys without an expiry (as pinned blocks are), then the limit lowered below
+            # them: Redis may evict none, so it refuses every write with OOM.
+            for index in range(4):
+                store.client.set(f"persistent-{index}".encode(), b"x" * 200_000)
+            store.client.config_set("maxmemory", str(2**20))
+            started = time.monotonic()
+            with pytest.raises(StoreFull) as full:
+                put(store, chain([9999]), pay=lambda depth: b"n" * 20_000)
+            assert full.value.status == 507 and "pins" in full.value.detail
+            assert time.monotonic() - started < 2.0  # not the 5 s retry of a failing node
+        finally:
+            store.close()

@@ -57,9 +57,14 @@ def test_two_replicas_share_one_cache(
         info = httpx.get(two.url + "/v1/info").json()
         assert "redis" in str(info).lower()
         pinned = httpx.post(one.url + "/v1/pin", json={"model": "m", "tokens": PROMPT[:128]})
-        assert pinned.status_code == 501, pinned.text
-        assert pinned.headers["content-type"].startswith("application/problem+json")
-        assert pinned.json()["type"].endswith("/not-supported-by-store")
+        assert pinned.status_code == 200, pinned.text
+        assert pinned.json()["pinned_blocks"] == 2
+        listed = httpx.get(two.url + "/v1/pins").json()  # the other replica sees the pin
+        assert [pin["blocks"] for pin in listed["pins"]] == [2], listed
+        under = httpx.post(one.url + "/v1/purge", json={"model": "m", "tokens": PROMPT[:64]})
+        assert under.status_code == 501, under.text  # under one block: not on Redis (yet)
+        assert under.json()["type"].endswith("/not-supported-by-store")
+        assert under.headers["content-type"].startswith("application/problem+json")
 
 
 def test_the_capacity_is_redis_maxmemory(

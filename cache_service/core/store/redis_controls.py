@@ -1,10 +1,11 @@
-"""Operator controls on the Redis store: what it can do (purge a tenant or a namespace with
-a SCAN on every primary, inspect one block, keep the namespace records) and what it refuses
-(pins, purge under one block), with `NotSupportedByStore`, never silently."""
+"""Operator controls on the Redis store: pins (redis_pins.py), purge of a tenant or a
+namespace with a SCAN on every primary, inspecting one block, the namespace records; and what
+it refuses, with `NotSupportedByStore`, never silently: a purge under one block."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from cache_service.core.blocks import (
@@ -19,11 +20,32 @@ from cache_service.core.blocks import (
     StoreKey,
     store_key,
 )
-from cache_service.core.errors import NotSupportedByStore
-from cache_service.core.store.codec import COLLISION, DAMAGED, HIT, ROOT_AT, check_record
+from cache_service.core.errors import Forbidden, NotStored, NotSupportedByStore
+from cache_service.core.lifetimes import Lifetimes
+from cache_service.core.store import pins
+from cache_service.core.store.codec import (
+    COLLISION,
+    DAMAGED,
+    HIT,
+    ROOT_AT,
+    check_record,
+    decode_meta,
+    intact,
+)
+from cache_service.core.store.redis_pins import (
+    PIN_PREFIX,
+    count_key,
+    decode_pin,
+    encode_pin,
+    hold,
+    pin_key,
+    pin_pattern,
+    release,
+)
 from cache_service.core.store.redis_values import (
     BLOCK_PREFIX,
     LENGTH,
+    RedisSpace,
     block_key,
     glob_escape,
     namespace_key,
@@ -45,6 +67,8 @@ class RedisControls:
     """The OperatorControls half of the Redis store (mixed into RedisStore)."""
 
     client: Any
+    space: RedisSpace
+    lifetimes: Lifetimes
 
     def _primaries(self) -> list[Any]:
         raise NotImplementedError
@@ -59,8 +83,37 @@ class RedisControls:
         rank: int = 0,
         limits: PinLimits | None = None,
     ) -> tuple[PinRecord, bool]:
-        """Refused: the Redis store keeps no pins yet."""
-        raise NotSupportedByStore("pins are not kept by the Redis store (yet): nothing was pinned")
+        """Pin the prefix `links` (from block 0; every block stored and verified): its
+        blocks lose their expiry until released (see redis_pins.py). Returns the pin and
+        whether it is new; a higher `rank` pinning again takes the pin over; QuotaExceeded
+        past `limits`."""
+        if not links or links[0].depth != 0:
+            raise ValueError("a pin holds a prefix from block 0")
+        part = namespace.partition
+        key = pin_key(namespace.scope, links[-1].key)
+        held = self.client.get(key)
+        if held is not None:
+            record, keys = decode_pin(key, bytes(held))
+            if rank > record.rank:  # a higher role takes the pin over: only it may release
+                record = replace(record, by=by, rank=rank)
+                self.client.set(key, encode_pin(record, keys))
+            return record, False
+        own = self.pins(part) if limits is not None else []
+        if limits is not None and limits.blocks is not None:
+            pins.check_blocks(own, len(links), limits.blocks)
+        size = self._verified_bytes(namespace, links, now)
+        if limits is not None:
+            pins.check_bytes(own, size, limits.tenant_bytes, "tenant")
+            if limits.total_bytes is not None:
+                pins.check_bytes(self._every_pin(), size, limits.total_bytes, "all")
+        keys = [link.key for link in links]
+        gone = hold(self.client, part, keys)
+        if gone:
+            release(self.client, part, keys, self.lifetimes.longest_ttl_seconds)
+            raise _not_stored(gone[0])
+        record = PinRecord(namespace.scope, links[-1].key, len(links), float(now), by, size, rank)
+        self.client.set(key, encode_pin(record, keys))
+        return record, True
 
     def unpin(
         self,
@@ -71,18 +124,99 @@ class RedisControls:
         ttl_seconds: float,
         rank: int = 0,
     ) -> int:
-        """Refused: the Redis store keeps no pins yet."""
-        raise NotSupportedByStore("pins are not kept by the Redis store (yet): nothing to unpin")
+        """Release the pin whose deepest block is `deepest`: blocks no other pin holds expire
+        `ttl_seconds` from now. How many blocks it held (0: no such pin); Forbidden if a
+        higher rank pinned it."""
+        part = namespace.partition
+        key = pin_key(namespace.scope, deepest)
+        held = self.client.get(key)
+        if held is None:
+            return 0
+        record, keys = decode_pin(key, bytes(held))
+        if record.rank > rank:
+            raise Forbidden(
+                f"this prefix was pinned by {record.by!r}, whose role is above this key's"
+            )
+        if self.client.delete(key):  # once, even if two releases race
+            release(self.client, part, keys, ttl_seconds)
+        return record.blocks
 
     def pins(self, partition: bytes) -> list[PinRecord]:
-        """None: the Redis store keeps no pins."""
-        return []
+        """Every pin of a tenant (SCAN on every primary)."""
+        pattern, length = pin_pattern(partition)
+        return [record for record, _ in self._pins_matching(pattern, length)]
+
+    def _every_pin(self) -> list[PinRecord]:
+        return [record for record, _ in self._pins_matching(PIN_PREFIX + b"*", None)]
+
+    def _pins_matching(
+        self, pattern: bytes, length: int | None
+    ) -> list[tuple[PinRecord, list[BlockKey]]]:
+        found = []
+        for node in self._primaries():
+            for batch in _scan(node, pattern):
+                mine = [key for key in batch if length is None or len(key) == length]
+                values = node.mget(mine) if mine else []
+                found += [
+                    decode_pin(key, bytes(value))
+                    for key, value in zip(mine, values, strict=True)
+                    if value is not None
+                ]
+        return found
+
+    def _verified_bytes(
+        self, namespace: NamespaceId, links: Sequence[ChainLink], now: float
+    ) -> int:
+        """The estimated bytes of a stored, verified prefix; NotStored naming the first block
+        that is not."""
+        pipe = self.client.pipeline(transaction=False)
+        for link in links:
+            pipe.get(block_key(store_key(namespace.partition, link.key)))
+        size = 0
+        for depth, (link, value) in enumerate(
+            zip(links, pipe.execute(raise_on_error=True), strict=True)
+        ):
+            skey = store_key(namespace.partition, link.key)
+            record, _ = record_of(self.client, skey, value, whole=True)
+            verdict = check_record(
+                record,
+                root_and_parent=namespace.root + link.parent,
+                tokens=link.tokens,
+                depth=link.depth,
+                now=now,
+            )
+            if verdict != HIT or record is None:
+                raise _not_stored(depth)
+            meta = decode_meta(skey, record)
+            size += self.space.estimate_bytes(meta.payload_size, len(meta.tokens))
+        return size
 
     def links_of(
         self, namespace: NamespaceId, keys: Sequence[BlockKey], *, now: float
     ) -> list[ChainLink]:
-        """Refused (it serves pins, which the Redis store does not keep)."""
-        raise NotSupportedByStore("the Redis store keeps no pins (yet)")
+        """The chain links of a stored prefix given by its keys (records linked by their
+        parents from the root); NotStored naming the first key that is not."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(block_key(store_key(namespace.partition, key)))
+        links: list[ChainLink] = []
+        parent = namespace.root
+        for depth, (key, value) in enumerate(
+            zip(keys, pipe.execute(raise_on_error=True), strict=True)
+        ):
+            skey = store_key(namespace.partition, key)
+            record, _ = record_of(self.client, skey, value, whole=True)
+            meta = decode_meta(skey, record) if record and intact(record) else None
+            if (
+                meta is None
+                or meta.namespace_root != namespace.root
+                or meta.depth != depth
+                or meta.parent != parent
+            ):
+                raise _not_stored(depth)
+            links.append(ChainLink(key, parent, meta.tokens, depth))
+            parent = key
+        return links
 
     def encoded_namespace(self, scope: StoreKey) -> bytes | None:
         """The encoded namespace stored for a scope, if any."""
@@ -103,42 +237,51 @@ class RedisControls:
         now: float,
         ttl_seconds: float = 0.0,
     ) -> PurgeResult:
-        """Delete a tenant's blocks, or a namespace's: SCAN on every primary, in batches."""
+        """Delete a tenant's blocks, or a namespace's, with their pins: SCAN on every
+        primary, in batches (pins first, so no pin is left holding deleted blocks)."""
         if under is not None:
             raise NotSupportedByStore(
                 "purging under one block is not supported by the Redis store (yet): purge the "
                 "namespace or the tenant"
             )
+        pattern, length = pin_pattern(partition)
+        dropped = 0
+        for record, _keys in self._pins_matching(pattern, length):
+            if root is None or record.scope == store_key(partition, root):
+                dropped += self.client.delete(pin_key(record.scope, record.key))
+        blocks = payload_bytes = 0
         pattern = BLOCK_PREFIX + glob_escape(partition) + b"*"
         length = len(BLOCK_PREFIX) + len(partition) + KEY_BYTES
-        blocks = payload_bytes = 0
         for node in self._primaries():
-            cursor = 0
-            while True:
-                cursor, found = node.scan(cursor, match=pattern, count=SCAN_BATCH)
-                mine = [key for key in found if len(key) == length]  # not a longer partition
+            for batch in _scan(node, pattern):
+                mine = [key for key in batch if len(key) == length]  # not a longer partition
                 if root is not None and mine:
                     pipe = node.pipeline(transaction=False)
                     for key in mine:
                         pipe.getrange(key, LENGTH.size + ROOT_AT, LENGTH.size + ROOT_AT + 15)
                     roots = pipe.execute(raise_on_error=False)
                     mine = [key for key, held in zip(mine, roots, strict=True) if held == root]
-                if mine:
-                    pipe = node.pipeline(transaction=False)
-                    for key in mine:
-                        pipe.strlen(key)
-                        pipe.unlink(key)
-                    answers = pipe.execute(raise_on_error=False)
-                    removed = [
-                        size
-                        for size, gone in zip(answers[::2], answers[1::2], strict=True)
-                        if gone == 1
-                    ]
-                    blocks += len(removed)
-                    payload_bytes += sum(int(size) for size in removed)
-                if cursor == 0:
-                    break
-        return PurgeResult(blocks=blocks, payload_bytes=payload_bytes, pins=0)
+                if not mine:
+                    continue
+                pipe = node.pipeline(transaction=False)
+                for key in mine:
+                    pipe.strlen(key)
+                    pipe.unlink(key)
+                answers = pipe.execute(raise_on_error=False)
+                removed = [
+                    (key, size)
+                    for key, size, gone in zip(mine, answers[::2], answers[1::2], strict=True)
+                    if gone == 1
+                ]
+                blocks += len(removed)
+                payload_bytes += sum(int(size) for _, size in removed)
+                counts = [count_key(StoreKey(key[len(BLOCK_PREFIX) :])) for key, _ in removed]
+                if counts:  # a count lives on its own slot: through the cluster client
+                    pipe = self.client.pipeline(transaction=False)
+                    for count in counts:
+                        pipe.unlink(count)
+                    pipe.execute(raise_on_error=False)
+        return PurgeResult(blocks=blocks, payload_bytes=payload_bytes, pins=dropped)
 
     def inspect(self, namespace: NamespaceId, link: ChainLink, *, now: float) -> BlockState:
         """Why one block does not match: absent, a collision, damaged, or stored."""
@@ -159,3 +302,20 @@ class RedisControls:
     ) -> list[tuple[BlockKey, int, bytes | None]]:
         """None known: the Redis store keeps no first-block hints."""
         return []
+
+
+def _scan(node: Any, pattern: bytes) -> Iterator[list[bytes]]:
+    """The keys matching `pattern` on one node, a batch at a time."""
+    cursor = 0
+    while True:
+        cursor, found = node.scan(cursor, match=pattern, count=SCAN_BATCH)
+        if found:
+            yield list(found)
+        if cursor == 0:
+            return
+
+
+def _not_stored(depth: int) -> NotStored:
+    return NotStored(
+        f"keys[{depth}] is not block {depth} of a stored prefix of this namespace", block=depth
+    )

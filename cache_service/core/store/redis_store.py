@@ -50,7 +50,7 @@ from cache_service.core.blocks import (
     link_parts,
     store_key,
 )
-from cache_service.core.errors import MissingParent, StorageFailure
+from cache_service.core.errors import MissingParent, StorageFailure, StoreFull
 from cache_service.core.eviction import EvictionPolicy, LruPolicy
 from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
 from cache_service.core.store.base import IdentityCheck
@@ -80,6 +80,7 @@ from cache_service.core.store.redis_values import (
     RedisSpace,
     block_key,
     checksum,
+    is_out_of_memory,
     is_redis_error,
     namespace_key,
     pack_value,
@@ -352,6 +353,11 @@ class RedisStore(RedisControls):
             except Exception as exc:
                 if not is_redis_error(exc):
                     raise
+                if is_out_of_memory(exc):  # Redis answers, but may evict nothing
+                    raise StoreFull(
+                        "Redis refused the write: out of memory with nothing it may evict "
+                        "(blocks without an expiry: pins); unpin, purge or raise maxmemory"
+                    ) from exc
                 if time.monotonic() + pause < deadline:
                     with self._lock:
                         self.write_retries += 1

@@ -101,3 +101,10 @@ def is_redis_error(exc: BaseException) -> bool:
     """Whether an exception is redis-py's (connection, timeout, cluster, response) or a
     socket error under it: what a store call may turn into a miss or a 503."""
     return isinstance(exc, redis.RedisError | OSError)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether Redis refused a write for its maxmemory (an OOM error reply)."""
+    return isinstance(exc, redis.exceptions.OutOfMemoryError) or (
+        isinstance(exc, redis.ResponseError) and "maxmemory" in str(exc)
+    )
