@@ -4,6 +4,7 @@ serves byte for byte; what the Redis store cannot do is a clear problem, never a
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,9 +13,12 @@ import pytest
 
 from bench.redis_cluster import LocalRedisCluster
 from cache_service.client import CacheClient
+from cache_service.core.framing import MEDIA_TYPE, encode_frames, join_frames
+from cache_service.core.hashing import tokens_to_bytes
 from cache_service.service.api_keys import Role, key_file_entry, new_key
 from tests.integration.conftest import ServerProcess, free_port, service_command
 from tests.redis_cluster.conftest import require_tools
+from tests.redis_cluster.test_redis_store import MEMORY, single_node
 
 PROMPT = list(range(9000, 9000 + 64 * 40))  # 40 blocks of 64
 
@@ -100,3 +104,45 @@ def test_tenant_quotas_and_a_bad_redis_are_refused_at_start_up_with_the_reason(
     nobody = serve_refused(tmp_path, "--store", f"redis://127.0.0.1:{free_port()}")
     assert nobody.returncode != 0 and "no Redis node" in nobody.stderr
     assert "Traceback" not in nobody.stderr
+
+
+def test_redis_gone_is_a_miss_for_lookups_and_a_503_with_retry_after_for_stores(
+    tmp_path: Path, make_server: Callable[..., ServerProcess]
+) -> None:
+    with single_node(tmp_path, *MEMORY) as (process, port):
+        server = make_server(store=f"redis://127.0.0.1:{port}", touch_flush_interval="0.05")
+        with CacheClient(server.url) as client:
+            client.store("m", PROMPT[:128], [b"a" * 100, b"b" * 100])
+            assert client.lookup("m", PROMPT[:128]).matched_blocks == 2
+        process.kill()
+        process.wait()
+        lookup = httpx.post(server.url + "/v1/lookup", json={"model": "m", "tokens": PROMPT[:128]})
+        assert lookup.status_code == 200 and lookup.json()["matched_blocks"] == 0
+        frame = httpx.post(
+            server.url + "/v1/lookup", json={"model": "m", "tokens": PROMPT[:128], "fetch": True}
+        )
+        assert frame.status_code == 200
+        header = {"model": "m", "start_block": 2}
+        body = join_frames(encode_frames(header, [tokens_to_bytes(PROMPT[:192]), b"c" * 100]))
+        refused = httpx.post(
+            server.url + "/v1/blocks",
+            content=body,
+            headers={"content-type": MEDIA_TYPE},
+            timeout=30,
+        )
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["type"].endswith("/storage-failure")
+        time.sleep(1.5)  # the counters follow the store once a second
+        metrics = httpx.get(server.url + "/metrics").text
+        assert _sample(metrics, "prompt_cache_backend_lookup_errors_total") >= 2
+        assert _sample(metrics, "prompt_cache_backend_write_failures_total") == 1
+        assert _sample(metrics, "prompt_cache_backend_write_retries_total") >= 1
+
+
+def _sample(text: str, name: str) -> float:
+    """The value of an unlabelled sample in a Prometheus text exposition."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exposed")

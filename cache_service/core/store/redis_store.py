@@ -111,6 +111,8 @@ class RedisStore(RedisControls):
         self.address = address
         self.write_retry_seconds = write_retry_seconds
         self.write_retries = 0  # writes tried again after Redis failed them
+        self.write_failures = 0  # writes refused (503) after their retries
+        self.touch_errors = 0  # hits whose expiry could not be slid (forgotten)
         self.client, self.clustered = connect(address)
         self.policy: EvictionPolicy = policy or LruPolicy()
         self.lifetimes: Lifetimes = UNBOUNDED
@@ -365,6 +367,8 @@ class RedisStore(RedisControls):
                     pause = min(pause * 2, 0.5)
                     continue
                 self.breaker.failed()
+                with self._lock:
+                    self.write_failures += 1
                 raise StorageFailure(
                     f"Redis failed the store: {type(exc).__name__}: {exc}",
                     retry_after_seconds=1.0,
@@ -508,7 +512,7 @@ class RedisStore(RedisControls):
             if not is_redis_error(exc):
                 raise
             with self._lock:
-                self.lookup_errors += 1
+                self.touch_errors += 1
 
     # -- capacity, removal, damage ----------------------------------------------------------------
 
@@ -524,6 +528,18 @@ class RedisStore(RedisControls):
     ) -> list[Evicted]:
         """Nothing: Redis expires and evicts blocks on its own (maxmemory, volatile-*)."""
         return []
+
+    def health_counts(self) -> dict[str, int]:
+        """What Redis failed so far, for the metrics: lookups answered as misses, writes
+        tried again and refused, hits not slid, and times the write breaker opened."""
+        with self._lock:
+            return {
+                "lookup_errors": self.lookup_errors,
+                "write_retries": self.write_retries,
+                "write_failures": self.write_failures,
+                "touch_errors": self.touch_errors,
+                "breaker_opened": self.breaker.opened_total,
+            }
 
     def usage(self) -> StoreUsage:
         """Keys on every primary, and the memory Redis uses (reused for USAGE_SECONDS)."""

@@ -55,6 +55,9 @@ def retry_after(error: PromptCacheError) -> dict[str, str] | None:
     """The Retry-After header of a refusal that may be retried, in whole seconds."""
     if isinstance(error, Throttled):
         return {"Retry-After": str(max(1, math.ceil(error.retry_after_seconds)))}
+    seconds = error.extensions.get("retry_after_seconds")  # a store's 503 that says when
+    if isinstance(seconds, int | float):
+        return {"Retry-After": str(max(1, math.ceil(seconds)))}
     return None
 
 

@@ -27,6 +27,7 @@ from cache_service.service.api.guard import StoreGuard
 from cache_service.service.api.startup import open_store, serving_line, store_capacity
 from cache_service.service.api.state import ServiceState, WriteGate
 from cache_service.service.api_keys import KeyRing
+from cache_service.service.backend_metrics import SYNC_SECONDS, BackendCounters
 from cache_service.service.kv_events.hub import KvEventsHub
 from cache_service.service.kv_events.metrics import KvEventsCollector
 from cache_service.service.metrics import CacheMetrics, StoreCollector
@@ -64,6 +65,7 @@ class _Running:
     sweeper_lock: ElectionLock
     metrics_port: MetricsPort
     kv_events_collector: KvEventsCollector | None = None
+    backend: BackendCounters | None = None  # a remote store's failures, as counters
     workers: list[asyncio.Task[None]] = field(default_factory=list)
 
 
@@ -166,6 +168,9 @@ class Service:
         writes = WriteGate(settings.max_pending_writes)
         state = ServiceState(cache, metrics, settings, opened.kind, writes, usage_log, quotas)
         running = _Running(opened, state, guard, collector, sweeper_lock, metrics_port)
+        health_counts = getattr(opened.store, "health_counts", None)
+        if health_counts is not None:  # a remote store: its failures are misses, not 5xx
+            running.backend = BackendCounters(health_counts, metrics.registry)
         if engines:  # started by `start` once the store is ready; never touches the store
             state.kv_events = KvEventsHub(
                 engines, max_blocks_per_engine=settings.kv_events_max_blocks
@@ -200,6 +205,15 @@ class Service:
         workers.append(
             asyncio.create_task(repeat(SAMPLE_SECONDS, self._sample_status, "status history"))
         )
+        backend = running.backend
+        if backend is not None:
+
+            async def sync_backend() -> None:
+                backend.sync()
+
+            workers.append(
+                asyncio.create_task(repeat(SYNC_SECONDS, sync_backend, "backend counters"))
+            )
         if settings.metrics_port is not None:  # a worker that did not get the port retries
             workers.append(
                 asyncio.create_task(
