@@ -30,7 +30,6 @@ from cache_service.core.errors import (
     Forbidden,
     MissingParent,
     NotStored,
-    NotSupportedByStore,
     QuotaExceeded,
     SettingsMismatch,
     StorageFailure,
@@ -299,14 +298,46 @@ def test_a_purge_lets_the_tenants_pins_go(store: RedisStore) -> None:
     assert all(store.client.pttl(key) > 0 for key in stored_again)
 
 
-def test_what_the_redis_store_does_not_do_is_refused_or_said(store: RedisStore) -> None:
+def test_purge_under_a_block_takes_its_subtree_and_the_pins_that_lose_blocks(
+    store: RedisStore,
+) -> None:
+    trunk = chain(list(range(10)))
+    branch = chain([*range(6), 100, 101])  # shares blocks 0..5, then its own 6 and 7
+    put(store, trunk)
+    put(store, branch, start=6)
+    store.pin(NSID, trunk[:4], now=time.time(), by="k")  # above the purge: kept
+    store.pin(NSID, trunk[:9], now=time.time(), by="k")  # loses blocks 5..8: let go
+    purged = store.purge(b"", under=store_key(b"", trunk[5].key), now=time.time(), ttl_seconds=60)
+    assert (purged.blocks, purged.pins) == (7, 1)  # trunk 5..9 and the branch's 6, 7
+    assert store.match(NSID, trunk, now=time.time()).matched == 5
+    assert store.match(NSID, branch, now=time.time()).matched == 5
+    assert [pin.blocks for pin in store.pins(b"")] == [4]
+    ttls = [store.client.pttl(block_key(store_key(b"", link.key))) for link in trunk[:5]]
+    assert ttls[:4] == [-1] * 4 and 0 < ttls[4] <= 60_000  # block 4 is held by no pin now
+    assert store.purge(b"", under=store_key(b"", trunk[7].key), now=time.time()).blocks == 0
+
+
+def test_removing_a_block_takes_its_subtree_but_never_a_pinned_block(store: RedisStore) -> None:
+    trunk = chain(list(range(10)))
+    branch = chain([*range(6), 100, 101])
+    put(store, trunk)
+    put(store, branch, start=6)
+    store.pin(NSID, trunk[:8], now=time.time(), by="k")  # blocks 0..7 pinned
+    removed = store.remove_subtree(NSID, trunk[5].key, now=time.time())
+    gone = {evicted.key for evicted in removed}
+    assert gone == {store_key(b"", link.key) for link in (*trunk[8:], *branch[6:])}
+    assert all(e.reason == "removed" and e.payload_size == 100 for e in removed)
+    assert store.match(NSID, trunk, now=time.time()).matched == 8
+    assert store.remove_subtree(NSID, chain([7, 7])[1].key, now=time.time()) == []
+
+
+def test_what_the_redis_store_cannot_explain_is_said(store: RedisStore) -> None:
     links = chain([1, 2])
     put(store, links)
-    with pytest.raises(NotSupportedByStore) as refused:
-        store.purge(b"", under=store_key(b"", links[0].key), now=time.time())
-    assert refused.value.status == 501
     assert store.inspect(NSID, links[1], now=time.time()).status == "stored"
-    assert store.inspect(NSID, chain([1, 5])[1], now=time.time()).status == "absent"
+    absent = store.inspect(NSID, chain([1, 5])[1], now=time.time())
+    assert absent.status == "absent" and absent.removal is None  # no removal log on Redis
+    assert store.first_block_homes(b"", links[0].tokens) == []
 
 
 def test_usage_reports_the_cluster_memory_and_its_limit(store: RedisStore) -> None:

@@ -4,7 +4,7 @@ it refuses, with `NotSupportedByStore`, never silently: a purge under one block.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -13,6 +13,7 @@ from cache_service.core.blocks import (
     BlockKey,
     BlockState,
     ChainLink,
+    Evicted,
     NamespaceId,
     PinLimits,
     PinRecord,
@@ -20,7 +21,7 @@ from cache_service.core.blocks import (
     StoreKey,
     store_key,
 )
-from cache_service.core.errors import Forbidden, NotStored, NotSupportedByStore
+from cache_service.core.errors import Forbidden, NotStored
 from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.store import pins
 from cache_service.core.store.codec import (
@@ -42,12 +43,14 @@ from cache_service.core.store.redis_pins import (
     pin_pattern,
     release,
 )
+from cache_service.core.store.redis_subtrees import scan, subtree, tenant_blocks
 from cache_service.core.store.redis_values import (
     BLOCK_PREFIX,
+    HEADER_BYTES,
     LENGTH,
     RedisSpace,
     block_key,
-    glob_escape,
+    header_facts,
     namespace_key,
     record_of,
 )
@@ -154,7 +157,7 @@ class RedisControls:
     ) -> list[tuple[PinRecord, list[BlockKey]]]:
         found = []
         for node in self._primaries():
-            for batch in _scan(node, pattern):
+            for batch in scan(node, pattern):
                 mine = [key for key in batch if length is None or len(key) == length]
                 values = node.mget(mine) if mine else []
                 found += [
@@ -237,51 +240,108 @@ class RedisControls:
         now: float,
         ttl_seconds: float = 0.0,
     ) -> PurgeResult:
-        """Delete a tenant's blocks, or a namespace's, with their pins: SCAN on every
-        primary, in batches (pins first, so no pin is left holding deleted blocks)."""
+        """Delete a tenant's blocks, a namespace's, or those under one block, with the pins
+        that lose blocks (a pin's other blocks expire in `ttl_seconds`): SCANs on every
+        primary, in batches; pins first, so none is left holding deleted blocks."""
         if under is not None:
-            raise NotSupportedByStore(
-                "purging under one block is not supported by the Redis store (yet): purge the "
-                "namespace or the tenant"
-            )
+            return self._purge_under(partition, root, under, ttl_seconds)
         pattern, length = pin_pattern(partition)
         dropped = 0
         for record, _keys in self._pins_matching(pattern, length):
             if root is None or record.scope == store_key(partition, root):
                 dropped += self.client.delete(pin_key(record.scope, record.key))
         blocks = payload_bytes = 0
-        pattern = BLOCK_PREFIX + glob_escape(partition) + b"*"
-        length = len(BLOCK_PREFIX) + len(partition) + KEY_BYTES
         for node in self._primaries():
-            for batch in _scan(node, pattern):
-                mine = [key for key in batch if len(key) == length]  # not a longer partition
-                if root is not None and mine:
+            for batch in tenant_blocks(node, partition):
+                mine = batch
+                if root is not None:
                     pipe = node.pipeline(transaction=False)
                     for key in mine:
                         pipe.getrange(key, LENGTH.size + ROOT_AT, LENGTH.size + ROOT_AT + 15)
                     roots = pipe.execute(raise_on_error=False)
                     mine = [key for key, held in zip(mine, roots, strict=True) if held == root]
-                if not mine:
-                    continue
-                pipe = node.pipeline(transaction=False)
-                for key in mine:
-                    pipe.strlen(key)
-                    pipe.unlink(key)
-                answers = pipe.execute(raise_on_error=False)
-                removed = [
-                    (key, size)
-                    for key, size, gone in zip(mine, answers[::2], answers[1::2], strict=True)
-                    if gone == 1
-                ]
-                blocks += len(removed)
-                payload_bytes += sum(int(size) for _, size in removed)
-                counts = [count_key(StoreKey(key[len(BLOCK_PREFIX) :])) for key, _ in removed]
-                if counts:  # a count lives on its own slot: through the cluster client
-                    pipe = self.client.pipeline(transaction=False)
-                    for count in counts:
-                        pipe.unlink(count)
-                    pipe.execute(raise_on_error=False)
+                gone, size = self._unlink(
+                    [StoreKey(key[len(BLOCK_PREFIX) :]) for key in mine], node=node
+                )
+                blocks += gone
+                payload_bytes += size
         return PurgeResult(blocks=blocks, payload_bytes=payload_bytes, pins=dropped)
+
+    def _purge_under(
+        self, partition: bytes, root: BlockKey | None, under: StoreKey, ttl_seconds: float
+    ) -> PurgeResult:
+        top = BlockKey(under[len(partition) :])
+        if root is None:
+            held = self.client.getrange(
+                block_key(under), LENGTH.size + ROOT_AT, LENGTH.size + ROOT_AT + KEY_BYTES - 1
+            )
+            if len(held) != KEY_BYTES:
+                return PurgeResult()
+            root = BlockKey(held)
+        removed = {key for key, _parent in subtree(self._primaries(), partition, root, top)}
+        dropped = 0
+        pattern, length = pin_pattern(partition)
+        for record, keys in self._pins_matching(pattern, length):
+            held_keys = [store_key(partition, key) for key in keys]
+            if record.scope != store_key(partition, root) or removed.isdisjoint(held_keys):
+                continue
+            if self.client.delete(pin_key(record.scope, record.key)):
+                kept = [
+                    key for key, held in zip(keys, held_keys, strict=True) if held not in removed
+                ]
+                release(self.client, partition, kept, ttl_seconds)
+                dropped += 1
+        gone, size = self._unlink(list(removed))
+        return PurgeResult(blocks=gone, payload_bytes=size, pins=dropped)
+
+    def remove_subtree(self, namespace: NamespaceId, key: BlockKey, *, now: float) -> list[Evicted]:
+        """Remove block `key` and its stored descendants, deepest first (reason "removed");
+        pinned blocks and their ancestors stay. A pass over the tenant's keys."""
+        part = namespace.partition
+        tree = subtree(self._primaries(), part, namespace.root, key)
+        if not tree:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for skey, _parent in tree:
+            pipe.get(count_key(skey))
+        counts = pipe.execute(raise_on_error=True)
+        parent_of = dict(tree)
+        keep: set[StoreKey] = set()
+        for (skey, _parent), count in zip(tree, counts, strict=True):
+            at: StoreKey | None = skey if count is not None and int(count) > 0 else None
+            while at is not None and at in parent_of and at not in keep:
+                keep.add(at)  # a pinned block and every ancestor of it in the subtree
+                at = store_key(part, parent_of[at])
+        doomed = [skey for skey, _parent in reversed(tree) if skey not in keep]
+        pipe = self.client.pipeline(transaction=False)
+        for skey in doomed:
+            pipe.getrange(block_key(skey), 0, HEADER_BYTES - 1)
+        headers = pipe.execute(raise_on_error=True)
+        self._unlink(doomed)
+        return [
+            Evicted(skey, "removed", *header_facts(header))
+            for skey, header in zip(doomed, headers, strict=True)
+            if header
+        ]
+
+    def _unlink(self, keys: list[StoreKey], *, node: Any = None) -> tuple[int, int]:
+        """Delete blocks and their pin counts; (blocks deleted, their bytes). With `node`,
+        the blocks are that node's (a SCAN's); their counts go through the cluster client."""
+        if not keys:
+            return 0, 0
+        pipe = (node or self.client).pipeline(transaction=False)
+        for key in keys:
+            pipe.strlen(block_key(key))
+            pipe.unlink(block_key(key))
+        answers = pipe.execute(raise_on_error=False)
+        gone = [
+            int(size) for size, done in zip(answers[::2], answers[1::2], strict=True) if done == 1
+        ]
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.unlink(count_key(key))
+        pipe.execute(raise_on_error=False)
+        return len(gone), sum(gone)
 
     def inspect(self, namespace: NamespaceId, link: ChainLink, *, now: float) -> BlockState:
         """Why one block does not match: absent, a collision, damaged, or stored."""
@@ -302,17 +362,6 @@ class RedisControls:
     ) -> list[tuple[BlockKey, int, bytes | None]]:
         """None known: the Redis store keeps no first-block hints."""
         return []
-
-
-def _scan(node: Any, pattern: bytes) -> Iterator[list[bytes]]:
-    """The keys matching `pattern` on one node, a batch at a time."""
-    cursor = 0
-    while True:
-        cursor, found = node.scan(cursor, match=pattern, count=SCAN_BATCH)
-        if found:
-            yield list(found)
-        if cursor == 0:
-            return
 
 
 def _not_stored(depth: int) -> NotStored:

@@ -588,20 +588,6 @@ class RedisStore(RedisControls):
         """Nothing: no tenant quotas on Redis."""
         return []
 
-    def remove_subtree(self, namespace: NamespaceId, key: BlockKey, *, now: float) -> list[Evicted]:
-        """Remove the block; its descendants can no longer match (a lookup stops at the gap)
-        and expire on their own."""
-        skey = store_key(namespace.partition, key)
-        value = self.client.get(block_key(skey))
-        parts = split_value(value) if value is not None else None
-        if parts is None or not intact(parts[0]):
-            return []
-        meta = decode_meta(skey, parts[0])
-        if meta.namespace_root != namespace.root:
-            return []
-        self.client.unlink(block_key(skey))
-        return [Evicted(skey, "removed", meta.retention, meta.expires_at, meta.payload_size)]
-
     def drop_damaged(self, *, now: float, ttl_seconds: float) -> Dropped:
         """Unlink the blocks reads found damaged (their descendants stop matching there)."""
         with self._lock:

@@ -9,6 +9,7 @@ together), the space it takes, and the small helpers every Redis store module sh
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Any
 
@@ -16,7 +17,9 @@ import redis
 import xxhash
 
 from cache_service.core.blocks import BlockMeta, StoreKey
-from cache_service.core.store.codec import TOKENS_AT, encode_meta
+from cache_service.core.store.codec import RECORD_FIELDS, RETENTION_LEN_AT, TOKENS_AT, encode_meta
+
+PAYLOAD_SIZE_AT = RECORD_FIELDS["payload_size"][0]
 
 BLOCK_PREFIX = b"pc:b:"
 NAMESPACE_PREFIX = b"pc:n:"
@@ -69,6 +72,21 @@ class RedisSpace:
     def reserved_bytes(self) -> int:
         """Nothing: Redis's own memory is not the cache's to count."""
         return 0
+
+
+HEADER_BYTES = LENGTH.size + TOKENS_AT + 255  # the length, a record's fixed part, its class
+
+
+def header_facts(head: bytes) -> tuple[str, float, int]:
+    """(retention, expires_at, payload size) from a value's first HEADER_BYTES, for a
+    removal's report; ("", inf, 0) where the head is cut short or damaged."""
+    at = LENGTH.size
+    if len(head) < at + TOKENS_AT:
+        return "", math.inf, 0
+    (payload_size,) = struct.unpack_from("<Q", head, at + PAYLOAD_SIZE_AT)
+    length = head[at + RETENTION_LEN_AT]
+    retention = head[at + TOKENS_AT : at + TOKENS_AT + length].decode("utf-8", "replace")
+    return retention, math.inf, int(payload_size)
 
 
 def record_of(
