@@ -9,61 +9,44 @@ lies for that: a lookup walks the chain from block 0 and stops at the first bloc
 absent or does not verify (namespace, depth, parent, tokens and the record's checksum; with
 payloads, the payload's length and checksum too).
 
-Layout (keys are bytes; `store key` is the tenant partition then the block's 16-byte hash):
+Layout (keys are bytes; `store key` is the tenant partition then the block's 16-byte hash;
+redis_values.py has the value's format):
 
     pc:b:<store key>   u32 LE record length, the block record (store/codec.py, format 4),
                        then the payload: written once with SET NX PX (put-if-absent: two
                        writers of one block are idempotent), record and payload together
     pc:n:<scope>       the encoded namespace of a (partition, root), as LMDB keeps it
+    pc:identity        the settings the data was made with (every replica must match)
+    pc:p:..., pc:c:... pins and per-block pin counts (redis_pins.py)
 
-A lookup reads the records only (GETRANGE), in at most two pipelined round trips: the first
-`PROBE_BLOCKS` blocks, then, if all of them verified, every other block of the prompt at
-once; redis-py's cluster pipeline sends each node its commands together. A block's record
-keeps an infinite expiry: the key's own TTL is its lifetime (a record is never rewritten).
+The parts: redis_reads.py (lookups: records in at most two pipelined round trips, a failure
+is a miss), redis_writes.py (stores tried again through a failover, behind a breaker; hits
+slide expiry), redis_controls.py (pins, purge, inspect), redis_subtrees.py (what lies under a
+block, by a SCAN), redis_connect.py (the URL, the client, the server's memory settings).
+A block's record keeps an infinite expiry: the key's own TTL is its lifetime.
 
-What it does not do (yet), refused with `NotSupportedByStore` rather than ignored: pins,
-purge under one block, the removal log and first-block hints (explanations say less);
-tenant byte quotas are refused at start-up by the service. Capacity is Redis's `maxmemory`.
+What it does not keep: a removal log and first-block hints (explanations say less), tenants'
+byte counts (tenant quotas are refused at start-up by the service). Capacity is Redis's
+`maxmemory`; `evict` does nothing, as Redis evicts on its own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 from cache_service.core.blocks import (
-    BlockKey,
-    BlockMeta,
-    ChainLink,
     Evicted,
-    InsertResult,
-    MatchResult,
-    NamespaceId,
-    NewBlock,
     StoreKey,
     StoreUsage,
-    Touch,
-    link_parts,
-    store_key,
 )
-from cache_service.core.errors import MissingParent, StorageFailure, StoreFull
 from cache_service.core.eviction import EvictionPolicy, LruPolicy
 from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
 from cache_service.core.store.base import IdentityCheck
 from cache_service.core.store.breaker import CircuitBreaker
-from cache_service.core.store.codec import (
-    COLLISION,
-    DAMAGED,
-    HIT,
-    TOKENS_AT,
-    check_record,
-    decode_meta,
-    intact,
-)
 from cache_service.core.store.damage import Dropped
 from cache_service.core.store.redis_connect import (
     RedisAddress,
@@ -73,27 +56,19 @@ from cache_service.core.store.redis_connect import (
     primaries,
 )
 from cache_service.core.store.redis_controls import RedisControls
+from cache_service.core.store.redis_reads import RedisReads
 from cache_service.core.store.redis_values import (
     IDENTITY_KEY,
-    LENGTH,
-    RETENTION_SLACK,
     RedisSpace,
     block_key,
-    checksum,
-    is_out_of_memory,
     is_redis_error,
-    namespace_key,
-    pack_value,
-    record_of,
-    split_value,
 )
+from cache_service.core.store.redis_writes import WRITE_RETRY_SECONDS, RedisWrites
 
-PROBE_BLOCKS = 16  # the first round trip of a lookup: a miss costs little
-WRITE_RETRY_SECONDS = 5.0  # covers a failover at cluster-node-timeout 1-2 s, not at 15 s
 USAGE_SECONDS = 1.0  # how long a usage report (INFO on every primary) is reused
 
 
-class RedisStore(RedisControls):
+class RedisStore(RedisReads, RedisWrites, RedisControls):
     """A BlockStore on Redis; see the module docstring for what it keeps and how."""
 
     removal_log_entries = 0
@@ -143,376 +118,6 @@ class RedisStore(RedisControls):
 
     def __repr__(self) -> str:
         return f"RedisStore({self.address.describe()})"
-
-    # -- lookups --------------------------------------------------------------------------------
-
-    def match(
-        self,
-        namespace: NamespaceId,
-        links: Sequence[ChainLink],
-        *,
-        now: float,
-        with_payloads: bool = False,
-        sink: Callable[[int, bytes | memoryview | None], None] | None = None,
-        known: tuple[int, bytes] | None = None,
-    ) -> MatchResult:
-        """Count the leading links stored and verified; a Redis failure is a miss (counted)."""
-        del known  # a record is never rewritten in place, but a key may be; verify each time
-        empty = MatchResult(matched=0, payloads=() if with_payloads and not sink else None)
-        if not links:
-            return empty
-        try:
-            return self._match(namespace, links, now=now, with_payloads=with_payloads, sink=sink)
-        except Exception as exc:  # any client or network failure: the cache forgets
-            if not is_redis_error(exc):
-                raise
-            with self._lock:
-                self.lookup_errors += 1
-            return empty
-
-    def _match(
-        self,
-        namespace: NamespaceId,
-        links: Sequence[ChainLink],
-        *,
-        now: float,
-        with_payloads: bool,
-        sink: Callable[[int, bytes | memoryview | None], None] | None,
-    ) -> MatchResult:
-        part, root = namespace.partition, namespace.root
-        parts = list(link_parts(links))
-        matched = collisions = corrupt = 0
-        collected: list[bytes] = []
-        windows = [(0, min(PROBE_BLOCKS, len(parts)))]
-        if len(parts) > PROBE_BLOCKS:
-            windows.append((PROBE_BLOCKS, len(parts)))
-        for number, (start, end) in enumerate(windows):
-            pipe = self.client.pipeline(transaction=False)
-            if number == 0:
-                pipe.get(namespace_key(namespace.scope))
-            for key, _parent, tokens, _depth in parts[start:end]:
-                redis_key = block_key(store_key(part, key))
-                if with_payloads:
-                    pipe.get(redis_key)
-                else:
-                    pipe.getrange(
-                        redis_key, 0, LENGTH.size + TOKENS_AT + RETENTION_SLACK + len(tokens) - 1
-                    )
-            answers = pipe.execute(raise_on_error=True)
-            if number == 0:
-                held = answers.pop(0)
-                if held is not None and held != namespace.encoded:
-                    return MatchResult(
-                        matched=0, collisions=1, payloads=() if with_payloads and not sink else None
-                    )
-            for (key, parent, tokens, depth), value in zip(parts[start:end], answers, strict=True):
-                skey = store_key(part, key)
-                record, payload = record_of(self.client, skey, value, whole=with_payloads)
-                verdict = check_record(
-                    record, root_and_parent=root + parent, tokens=tokens, depth=depth, now=now
-                )
-                if verdict == DAMAGED:
-                    self._note_damage(skey)
-                if verdict != HIT:
-                    collisions += verdict == COLLISION
-                    return self._result(
-                        matched, collisions, corrupt, with_payloads, sink, collected
-                    )
-                if with_payloads:
-                    assert record is not None
-                    meta = decode_meta(skey, record)
-                    if (
-                        payload is None
-                        or len(payload) != meta.payload_size
-                        or checksum(payload) != meta.checksum
-                    ):
-                        self._note_damage(skey)
-                        corrupt += 1
-                        return self._result(
-                            matched, collisions, corrupt, with_payloads, sink, collected
-                        )
-                    if sink is not None:
-                        sink(matched, payload)
-                    else:
-                        collected.append(payload)
-                matched += 1
-        return self._result(matched, collisions, corrupt, with_payloads, sink, collected)
-
-    @staticmethod
-    def _result(  # noqa: PLR0917 - the match's running counts, in one place
-        matched: int,
-        collisions: int,
-        corrupt: int,
-        with_payloads: bool,
-        sink: object,
-        collected: list[bytes],
-    ) -> MatchResult:
-        payloads = tuple(collected) if with_payloads and sink is None else None
-        return MatchResult(
-            matched=matched, collisions=collisions, payloads=payloads, corrupt=corrupt
-        )
-
-    def get_payloads(
-        self, namespace: NamespaceId, keys: Sequence[BlockKey], *, now: float
-    ) -> tuple[list[bytes | None], int]:
-        """Payloads of stored blocks of one namespace (None where absent, foreign or damaged)."""
-        out: list[bytes | None] = [None] * len(keys)
-
-        def keep(index: int, payload: bytes | memoryview | None) -> None:
-            out[index] = None if payload is None else bytes(payload)
-
-        return out, self.read_payloads(namespace, keys, now=now, sink=keep)
-
-    def read_payloads(
-        self,
-        namespace: NamespaceId,
-        keys: Sequence[BlockKey],
-        *,
-        now: float,
-        sink: Callable[[int, bytes | memoryview | None], None],
-    ) -> int:
-        """Hand each key's verified payload to `sink` (None where absent, foreign or damaged,
-        or when Redis fails the read); the damaged count."""
-        del now
-        if not keys:
-            return 0
-        part = namespace.partition
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.get(namespace_key(namespace.scope))
-            for key in keys:
-                pipe.get(block_key(store_key(part, key)))
-            held, *values = pipe.execute(raise_on_error=True)
-        except Exception as exc:
-            if not is_redis_error(exc):
-                raise
-            with self._lock:
-                self.lookup_errors += 1
-            for index in range(len(keys)):
-                sink(index, None)
-            return 0
-        foreign = held is not None and held != namespace.encoded
-        corrupt = 0
-        for index, (key, value) in enumerate(zip(keys, values, strict=True)):
-            skey = store_key(part, key)
-            parts = None if foreign or value is None else split_value(value)
-            if parts is None:
-                if value is not None and not foreign:
-                    corrupt += 1
-                    self._note_damage(skey)
-                sink(index, None)
-                continue
-            record, payload = parts
-            if not intact(record):
-                corrupt += 1
-                self._note_damage(skey)
-                sink(index, None)
-                continue
-            meta = decode_meta(skey, record)
-            if meta.namespace_root != namespace.root:
-                sink(index, None)
-                continue
-            if len(payload) != meta.payload_size or checksum(payload) != meta.checksum:
-                corrupt += 1
-                self._note_damage(skey)
-                sink(index, None)
-                continue
-            sink(index, payload)
-        return corrupt
-
-    # -- writes ---------------------------------------------------------------------------------
-
-    def insert(
-        self,
-        namespace: NamespaceId,
-        blocks: Sequence[NewBlock],
-        *,
-        parent: ChainLink | None,
-        now: float,
-        retention: str,
-        ttl_seconds: float,
-    ) -> InsertResult:
-        """Store consecutive blocks, each put-if-absent with the class TTL; MissingParent if
-        `parent` is not stored. A Redis failure is tried again for up to `write_retry_seconds`
-        (a failover promotes a replica in a few seconds; a retried write that had landed
-        reads as refreshed, never twice); past that, a 503 and the breaker counts it."""
-        if not blocks:
-            return InsertResult()
-        self.breaker.check("store")
-        deadline = time.monotonic() + self.write_retry_seconds
-        pause = 0.05
-        while True:
-            try:
-                result = self._insert(
-                    namespace,
-                    blocks,
-                    parent=parent,
-                    now=now,
-                    retention=retention,
-                    ttl_seconds=ttl_seconds,
-                )
-                break
-            except Exception as exc:
-                if not is_redis_error(exc):
-                    raise
-                if is_out_of_memory(exc):  # Redis answers, but may evict nothing
-                    raise StoreFull(
-                        "Redis refused the write: out of memory with nothing it may evict "
-                        "(blocks without an expiry: pins); unpin, purge or raise maxmemory"
-                    ) from exc
-                if time.monotonic() + pause < deadline:
-                    with self._lock:
-                        self.write_retries += 1
-                    time.sleep(pause)
-                    pause = min(pause * 2, 0.5)
-                    continue
-                self.breaker.failed()
-                with self._lock:
-                    self.write_failures += 1
-                raise StorageFailure(
-                    f"Redis failed the store: {type(exc).__name__}: {exc}",
-                    retry_after_seconds=1.0,
-                ) from exc
-        self.breaker.succeeded()
-        return result
-
-    def _insert(
-        self,
-        namespace: NamespaceId,
-        blocks: Sequence[NewBlock],
-        *,
-        parent: ChainLink | None,
-        now: float,
-        retention: str,
-        ttl_seconds: float,
-    ) -> InsertResult:
-        part = namespace.partition
-        ttl_ms = max(1, math.ceil(ttl_seconds * 1000))
-        pipe = self.client.pipeline(transaction=False)
-        pipe.get(namespace_key(namespace.scope))
-        if parent is not None:
-            pipe.get(block_key(store_key(part, parent.key)))
-        held, *parent_value = pipe.execute(raise_on_error=True)
-        if held is not None and held != namespace.encoded:
-            return InsertResult(collisions=len(blocks))  # another namespace holds this root
-        if parent is not None:
-            record, _ = record_of(
-                self.client, store_key(part, parent.key), parent_value[0], whole=True
-            )
-            verdict = check_record(
-                record,
-                root_and_parent=namespace.root + parent.parent,
-                tokens=parent.tokens,
-                depth=parent.depth,
-                now=now,
-            )
-            if verdict != HIT:
-                raise MissingParent(
-                    f"block {parent.depth} (the parent of block {parent.depth + 1}) is not "
-                    "stored: send it in the same request (lower start_block)",
-                    parent_block=parent.depth,
-                )
-        pipe = self.client.pipeline(transaction=False)
-        if held is None:
-            pipe.set(namespace_key(namespace.scope), namespace.encoded, nx=True)
-        keys = []
-        for block in blocks:
-            link = block.link
-            key = store_key(part, link.key)
-            keys.append(key)
-            meta = BlockMeta(
-                key=key,
-                namespace_root=namespace.root,
-                parent=link.parent,
-                depth=link.depth,
-                tokens=link.tokens,
-                payload_size=len(block.payload),
-                checksum=checksum(block.payload),
-                created_at=now,
-                last_used_at=now,
-                expires_at=math.inf,  # the key's TTL is the block's lifetime
-                retention=retention,
-            )
-            pipe.set(block_key(key), pack_value(meta, block.payload), nx=True, px=ttl_ms)
-        if parent is not None:  # its lifetime at least the new blocks' (ancestors: on hits)
-            pipe.pexpire(block_key(store_key(part, parent.key)), ttl_ms, gt=True)
-        answers = pipe.execute(raise_on_error=True)
-        if held is None:
-            answers.pop(0)
-        written = answers[: len(blocks)]
-        stored = [key for key, done in zip(keys, written, strict=True) if done]
-        existing = [index for index, done in enumerate(written) if not done]
-        refreshed = conflicts = collisions = 0
-        if existing:
-            pipe = self.client.pipeline(transaction=False)
-            for index in existing:
-                pipe.get(block_key(keys[index]))
-                pipe.pexpire(block_key(keys[index]), ttl_ms, gt=True)
-            values = pipe.execute(raise_on_error=True)[::2]
-            for index, value in zip(existing, values, strict=True):
-                link = blocks[index].link
-                record, _ = record_of(self.client, keys[index], value, whole=True)
-                verdict = check_record(
-                    record,
-                    root_and_parent=namespace.root + link.parent,
-                    tokens=link.tokens,
-                    depth=link.depth,
-                    now=now,
-                )
-                if verdict == HIT:
-                    assert record is not None
-                    meta = decode_meta(keys[index], record)
-                    payload = blocks[index].payload
-                    refreshed += 1
-                    conflicts += meta.checksum != checksum(payload) or meta.payload_size != len(
-                        payload
-                    )
-                elif verdict == COLLISION:
-                    collisions += 1
-                # absent now (expired between the two round trips) or damaged: not written
-        return InsertResult(
-            stored=tuple(stored),
-            refreshed=refreshed,
-            conflicts=conflicts,
-            collisions=collisions,
-            prefix_touched=bool(stored or refreshed),
-        )
-
-    def touch(
-        self,
-        touches: Sequence[Touch],
-        *,
-        resolution_seconds: float = 0.0,
-        slide_fraction: float = 0.0,
-    ) -> None:
-        """Slide the expiry of each hit's whole prefix (PEXPIRE GT), once it would move by more
-        than the resolution and `slide_fraction` of the TTL: one PTTL round trip for all the
-        hits' deepest blocks, one for the slides. A failure is forgotten (a hit is not a write)."""
-        hits = [hit for hit in touches if hit.keys]
-        if not hits:
-            return
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            for hit in hits:
-                pipe.pttl(block_key(store_key(hit.partition, hit.keys[-1])))
-            left = pipe.execute(raise_on_error=True)
-            pipe = self.client.pipeline(transaction=False)
-            slides = 0
-            for hit, ttl_left_ms in zip(hits, left, strict=True):
-                ttl_ms = math.ceil(hit.ttl_seconds * 1000)
-                slack_ms = 1000 * max(resolution_seconds, hit.ttl_seconds * slide_fraction)
-                if ttl_left_ms < 0 or ttl_ms - ttl_left_ms <= slack_ms:
-                    continue  # gone, kept without expiry, or slid recently enough
-                for key in hit.keys:
-                    pipe.pexpire(block_key(store_key(hit.partition, key)), ttl_ms, gt=True)
-                slides += 1
-            if slides:
-                pipe.execute(raise_on_error=False)
-        except Exception as exc:
-            if not is_redis_error(exc):
-                raise
-            with self._lock:
-                self.touch_errors += 1
 
     # -- capacity, removal, damage ----------------------------------------------------------------
 
