@@ -21,6 +21,8 @@ import pytest
 from cache_service import __version__
 from cache_service.core.disk import MARGIN_MAX_BYTES
 from cache_service.core.engines.schemes.vllm import ALGORITHMS
+from cache_service.core.store.redis_connect import PASSWORD_ENV, USERNAME_ENV
+from cache_service.core.store.registry import parse_store_url
 from cache_service.service.server import exit_bound_seconds
 from cache_service.service.settings import Settings
 from cache_service.service.usage import DEFAULT_KEEP
@@ -39,9 +41,19 @@ from tests.deploy.kit import (
 )
 from tests.integration.conftest import free_port
 
-LAYOUTS = ("base", "overlays/sidecar", "overlays/shared")
-OVERLAYS = ("overlays/sidecar", "overlays/shared")
-WORKLOAD_KINDS = {"overlays/sidecar": "Deployment", "overlays/shared": "StatefulSet"}
+LAYOUTS = ("base", "overlays/sidecar", "overlays/shared", "overlays/redis-cluster")
+OVERLAYS = ("overlays/sidecar", "overlays/shared", "overlays/redis-cluster")
+# The layouts whose cache keeps an LMDB store in the pod; the Redis Cluster layout's cache is
+# run against a local cluster in test_redis_layout.py.
+LMDB_OVERLAYS = ("overlays/sidecar", "overlays/shared")
+WORKLOAD_KINDS = {
+    "overlays/sidecar": "Deployment",
+    "overlays/shared": "StatefulSet",
+    "overlays/redis-cluster": "Deployment",
+}
+# The variables the service reads beside its settings (a Redis password has no flag: it
+# would show in process lists), which may therefore come from a Secret.
+SECRET_VARIABLES = {PASSWORD_ENV, USERNAME_ENV}
 CACHE_CONTAINER = "prompt-cache"
 # Custom resources of the Prometheus Operator: no schema in kubernetes-validate, so their
 # fields are checked by hand below.
@@ -102,6 +114,7 @@ class Workload:
         (self.container,) = [c for c in pod_containers(self.pod) if c["name"] == CACHE_CONTAINER]
         self.is_init_container = self.container in self.pod.get("initContainers", [])
         self.env = container_environment(self.container, documents)
+        self.secret_env = secret_variables(self.container)
         argv = [*self.container.get("command", []), *self.container["args"]]
         self.settings: Settings = effective_settings(argv, self.env, key_file=key_file)
         self.ports = {port["name"]: port["containerPort"] for port in self.container["ports"]}
@@ -146,10 +159,21 @@ def container_environment(
         if "value" in variable:
             env[variable["name"]] = variable["value"]
             continue
+        if "secretKeyRef" in variable["valueFrom"]:  # its value is not in the manifests
+            continue
         reference = variable["valueFrom"]["configMapKeyRef"]
         assert reference["name"] in config_maps, f"{variable['name']}: no such ConfigMap"
         env[variable["name"]] = config_maps[reference["name"]]["data"][reference["key"]]
     return env
+
+
+def secret_variables(container: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The container's variables taken from a Secret: name -> its secretKeyRef."""
+    return {
+        variable["name"]: variable["valueFrom"]["secretKeyRef"]
+        for variable in container.get("env", [])
+        if "secretKeyRef" in variable.get("valueFrom", {})
+    }
 
 
 def expand_variables(text: str, env: dict[str, str]) -> str:
@@ -220,8 +244,8 @@ def test_each_overlay_renders_its_layout(rendered: dict[str, list[dict[str, Any]
     (shared,) = of_kind(rendered["overlays/shared"], "StatefulSet")
     claims = [claim["metadata"]["name"] for claim in shared["spec"]["volumeClaimTemplates"]]
     assert claims == ["data"]
-    # Each replica is a cache of its own (its own LMDB on its own volume) until the Redis
-    # backend exists: one replica, so that the Service does not split every prefix's hits.
+    # Each replica is a cache of its own (its own LMDB on its own volume): one replica, so
+    # that the Service does not split every prefix's hits (many share one on Redis instead).
     assert shared["spec"]["replicas"] == 1
     headless = [s for s in of_kind(rendered["overlays/shared"], "Service") if s["metadata"]["name"]]
     assert shared["spec"]["serviceName"] in {s["metadata"]["name"] for s in headless}
@@ -235,6 +259,8 @@ def test_cache_command_line_and_variables_are_accepted_by_the_service(
     # silently ignored by the service, so they are looked for here.
     assert unknown_variables(workload.env) == []
     assert workload.container["args"][0] == "serve"
+    # A Secret's variables must be ones the service reads, under their exact names.
+    assert set(workload.secret_env) <= SECRET_VARIABLES, workload.secret_env
 
 
 def test_container_ports_are_the_ones_the_service_listens_on(workload: Workload) -> None:
@@ -409,6 +435,13 @@ def test_the_store_is_on_the_data_volume_and_the_volume_holds_its_map(
     workload: Workload,
 ) -> None:
     settings = workload.settings
+    if parse_store_url(settings.store_url())[0] != "lmdb":
+        # On Redis the pod keeps nothing: no data volume, and the image's /data unmounted.
+        mounted = {mount["mountPath"] for mount in workload.container["volumeMounts"]}
+        assert "/data" not in mounted
+        assert "data" not in {volume["name"] for volume in workload.pod.get("volumes", [])}
+        assert "volumeClaimTemplates" not in workload.manifest["spec"]
+        return
     data_dir = Path(settings.store_url())
     mount = workload.mount_at(data_dir)
     assert Path(mount["mountPath"]) == data_dir == Path("/data")  # the image's VOLUME
@@ -483,22 +516,37 @@ def test_the_service_monitor_scrapes_the_cache_pods_metrics_port(
 def test_every_service_reaches_a_named_port_of_the_pods(
     overlay: str, workload: Workload, rendered: dict[str, list[dict[str, Any]]]
 ) -> None:
-    named = {
-        port["name"]
-        for container in pod_containers(workload.pod)
-        for port in container.get("ports", [])
-    }
+    # Each Service selects the pods of one workload (the cache's, or the Redis nodes' in the
+    # Redis Cluster layout), and each of its ports is a port those pods name.
+    templates = [
+        doc["spec"]["template"]
+        for doc in rendered[overlay]
+        if doc["kind"] in {"Deployment", "StatefulSet"}
+    ]
     for service in of_kind(rendered[overlay], "Service"):
-        assert labels_match(service["spec"]["selector"], workload.pod_labels)
+        name, selector = service["metadata"]["name"], service["spec"]["selector"]
+        selected = [t for t in templates if labels_match(selector, t["metadata"]["labels"])]
+        assert len(selected) == 1, f"the Service {name} selects {len(selected)} workloads"
+        (template,) = selected
+        if service["metadata"]["labels"].get("app.kubernetes.io/name") == "prompt-cache":
+            assert template["metadata"]["labels"] == workload.pod_labels
+        named = {
+            port["name"]
+            for container in pod_containers(template["spec"])
+            for port in container.get("ports", [])
+        }
         for port in service["spec"]["ports"]:
-            assert port["targetPort"] in named, (service["metadata"]["name"], port)
+            assert port["targetPort"] in named, (name, port)
 
 
 def test_the_disruption_budget_covers_the_cache_pods_and_lets_a_drain_proceed(
     overlay: str, workload: Workload, rendered: dict[str, list[dict[str, Any]]]
 ) -> None:
-    (budget,) = of_kind(rendered[overlay], "PodDisruptionBudget")
-    assert labels_match(budget["spec"]["selector"]["matchLabels"], workload.pod_labels)
+    (budget,) = [
+        budget
+        for budget in of_kind(rendered[overlay], "PodDisruptionBudget")
+        if labels_match(budget["spec"]["selector"]["matchLabels"], workload.pod_labels)
+    ]
     replicas = workload.manifest["spec"].get("replicas", 1)
     if "maxUnavailable" in budget["spec"]:
         assert int(budget["spec"]["maxUnavailable"]) >= 1
@@ -557,11 +605,16 @@ def test_the_service_monitor_job_is_the_one_the_alerts_watch(
     assert watched == {job}, (watched, job)
 
 
+@pytest.mark.parametrize("lmdb_overlay", LMDB_OVERLAYS)
 def test_cache_command_line_starts_a_service_that_answers_probes_and_scrapes(
-    workload: Workload, key_file: Path, tmp_path: Path
+    lmdb_overlay: str,
+    rendered: dict[str, list[dict[str, Any]]],
+    key_file: Path,
+    tmp_path: Path,
 ) -> None:
     # The container's own flags and variables, run for real: only the addresses (loopback),
     # the ports (free ones), the data folder and the key file are this machine's.
+    workload = Workload(rendered[lmdb_overlay], WORKLOAD_KINDS[lmdb_overlay], key_file)
     settings = workload.settings
     port, metrics_port = free_port(), free_port()
     argv = localised(
