@@ -530,3 +530,11 @@ def test_a_redis_full_of_what_it_may_not_evict_refuses_writes_with_507_at_once(
             assert time.monotonic() - started < 2.0  # not the 5 s retry of a failing node
         finally:
             store.close()
+
+
+def test_a_cluster_not_formed_yet_is_refused_in_one_line(tmp_path: Path) -> None:
+    cluster_node = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", *MEMORY)
+    with single_node(tmp_path, *cluster_node) as (_process, port):
+        with pytest.raises(ValueError, match="not ready") as refused:
+            RedisStore(parse_nodes(f"127.0.0.1:{port}", tls=False))
+        assert "redis-cli --cluster create" in str(refused.value)

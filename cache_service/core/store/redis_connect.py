@@ -18,6 +18,7 @@ from typing import Any
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 PASSWORD_ENV = "CACHE_SERVICE_REDIS_PASSWORD"
@@ -96,7 +97,13 @@ def connect(address: RedisAddress) -> tuple[Any, bool]:
         if not clustered:
             return redis.Redis(host=host, port=port, **auth), False
         nodes = [ClusterNode(h, p) for h, p in address.nodes]  # type: ignore[no-untyped-call]
-        return RedisCluster(startup_nodes=nodes, **auth), True
+        try:
+            return RedisCluster(startup_nodes=nodes, **auth), True
+        except (redis.RedisError, RedisClusterException) as exc:  # e.g. slots not all covered
+            raise ValueError(
+                f"the Redis Cluster at {address.describe()} is not ready ({exc}): form it "
+                "first (redis-cli --cluster create) and wait for cluster_state:ok"
+            ) from None
     raise ValueError(f"no Redis node of {address.describe()} answers: {'; '.join(errors)}")
 
 
