@@ -1,8 +1,13 @@
 """Shared fixtures: a virtual clock, and a `store` fixture run once per BlockStore backend.
 
 A backend is one entry in `BACKENDS` (how to open it) and one in `RAW_ACCESS` (how a test
-reads its metadata and damages its payloads behind the protocol's back). Adding Redis is
-adding one entry to each.
+reads its metadata and damages its payloads behind the protocol's back). The `redis` backend
+is a real Redis Cluster (tests/store/redis_backend.py), one for the whole session, started
+only when a redis test first runs and flushed before each.
+
+A backend that deliberately lacks a behaviour says so in tests/store/capabilities.py (`LACKS`,
+capability -> reason); a test that depends on it carries `@pytest.mark.needs("capability")`
+and is skipped on that backend with the reason shown.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from cache_service.core.store.base import BlockStore
 from cache_service.core.store.codec import decode_meta
 from cache_service.core.store.lmdb import LmdbStore
 from cache_service.core.store.memory import MemoryStore
+from cache_service.core.store.redis_store import RedisStore
+from tests.store.capabilities import ELSEWHERE, lacking
+from tests.store.redis_backend import RedisRawAccess, open_redis_store, start_contract_cluster
 
 # Fixtures of real servers following real engine publishers (tests/integration, tests/kv_events).
 pytest_plugins = ["tests.kv_events.following"]
@@ -49,26 +57,67 @@ def clock() -> VirtualClock:
     return VirtualClock()
 
 
-def open_memory_store(tmp_path: Path) -> BlockStore:
-    """A fresh in-memory store (tmp_path unused)."""
+def open_memory_store(request: pytest.FixtureRequest, tmp_path: Path) -> BlockStore:
+    """A fresh in-memory store."""
     return MemoryStore()
 
 
-def open_lmdb_store(tmp_path: Path) -> BlockStore:
+def open_lmdb_store(request: pytest.FixtureRequest, tmp_path: Path) -> BlockStore:
     """A fresh LMDB store in its own directory under tmp_path."""
     return LmdbStore(tmp_path / "lmdb", map_size_bytes=LMDB_MAP_SIZE_BYTES)
 
 
-BACKENDS: dict[str, Callable[[Path], BlockStore]] = {
+BACKENDS: dict[str, Callable[[pytest.FixtureRequest, Path], BlockStore]] = {
     "memory": open_memory_store,
     "lmdb": open_lmdb_store,
+    "redis": open_redis_store,
 }
+
+
+@pytest.fixture(scope="session")
+def contract_redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The redis backend's cluster: started when a redis test first asks for it (forming one
+    takes seconds), stopped by PID when the session ends."""
+    cluster = start_contract_cluster(tmp_path_factory.mktemp("contract-redis"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "needs(*capabilities): the test depends on store behaviours some backends lack "
+        "(tests/store/capabilities.py LACKS); it is skipped there with the reason",
+    )
+    config.addinivalue_line(
+        "markers",
+        "bug_on(backend, reason): a known bug of that backend's store, reported to its "
+        "owner; the test is expected to fail there (strictly: a fix makes it fail as XPASS)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put ELSEWHERE's marks on the tests outside tests/store it names."""
+    for item in items:
+        name = item.nodeid.partition("[")[0]  # tests/test_x.py::test_y, any parameters
+        for mark in ELSEWHERE.get(name, ()):
+            item.add_marker(mark)
 
 
 @pytest.fixture(params=list(BACKENDS))
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlockStore]:
-    """One empty store per backend; closed when the test ends."""
-    opened = BACKENDS[request.param](tmp_path)
+    """One empty store per backend; closed when the test ends. A test marked `needs(...)`
+    a behaviour the backend lacks is skipped with the reason."""
+    reasons = lacking(request.param, request.node)
+    if reasons:
+        pytest.skip(f"not on {request.param}: " + "; ".join(reasons))
+    for mark in request.node.iter_markers("bug_on"):
+        backend, reason = mark.args
+        if backend == request.param:
+            request.applymarker(pytest.mark.xfail(reason=f"{backend} bug: {reason}", strict=True))
+    opened = BACKENDS[request.param](request, tmp_path)
     yield opened
     opened.close()
 
@@ -76,8 +125,16 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlockStore
 class RawAccess(Protocol):
     """What a test may do to a backend below the BlockStore protocol."""
 
+    # Whether records are kept up in place (children, expiry): what assert_prefix_closed reads.
+    records_kept_up: bool
+
     def blocks(self) -> dict[StoreKey, BlockMeta]:
         """Every stored block's metadata, expired or not."""
+        ...
+
+    def seconds_left(self, key: StoreKey, now: float) -> float:
+        """How long the block has to live, seen at `now` (the backend's own clock for one
+        that expires on the real clock)."""
         ...
 
     def overwrite_payload(self, key: StoreKey, payload: bytes) -> None:
@@ -88,11 +145,16 @@ class RawAccess(Protocol):
 class MemoryRawAccess:
     """Raw access to a MemoryStore's dicts."""
 
+    records_kept_up = True
+
     def __init__(self, store: MemoryStore) -> None:
         self.backend = store.backend
 
     def blocks(self) -> dict[StoreKey, BlockMeta]:
         return dict(self.backend.metas)
+
+    def seconds_left(self, key: StoreKey, now: float) -> float:
+        return self.blocks()[key].expires_at - now
 
     def overwrite_payload(self, key: StoreKey, payload: bytes) -> None:
         self.backend.payloads[key] = payload
@@ -101,8 +163,13 @@ class MemoryRawAccess:
 class LmdbRawAccess:
     """Raw access to an LmdbStore's named databases."""
 
+    records_kept_up = True
+
     def __init__(self, store: LmdbStore) -> None:
         self.backend = store.backend
+
+    def seconds_left(self, key: StoreKey, now: float) -> float:
+        return self.blocks()[key].expires_at - now
 
     def blocks(self) -> dict[StoreKey, BlockMeta]:
         with self.backend.env.begin() as txn:
@@ -140,6 +207,7 @@ class LmdbRawAccess:
 RAW_ACCESS: dict[type, Callable[[Any], RawAccess]] = {
     MemoryStore: MemoryRawAccess,
     LmdbStore: LmdbRawAccess,
+    RedisStore: RedisRawAccess,
 }
 
 

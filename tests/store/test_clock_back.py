@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
+
 from cache_service.core.blocks import Namespace, Touch
 from cache_service.core.cache import PrefixCache
 from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
@@ -26,6 +28,9 @@ from tests.store.chains import (
 
 if TYPE_CHECKING:
     from conftest import RawAccess
+
+# A block from the future exists only where expiry follows the `now` a store is given.
+pytestmark = pytest.mark.needs("clock_expiry")
 
 TTLS = {"agent": 100.0, "chat": 1000.0}
 AHEAD = 50_000.0  # the clock ran this far ahead, then came back to T0
@@ -188,6 +193,7 @@ def test_the_latest_write_survives_a_restart(tmp_path: Path) -> None:
 # -- pins -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.needs("pins")
 def test_an_unpinned_block_gets_the_longest_class_and_stays_served(store: BlockStore) -> None:
     clock = VirtualClock()
     cache = PrefixCache(store, clock=clock, default_block_size=2)

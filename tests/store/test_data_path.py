@@ -10,6 +10,7 @@ from cache_service.core.blocks import BlockKey, ChainLink, NamespaceId, NewBlock
 from cache_service.core.errors import MissingParent
 from cache_service.core.hashing import tokens_to_bytes
 from cache_service.core.store.base import BlockStore
+from tests.store.capabilities import capable
 from tests.store.chains import (
     BLOCK,
     NSID,
@@ -17,6 +18,7 @@ from tests.store.chains import (
     OTHER_NSID,
     T0,
     TTL,
+    assert_holds,
     assert_prefix_closed,
     chain,
     matched,
@@ -100,7 +102,8 @@ def test_insert_with_missing_parent_raises_and_changes_nothing(
     with pytest.raises(MissingParent) as caught:
         put(store, links, start=2)
     assert caught.value.extensions["parent_block"] == 1
-    assert store.usage() == before_usage
+    if capable(store, "exact_usage"):  # Redis's memory figures move on their own
+        assert store.usage() == before_usage
     assert raw.blocks() == before_blocks
     assert matched(store, links) == 1
     assert store.match(NSID, links[2:], now=T0).matched == 0
@@ -123,16 +126,19 @@ def test_insert_with_missing_parent_in_a_new_namespace_records_no_namespace(
     assert store.encoded_namespace(OTHER_NSID.scope) is None
 
 
-def test_insert_under_an_expired_parent_raises_missing_parent(store: BlockStore) -> None:
+@pytest.mark.needs("clock_expiry")
+def test_insert_under_an_expired_parent_raises_missing_parent(
+    store: BlockStore, raw: RawAccess
+) -> None:
     links = chain([1, 2])
     put(store, links[:1], ttl_seconds=10)
     with pytest.raises(MissingParent):
         put(store, links, start=1, now=T0 + 10)
-    assert store.usage().blocks == 1
+    assert_holds(store, raw, blocks=1)
 
 
 def test_insert_under_a_parent_whose_key_holds_other_tokens_raises_missing_parent(
-    store: BlockStore,
+    store: BlockStore, raw: RawAccess
 ) -> None:
     real = chain([1])[0]
     put(store, [real])
@@ -149,34 +155,52 @@ def test_insert_under_a_parent_whose_key_holds_other_tokens_raises_missing_paren
             retention="chat",
             ttl_seconds=TTL,
         )
-    assert store.usage().blocks == 1
+    assert_holds(store, raw, blocks=1)
 
 
 def test_storing_an_existing_block_is_a_refresh(store: BlockStore, raw: RawAccess) -> None:
     links = chain([1, 2, 3])
     put(store, links)
-    usage = store.usage()
     result = put(store, links, now=T0 + 5)
     assert result.stored == ()
     assert (result.refreshed, result.conflicts) == (3, 0)
-    assert store.usage().blocks == usage.blocks
-    assert store.usage().payload_bytes == usage.payload_bytes
+    assert_holds(store, raw, blocks=3, payload_bytes=3 * len(payload_of(links[0])))
+    assert {raw.blocks()[link.key].created_at for link in links} == {T0}
+
+
+@pytest.mark.needs("record_upkeep", "clock_expiry")
+def test_a_refresh_records_the_use_and_slides_the_expiry(store: BlockStore, raw: RawAccess) -> None:
+    links = chain([1, 2, 3])
+    put(store, links)
+    put(store, links, now=T0 + 5)
     metas = raw.blocks()
-    assert {metas[link.key].created_at for link in links} == {T0}
     assert {metas[link.key].last_used_at for link in links} == {T0 + 5}
     assert {metas[link.key].expires_at for link in links} == {T0 + 5 + TTL}
 
 
-def test_first_writer_wins_and_conflicts_are_counted(store: BlockStore) -> None:
+def test_first_writer_wins_and_conflicts_are_counted(store: BlockStore, raw: RawAccess) -> None:
     links = chain([1, 2, 3])
     first = [b"first-0", b"first-1", b"first-2"]
     put(store, links, payloads=first)
     result = put(store, links, payloads=[b"first-0", b"second-1", b"second-2-longer"])
     assert (result.refreshed, result.conflicts) == (3, 2)
     assert store.match(NSID, links, now=T0, with_payloads=True).payloads == tuple(first)
-    assert store.usage().payload_bytes == sum(map(len, first))
+    assert_holds(store, raw, blocks=3, payload_bytes=sum(map(len, first)))
 
 
+def test_a_refresh_lengthens_a_blocks_life_and_never_shortens_it(
+    store: BlockStore, raw: RawAccess
+) -> None:
+    link = chain([1])[0]
+    put(store, [link], ttl_seconds=TTL)
+    assert raw.seconds_left(link.key, T0) == pytest.approx(TTL, abs=1)
+    put(store, [link], ttl_seconds=7 * TTL)
+    assert raw.seconds_left(link.key, T0) == pytest.approx(7 * TTL, abs=1)
+    put(store, [link], ttl_seconds=TTL)
+    assert raw.seconds_left(link.key, T0) == pytest.approx(7 * TTL, abs=1)
+
+
+@pytest.mark.needs("record_upkeep", "clock_expiry")
 def test_refresh_keeps_the_later_expiry(store: BlockStore, raw: RawAccess) -> None:
     links = chain([1])
     put(store, links, ttl_seconds=7 * TTL, retention="long")
@@ -188,6 +212,14 @@ def test_refresh_keeps_the_later_expiry(store: BlockStore, raw: RawAccess) -> No
     assert (meta.expires_at, meta.retention) == (T0 + 8 * TTL - 1, "short")
 
 
+def test_insert_lifts_its_parents_life_to_the_new_blocks(store: BlockStore, raw: RawAccess) -> None:
+    links = chain([1, 2, 3])
+    put(store, links[:2], ttl_seconds=TTL)
+    put(store, links, start=2, ttl_seconds=10 * TTL)
+    assert raw.seconds_left(links[1].key, T0) == pytest.approx(10 * TTL, abs=1)
+
+
+@pytest.mark.needs("store_eviction", "record_upkeep", "clock_expiry")
 def test_insert_lifts_ancestors_expiry_to_the_new_blocks(store: BlockStore, raw: RawAccess) -> None:
     links = chain([1, 2, 3])
     put(store, links[:2], ttl_seconds=TTL, retention="short")
@@ -286,22 +318,28 @@ def test_namespace_whose_root_collides_shares_nothing(store: BlockStore, raw: Ra
 # -- get_payloads ----------------------------------------------------------------------------
 
 
-def test_get_payloads_returns_alive_blocks_of_the_namespace_only(store: BlockStore) -> None:
-    short = chain([1])
+def test_get_payloads_returns_stored_blocks_of_the_namespace_only(store: BlockStore) -> None:
     links = chain([2, 3])
     foreign = chain([2, 3], OTHER_NS)
-    put(store, short, ttl_seconds=10, payloads=[b"short-lived"])
     put(store, links, payloads=[b"p0", b"p1"])
     put(store, foreign, payloads=[b"f0", b"f1"], namespace=OTHER_NS)
     unknown = BlockKey(b"\x07" * 16)
-    keys = [links[1].key, foreign[0].key, unknown, links[0].key, short[0].key]
+    keys = [links[1].key, foreign[0].key, unknown, links[0].key]
     payloads, corrupt = store.get_payloads(NSID, keys, now=T0 + 5)
-    assert (payloads, corrupt) == ([b"p1", None, None, b"p0", b"short-lived"], 0)
-    payloads, corrupt = store.get_payloads(NSID, keys, now=T0 + 10)
-    assert (payloads, corrupt) == ([b"p1", None, None, b"p0", None], 0)
+    assert (payloads, corrupt) == ([b"p1", None, None, b"p0"], 0)
     payloads, _ = store.get_payloads(OTHER_NSID, [foreign[0].key, links[0].key], now=T0)
     assert payloads == [b"f0", None]
     assert store.get_payloads(NSID, [], now=T0) == ([], 0)
+
+
+@pytest.mark.needs("clock_expiry")
+def test_get_payloads_reads_an_expired_block_as_none(store: BlockStore) -> None:
+    short, links = chain([1]), chain([2])
+    put(store, short, ttl_seconds=10, payloads=[b"short-lived"])
+    put(store, links, payloads=[b"p0"])
+    keys = [short[0].key, links[0].key]
+    assert store.get_payloads(NSID, keys, now=T0 + 9.9) == ([b"short-lived", b"p0"], 0)
+    assert store.get_payloads(NSID, keys, now=T0 + 10) == ([None, b"p0"], 0)
 
 
 # -- corruption ------------------------------------------------------------------------------
@@ -327,6 +365,16 @@ def test_corrupt_payload_is_never_returned_and_is_counted(
 # -- usage -----------------------------------------------------------------------------------
 
 
+@pytest.mark.bug_on(
+    "redis", "usage().blocks is DBSIZE: a namespace's record (pc:n:...) counts as a block"
+)
+def test_usage_counts_the_blocks_stored(store: BlockStore) -> None:
+    put(store, chain([1, 2, 3]))
+    put(store, chain([1, 2], OTHER_NS), namespace=OTHER_NS)
+    assert store.usage().blocks == 5
+
+
+@pytest.mark.needs("exact_usage", "store_eviction")
 def test_usage_counts_blocks_and_payload_bytes(store: BlockStore) -> None:
     empty = store.usage()
     assert (empty.blocks, empty.payload_bytes) == (0, 0)

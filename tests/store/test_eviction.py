@@ -43,6 +43,7 @@ def evict_one_at_a_time(
     return order
 
 
+@pytest.mark.needs("store_eviction")
 def test_evict_removes_expired_first_then_lru_leaves_only(
     store: BlockStore, raw: RawAccess
 ) -> None:
@@ -66,6 +67,7 @@ def test_evict_removes_expired_first_then_lru_leaves_only(
     assert store.usage().blocks == 0
 
 
+@pytest.mark.needs("store_eviction")
 def test_evicted_records_say_why_and_what(store: BlockStore) -> None:
     links = chain([1])
     put(store, links, ttl_seconds=10, retention="agent", payloads=[b"12345"])
@@ -74,6 +76,7 @@ def test_evicted_records_say_why_and_what(store: BlockStore) -> None:
     assert (evicted.expires_at, evicted.payload_size) == (T0 + 10, 5)
 
 
+@pytest.mark.needs("store_eviction")
 def test_evict_expired_only_leaves_alive_blocks(store: BlockStore, raw: RawAccess) -> None:
     keep = chain([1, 2])
     drop = chain([3, 4])
@@ -86,6 +89,7 @@ def test_evict_expired_only_leaves_alive_blocks(store: BlockStore, raw: RawAcces
     assert_prefix_closed(raw)
 
 
+@pytest.mark.needs("store_eviction")
 def test_evict_never_removes_a_block_with_a_stored_child(store: BlockStore, raw: RawAccess) -> None:
     trunk = chain([1, 2, 3])
     put(store, trunk)
@@ -96,6 +100,7 @@ def test_evict_never_removes_a_block_with_a_stored_child(store: BlockStore, raw:
     assert store.usage().blocks == 0
 
 
+@pytest.mark.needs("store_eviction")
 @pytest.mark.parametrize("target", [0, 1, 4, 6])
 def test_evict_with_target_blocks_stops_exactly_there(store: BlockStore, target: int) -> None:
     put(store, chain([1, 2, 3]))
@@ -105,6 +110,7 @@ def test_evict_with_target_blocks_stops_exactly_there(store: BlockStore, target:
     assert store.usage().blocks == target
 
 
+@pytest.mark.needs("store_eviction")
 def test_evict_with_target_used_bytes_stops_once_below_it(store: BlockStore) -> None:
     for label in range(20):
         put(store, chain([label, 1000 + label]), payloads=[b"x" * 2000, b"y" * 2000])
@@ -116,12 +122,14 @@ def test_evict_with_target_used_bytes_stops_once_below_it(store: BlockStore) -> 
     assert 0 < store.usage().blocks < 40
 
 
+@pytest.mark.needs("store_eviction")
 def test_evict_stops_at_max_blocks(store: BlockStore) -> None:
     put(store, chain([1, 2, 3, 4, 5]))
     assert len(store.evict(now=T0, max_blocks=2)) == 2
     assert store.usage().blocks == 3
 
 
+@pytest.mark.needs("store_eviction")
 def test_evict_spares_protected_blocks(store: BlockStore, raw: RawAccess) -> None:
     old = chain([1, 2])
     new = chain([3, 4])
@@ -139,6 +147,7 @@ def test_evict_of_an_empty_store_evicts_nothing(store: BlockStore) -> None:
     assert store.evict(now=T0, max_blocks=10, target_blocks=0) == []
 
 
+@pytest.mark.needs("store_eviction")
 def test_evict_scans_past_a_full_batch_of_non_leaves(store: BlockStore, raw: RawAccess) -> None:
     # 40 expired blocks in one chain: the expiry index starts with many blocks that have a child.
     links = chain(list(range(40)))
@@ -148,6 +157,7 @@ def test_evict_scans_past_a_full_batch_of_non_leaves(store: BlockStore, raw: Raw
     assert_prefix_closed(raw)
 
 
+@pytest.mark.needs("store_eviction")
 def test_touched_older_prompt_survives_eviction_over_a_newer_one(store: BlockStore) -> None:
     older = chain([1, 2, 3])
     newer = chain([4, 5, 6])
@@ -168,6 +178,7 @@ def test_touched_older_prompt_survives_eviction_over_a_newer_one(store: BlockSto
 # -- the LRU policy's record of use --------------------------------------------------------
 
 
+@pytest.mark.needs("store_eviction")
 def test_a_removed_blocks_record_of_use_passes_to_its_parent(
     store: BlockStore, raw: RawAccess
 ) -> None:
@@ -184,6 +195,7 @@ def test_a_removed_blocks_record_of_use_passes_to_its_parent(
     assert parent.hits == 2
 
 
+@pytest.mark.needs("store_eviction")
 def test_leaf_lru_ranks_a_prefix_by_the_last_use_of_any_block_under_it(
     store: BlockStore,
 ) -> None:

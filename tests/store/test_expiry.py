@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import pytest
+
 from cache_service.core.blocks import Touch
 from cache_service.core.store.base import BlockStore
 from tests.store.chains import (
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 # -- expiry ----------------------------------------------------------------------------------
 
 
+@pytest.mark.needs("clock_expiry")
 def test_block_is_alive_until_just_before_its_expiry(store: BlockStore) -> None:
     links = chain([1, 2])
     put(store, links, ttl_seconds=100)
@@ -32,6 +35,7 @@ def test_block_is_alive_until_just_before_its_expiry(store: BlockStore) -> None:
     assert matched(store, links, now=T0 + 1e6) == 0
 
 
+@pytest.mark.needs("clock_expiry")
 def test_expired_block_is_replaced_by_a_new_insert(store: BlockStore, raw: RawAccess) -> None:
     links = chain([1, 2])
     put(store, links, ttl_seconds=100, payloads=[b"old-0", b"old-1"])
@@ -51,6 +55,7 @@ def test_expired_block_is_replaced_by_a_new_insert(store: BlockStore, raw: RawAc
     assert_prefix_closed(raw)
 
 
+@pytest.mark.needs("clock_expiry", "store_eviction")
 def test_expired_parent_replaced_keeps_its_expired_child_counted(
     store: BlockStore, raw: RawAccess
 ) -> None:
@@ -67,6 +72,20 @@ def test_expired_parent_replaced_keeps_its_expired_child_counted(
 # -- touch -----------------------------------------------------------------------------------
 
 
+def test_touch_lifts_the_whole_prefix_to_a_longer_ttl_and_never_shortens_it(
+    store: BlockStore, raw: RawAccess
+) -> None:
+    links = chain([1, 2, 3])
+    keys = tuple(link.key for link in links)
+    put(store, links, ttl_seconds=100)
+    store.touch([Touch(keys=keys, at=T0, retention="agent", ttl_seconds=1000)])
+    assert [raw.seconds_left(k, T0) for k in keys] == pytest.approx([1000] * 3, abs=1)
+    store.touch([Touch(keys=keys, at=T0, retention="chat", ttl_seconds=10)])
+    assert [raw.seconds_left(k, T0) for k in keys] == pytest.approx([1000] * 3, abs=1)
+    assert matched(store, links) == 3
+
+
+@pytest.mark.needs("record_upkeep", "clock_expiry")
 def test_touch_slides_expiry_to_the_later_of_two_and_counts_hits(
     store: BlockStore, raw: RawAccess
 ) -> None:
@@ -87,6 +106,7 @@ def test_touch_slides_expiry_to_the_later_of_two_and_counts_hits(
     assert_prefix_closed(raw)
 
 
+@pytest.mark.needs("record_upkeep", "clock_expiry")
 def test_touch_stops_at_a_block_that_is_gone(store: BlockStore, raw: RawAccess) -> None:
     links = chain([1, 2, 3])
     put(store, links[:1], ttl_seconds=100)

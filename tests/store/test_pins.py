@@ -17,7 +17,10 @@ if TYPE_CHECKING:
 
 FOREVER = T0 + 10**9
 
+pytestmark = pytest.mark.needs("pins")
 
+
+@pytest.mark.needs("store_eviction")
 def test_a_pinned_prefix_is_never_evicted_nor_expired(store: BlockStore, raw: RawAccess) -> None:
     system = chain([1, 2])
     put(store, chain([1, 2, 3]))
@@ -34,6 +37,7 @@ def test_a_pinned_prefix_is_never_evicted_nor_expired(store: BlockStore, raw: Ra
     assert_prefix_closed(raw)
 
 
+@pytest.mark.needs("clock_expiry", "store_eviction")
 def test_overlapping_pins_are_released_independently(store: BlockStore) -> None:
     longer = chain([1, 2, 3])
     put(store, longer)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import pytest
+
 from cache_service.core.blocks import store_key
 from cache_service.core.store.base import BlockStore
 from tests.store.chains import (
@@ -12,6 +14,7 @@ from tests.store.chains import (
     OTHER_NS,
     OTHER_NSID,
     T0,
+    assert_holds,
     assert_prefix_closed,
     chain,
     matched,
@@ -22,6 +25,7 @@ if TYPE_CHECKING:
     from conftest import RawAccess
 
 
+@pytest.mark.needs("purge_under")
 def test_purge_under_a_block_takes_its_subtree_only(store: BlockStore, raw: RawAccess) -> None:
     trunk = chain([1, 2, 3])
     put(store, trunk, payloads=[b"a", b"bb", b"ccc"])
@@ -33,17 +37,24 @@ def test_purge_under_a_block_takes_its_subtree_only(store: BlockStore, raw: RawA
     assert_prefix_closed(raw)
 
 
-def test_purge_a_namespace_leaves_the_others(store: BlockStore) -> None:
-    put(store, chain([1, 2]))
-    put(store, chain([1, 2], OTHER_NS), namespace=OTHER_NS)
+@pytest.mark.bug_on(
+    "redis",
+    "purge reports the bytes of whole values (STRLEN: length prefix, record and payload) as "
+    "payload_bytes",
+)
+def test_purge_a_namespace_leaves_the_others(store: BlockStore, raw: RawAccess) -> None:
+    put(store, chain([1, 2]), payloads=[b"a", b"bb"])
+    put(store, chain([1, 2], OTHER_NS), namespace=OTHER_NS, payloads=[b"ccc", b"dddd"])
     mine = store.purge(b"", root=NSID.root, now=T0)
-    assert mine.blocks == 2
+    assert (mine.blocks, mine.payload_bytes, mine.pins) == (2, 3, 0)
+    assert matched(store, chain([1, 2])) == 0
     assert store.match(OTHER_NSID, chain([1, 2], OTHER_NS), now=T0).matched == 2
     everything = store.purge(OTHER_NSID.partition, now=T0)
-    assert everything.blocks == 2
-    assert store.usage().blocks == 0
+    assert (everything.blocks, everything.payload_bytes) == (2, 7)
+    assert_holds(store, raw, blocks=0)
 
 
+@pytest.mark.needs("purge_under", "pins")
 def test_a_purge_under_a_pin_releases_the_blocks_above_it(store: BlockStore) -> None:
     links = chain([1, 2, 3])
     put(store, links)

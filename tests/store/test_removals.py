@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
+import pytest
+
 from cache_service.core.blocks import BlockKey, Namespace, StoreUsage, store_key
 from cache_service.core.hashing import tenant_partition
 from cache_service.core.store.backend import Txn
@@ -15,6 +17,7 @@ from tests.store.chains import (
     NSID,
     OTHER_NSID,
     T0,
+    assert_holds,
     assert_prefix_closed,
     chain,
     matched,
@@ -28,22 +31,40 @@ TENANT = Namespace(model="contract-model", tenant="team-r")
 TENANT_ID = HASHER.namespace_id(TENANT)
 
 
-def test_removing_a_leaf_removes_it_alone_and_its_parent_becomes_a_leaf(
-    store: BlockStore, raw: RawAccess
-) -> None:
+def test_removing_a_leaf_removes_it_alone(store: BlockStore, raw: RawAccess) -> None:
     links = chain([1, 2, 3])
     put(store, links, payloads=[b"a" * 10, b"b" * 20, b"c" * 30])
     removed = store.remove_subtree(NSID, links[2].key, now=T0 + 1)
     assert [(e.key, e.reason, e.payload_size) for e in removed] == [(links[2].key, "removed", 30)]
-    usage = store.usage()
-    assert (usage.blocks, usage.payload_bytes) == (2, 30)
-    assert raw.blocks()[links[1].key].children == 0
+    assert_holds(store, raw, blocks=2, payload_bytes=30)
     assert matched(store, links) == 2
     assert_prefix_closed(raw)
+    assert store.remove_subtree(NSID, links[2].key, now=T0 + 1) == []  # once only
+
+
+@pytest.mark.needs("record_upkeep", "store_eviction")
+def test_removing_a_leaf_makes_its_parent_a_leaf(store: BlockStore, raw: RawAccess) -> None:
+    links = chain([1, 2, 3])
+    put(store, links, payloads=[b"a" * 10, b"b" * 20, b"c" * 30])
+    store.remove_subtree(NSID, links[2].key, now=T0 + 1)
+    assert raw.blocks()[links[1].key].children == 0
     # The parent is a leaf again: capacity eviction finds it first.
     assert [e.key for e in store.evict(now=T0 + 1, max_blocks=1)] == [links[1].key]
 
 
+def test_removing_an_inner_block_ends_every_match_there(store: BlockStore) -> None:
+    trunk = chain([1, 2, 3, 4])
+    branch = chain([1, 2, 5])
+    put(store, trunk)
+    put(store, branch, start=2, now=T0 + 1)
+    removed = store.remove_subtree(NSID, trunk[1].key, now=T0 + 2)
+    assert removed[-1].key == trunk[1].key
+    assert (matched(store, trunk, now=T0 + 2), matched(store, branch, now=T0 + 2)) == (1, 1)
+    put(store, trunk, now=T0 + 3)  # stored again, the whole prefix matches again
+    assert matched(store, trunk, now=T0 + 3) == 4
+
+
+@pytest.mark.needs("subtree_removal", "store_eviction")
 def test_removing_an_inner_block_removes_its_subtree_deepest_first(
     store: BlockStore, raw: RawAccess
 ) -> None:
@@ -67,14 +88,18 @@ def test_removing_an_inner_block_removes_its_subtree_deepest_first(
     assert store.usage().blocks == 0
 
 
-def test_an_unknown_key_or_another_namespaces_block_removes_nothing(store: BlockStore) -> None:
+def test_an_unknown_key_or_another_namespaces_block_removes_nothing(
+    store: BlockStore, raw: RawAccess
+) -> None:
     links = chain([1, 2])
     put(store, links)
     assert store.remove_subtree(NSID, BlockKey(b"\x09" * 16), now=T0) == []
     assert store.remove_subtree(OTHER_NSID, links[0].key, now=T0) == []
-    assert store.usage().blocks == 2
+    assert_holds(store, raw, blocks=2)
+    assert matched(store, links) == 2
 
 
+@pytest.mark.needs("pins", "subtree_removal")
 def test_pinned_blocks_and_the_path_to_them_stay(store: BlockStore, raw: RawAccess) -> None:
     pinned = chain([1, 2, 3])
     branch = chain([1, 2, 5])
@@ -89,6 +114,7 @@ def test_pinned_blocks_and_the_path_to_them_stay(store: BlockStore, raw: RawAcce
     assert_prefix_closed(raw)
 
 
+@pytest.mark.needs("tenant_bytes", "removal_log", "subtree_removal", "store_eviction")
 def test_removal_keeps_tenant_bytes_and_the_removal_log(store: BlockStore, raw: RawAccess) -> None:
     store.removal_log_entries = 10
     links = chain([1, 2, 3], TENANT)
@@ -114,6 +140,7 @@ def test_removal_keeps_tenant_bytes_and_the_removal_log(store: BlockStore, raw: 
     assert_prefix_closed(raw)
 
 
+@pytest.mark.needs("removal_log", "store_eviction")
 def test_the_removal_log_keeps_to_its_share_of_a_small_store(store: BlockStore) -> None:
     # A small store's share of bytes is below the floor: the log keeps the latest
     # FLOOR_ENTRIES removals, though its configured length is far more.
