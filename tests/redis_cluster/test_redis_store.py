@@ -5,6 +5,8 @@ and what a Redis failure turns into (a miss for a lookup, a 503 behind a breaker
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import threading
@@ -538,3 +540,38 @@ def test_a_cluster_not_formed_yet_is_refused_in_one_line(tmp_path: Path) -> None
         with pytest.raises(ValueError, match="not ready") as refused:
             RedisStore(parse_nodes(f"127.0.0.1:{port}", tls=False))
         assert "redis-cli --cluster create" in str(refused.value)
+
+
+def test_a_hung_primary_makes_lookups_miss_within_the_read_timeout(
+    store: RedisStore, cluster: LocalRedisCluster
+) -> None:
+    links = chain(list(range(100)))  # spread over every primary
+    put(store, links)
+    assert store.match(NSID, links, now=time.time()).matched == 100
+    pid = cluster.pid(cluster.primaries()[0])
+    os.kill(pid, signal.SIGSTOP)  # hung, for less than the cluster's node timeout
+    try:
+        started = time.monotonic()
+        missed = store.match(NSID, links, now=time.time(), with_payloads=True)
+        took = time.monotonic() - started
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert missed.matched < 100 and store.lookup_errors == 1
+    assert took < 1.5, took  # the 0.5 s read timeout, not redis-py's retries one by one
+    assert store.match(NSID, links, now=time.time()).matched == 100  # back once it answers
+
+
+def test_writes_are_tried_again_for_as_long_as_a_failover_of_this_cluster_may_take(
+    cluster: LocalRedisCluster,
+) -> None:
+    address = _address(cluster)
+    fast = RedisStore(address)
+    assert fast.write_retry_seconds == 5.0  # node timeout 1 s: 3 s, below the floor
+    fast.close()
+    cluster.config_set("cluster-node-timeout", 4000)
+    try:
+        slow = RedisStore(address)
+        assert slow.write_retry_seconds == 9.0  # 2 x 4 s + 1 s
+        slow.close()
+    finally:
+        cluster.config_set("cluster-node-timeout", 1000)

@@ -70,19 +70,25 @@ def parse_nodes(location: str, *, tls: bool) -> RedisAddress:
     return RedisAddress(tuple(nodes), tls)
 
 
-def connect(address: RedisAddress) -> tuple[Any, bool]:
+def connect(
+    address: RedisAddress,
+    *,
+    socket_timeout: float = SOCKET_TIMEOUT_SECONDS,
+    retries: int = CLIENT_RETRIES,
+) -> tuple[Any, bool]:
     """A redis-py client for the address, and whether it is a Cluster client. The first
     node that answers says which it is."""
     auth: dict[str, Any] = {
         "password": os.environ.get(PASSWORD_ENV) or None,
         "username": os.environ.get(USERNAME_ENV) or None,
         "ssl": address.tls,
-        "socket_timeout": SOCKET_TIMEOUT_SECONDS,
-        "socket_connect_timeout": SOCKET_TIMEOUT_SECONDS,
-        # One quick try more, no backoff: a lookup that fails is a miss at once, and the
-        # store tries a write again on its own terms (RedisStore.write_retry_seconds). On a
-        # Cluster the count is also how often a command follows a new slot map.
-        "retry": Retry(NoBackoff(), CLIENT_RETRIES),
+        "socket_timeout": socket_timeout,
+        "socket_connect_timeout": socket_timeout,
+        # Quick tries more, no backoff: the store tries a write again on its own terms
+        # (RedisStore.write_retry_seconds), and lookups use a client of their own with
+        # none (redis_fanout.py). On a Cluster the count is also how often a command
+        # follows a new slot map.
+        "retry": Retry(NoBackoff(), retries),
     }
     errors = []
     for host, port in address.nodes:
@@ -143,3 +149,19 @@ def check_memory_settings(settings: list[tuple[int, str]]) -> None:
                 "Redis maxmemory is 0 (no limit): the cache would grow until the node is "
                 "killed; set maxmemory on every node (e.g. 75% of its RAM)"
             )
+
+
+def failover_seconds(nodes: list[Any]) -> float | None:
+    """How long a failover may take on this cluster: twice the longest
+    `cluster-node-timeout` (a primary is declared failed after it, and the replicas' election
+    waits up to about as long again), plus a second; None where CONFIG is refused."""
+    longest = None
+    for node in nodes:
+        try:
+            answer = node.config_get("cluster-node-timeout")
+        except redis.ResponseError:
+            continue
+        if "cluster-node-timeout" in answer:
+            timeout = int(answer["cluster-node-timeout"]) / 1000
+            longest = timeout if longest is None else max(longest, timeout)
+    return None if longest is None else 2 * longest + 1.0

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from cache_service.core.blocks import (
     BlockKey,
@@ -22,10 +21,12 @@ from cache_service.core.store.codec import (
     DAMAGED,
     HIT,
     TOKENS_AT,
+    CorruptRecord,
     check_record,
     decode_meta,
     intact,
 )
+from cache_service.core.store.redis_fanout import Command, Fanout
 from cache_service.core.store.redis_values import (
     LENGTH,
     RETENTION_SLACK,
@@ -43,9 +44,15 @@ PROBE_BLOCKS = 16  # the first round trip of a lookup: a miss costs little
 class RedisReads:
     """match, get_payloads and read_payloads (mixed into RedisStore)."""
 
-    client: Any
+    reads: Fanout
     lookup_errors: int
     _lock: threading.Lock
+
+    def _read_failed(self) -> None:
+        """A read Redis failed: count it, and let the slot map follow a failover."""
+        with self._lock:
+            self.lookup_errors += 1
+        self.reads.failed()
 
     def _note_damage(self, key: StoreKey) -> None:
         raise NotImplementedError
@@ -70,8 +77,7 @@ class RedisReads:
         except Exception as exc:  # any client or network failure: the cache forgets
             if not is_redis_error(exc):
                 raise
-            with self._lock:
-                self.lookup_errors += 1
+            self._read_failed()
             return empty
 
     def _match(
@@ -91,18 +97,17 @@ class RedisReads:
         if len(parts) > PROBE_BLOCKS:
             windows.append((PROBE_BLOCKS, len(parts)))
         for number, (start, end) in enumerate(windows):
-            pipe = self.client.pipeline(transaction=False)
+            commands: list[Command] = []
             if number == 0:
-                pipe.get(namespace_key(namespace.scope))
+                commands.append(("get", namespace_key(namespace.scope), ()))
             for key, _parent, tokens, _depth in parts[start:end]:
                 redis_key = block_key(store_key(part, key))
                 if with_payloads:
-                    pipe.get(redis_key)
+                    commands.append(("get", redis_key, ()))
                 else:
-                    pipe.getrange(
-                        redis_key, 0, LENGTH.size + TOKENS_AT + RETENTION_SLACK + len(tokens) - 1
-                    )
-            answers = pipe.execute(raise_on_error=True)
+                    last = LENGTH.size + TOKENS_AT + RETENTION_SLACK + len(tokens) - 1
+                    commands.append(("getrange", redis_key, (0, last)))
+            answers = self.reads.run(commands)
             if number == 0:
                 held = answers.pop(0)
                 if held is not None and held != namespace.encoded:
@@ -111,7 +116,7 @@ class RedisReads:
                     )
             for (key, parent, tokens, depth), value in zip(parts[start:end], answers, strict=True):
                 skey = store_key(part, key)
-                record, payload = record_of(self.client, skey, value, whole=with_payloads)
+                record, payload = record_of(self.reads.client, skey, value, whole=with_payloads)
                 verdict = check_record(
                     record, root_and_parent=root + parent, tokens=tokens, depth=depth, now=now
                 )
@@ -181,17 +186,14 @@ class RedisReads:
         if not keys:
             return 0
         part = namespace.partition
+        commands: list[Command] = [("get", namespace_key(namespace.scope), ())]
+        commands += [("get", block_key(store_key(part, key)), ()) for key in keys]
         try:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.get(namespace_key(namespace.scope))
-            for key in keys:
-                pipe.get(block_key(store_key(part, key)))
-            held, *values = pipe.execute(raise_on_error=True)
+            held, *values = self.reads.run(commands)
         except Exception as exc:
             if not is_redis_error(exc):
                 raise
-            with self._lock:
-                self.lookup_errors += 1
+            self._read_failed()
             for index in range(len(keys)):
                 sink(index, None)
             return 0
@@ -212,8 +214,11 @@ class RedisReads:
                 self._note_damage(skey)
                 sink(index, None)
                 continue
-            meta = decode_meta(skey, record)
-            if meta.namespace_root != namespace.root:
+            try:
+                meta = decode_meta(skey, record)
+            except CorruptRecord:  # intact, yet its fields do not hold together
+                meta = None
+            if meta is None or meta.namespace_root != namespace.root:
                 sink(index, None)
                 continue
             if len(payload) != meta.payload_size or checksum(payload) != meta.checksum:

@@ -52,10 +52,12 @@ from cache_service.core.store.redis_connect import (
     RedisAddress,
     check_memory_settings,
     connect,
+    failover_seconds,
     memory_settings,
     primaries,
 )
 from cache_service.core.store.redis_controls import RedisControls
+from cache_service.core.store.redis_fanout import READ_TIMEOUT_SECONDS, Fanout
 from cache_service.core.store.redis_reads import RedisReads
 from cache_service.core.store.redis_values import (
     IDENTITY_KEY,
@@ -81,14 +83,15 @@ class RedisStore(RedisReads, RedisWrites, RedisControls):
         identity: IdentityCheck | None = None,
         check_settings: bool = True,
         breaker: CircuitBreaker | None = None,
-        write_retry_seconds: float = WRITE_RETRY_SECONDS,
+        write_retry_seconds: float | None = None,
     ) -> None:
         self.address = address
-        self.write_retry_seconds = write_retry_seconds
         self.write_retries = 0  # writes tried again after Redis failed them
         self.write_failures = 0  # writes refused (503) after their retries
         self.touch_errors = 0  # hits whose expiry could not be slid (forgotten)
         self.client, self.clustered = connect(address)
+        reader, _ = connect(address, socket_timeout=READ_TIMEOUT_SECONDS, retries=0)
+        self.reads = Fanout(reader, self.clustered)  # lookups: parallel, no retries
         self.policy: EvictionPolicy = policy or LruPolicy()
         self.lifetimes: Lifetimes = UNBOUNDED
         self.space = RedisSpace()
@@ -98,6 +101,14 @@ class RedisStore(RedisReads, RedisWrites, RedisControls):
         self._lock = threading.Lock()
         self._usage: tuple[float, StoreUsage, int] | None = None
         self.memory_settings = memory_settings(self._primaries())
+        # A write is tried again for as long as a failover of this cluster may take (at
+        # least WRITE_RETRY_SECONDS), so that it lands on the promoted replica.
+        failover = failover_seconds(self._primaries()) if self.clustered else None
+        self.write_retry_seconds = (
+            write_retry_seconds
+            if write_retry_seconds is not None
+            else max(WRITE_RETRY_SECONDS, failover or 0.0)
+        )
         if check_settings:
             check_memory_settings(self.memory_settings)
         if identity is not None:
@@ -219,6 +230,7 @@ class RedisStore(RedisReads, RedisWrites, RedisControls):
 
     def close(self) -> None:
         """Close the connections."""
+        self.reads.close()
         self.client.close()
 
     def _primaries(self) -> list[Any]:
