@@ -102,6 +102,8 @@ def test_tenant_quotas_and_a_bad_redis_are_refused_at_start_up_with_the_reason(
     assert refused.returncode != 0
     assert "tenant capacity quotas" in refused.stderr and "team-a" in refused.stderr
     assert "Traceback" not in refused.stderr
+    sized = serve_refused(tmp_path, "--store", redis_url(cluster), "--capacity", "1GiB")
+    assert sized.returncode != 0 and "--capacity do not apply to the Redis store" in sized.stderr
     nobody = serve_refused(tmp_path, "--store", f"redis://127.0.0.1:{free_port()}")
     assert nobody.returncode != 0 and "no Redis node" in nobody.stderr
     assert "Traceback" not in nobody.stderr
@@ -147,3 +149,32 @@ def _sample(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not exposed")
+
+
+def test_a_whole_cluster_gone_is_misses_and_503s_never_a_500(
+    tmp_path: Path, make_server: Callable[..., ServerProcess]
+) -> None:
+    server_path, cli = require_tools()
+    gone = LocalRedisCluster(tmp_path / "gone", maxmemory_bytes=64 * 2**20,
+                             maxmemory_policy="volatile-lru", redis_server=server_path,
+                             redis_cli=cli).start()  # fmt: skip
+    try:
+        server = make_server(store=redis_url(gone), touch_flush_interval="0.05")
+        with CacheClient(server.url) as client:
+            client.store("m", PROMPT[:128], [b"a" * 100, b"b" * 100])
+    finally:
+        gone.stop()  # every node
+    lookup = httpx.post(server.url + "/v1/lookup", json={"model": "m", "tokens": PROMPT[:128]})
+    assert lookup.status_code == 200 and lookup.json()["matched_blocks"] == 0
+    body = join_frames(encode_frames({"model": "m"}, [tokens_to_bytes(PROMPT[:64]), b"c" * 100]))
+    frames = {"content-type": MEDIA_TYPE}
+    store = httpx.post(server.url + "/v1/blocks", content=body, headers=frames, timeout=60)
+    assert store.status_code == 503 and "retry-after" in store.headers, store.text
+    for method, path, payload in (
+        ("POST", "/v1/pin", {"model": "m", "tokens": PROMPT[:128]}),
+        ("GET", "/v1/pins", None),
+        ("POST", "/v1/purge", {"model": "m"}),
+    ):
+        answer = httpx.request(method, server.url + path, json=payload, timeout=60)
+        assert answer.status_code == 503, (path, answer.status_code, answer.text)
+        assert answer.json()["type"].endswith("/storage-failure")

@@ -37,14 +37,11 @@ LACKS: dict[str, dict[str, str]] = {
         "[] and the store is not prefix-closed (a lookup stops at the first gap)",
         "record_upkeep": "a block's record is written once (SET NX): its lifetime is the "
         "key's TTL; use, hits, children and retention are not kept",
-        "exact_usage": "usage() reports Redis's memory (payload_bytes is used_memory_dataset), "
+        "exact_usage": "usage() reports Redis's keys and memory (blocks is every key: "
+        "namespace records, pins and pin counts too; payload_bytes is used_memory_dataset), "
         "and one report is reused for 1 s",
         "removal_log": "no removal log or first-block hints (explain says less)",
         "tenant_bytes": "tenant_bytes is 0 (tenant quotas are refused at start-up)",
-        "subtree_removal": "only the named block is removed; its descendants can no longer "
-        "match and expire on their own",
-        "purge_under": "a purge under one block is refused (NotSupportedByStore)",
-        "pins": "pins are refused (NotSupportedByStore, 501)",
         "backend_txn": "RedisStore has no Backend (store.backend) nor subtrees.find to patch",
     },
 }
@@ -77,9 +74,6 @@ def _needs(*names: str) -> pytest.MarkDecorator:
     return pytest.mark.needs(*names)
 
 
-_DBSIZE_BUG = pytest.mark.bug_on(
-    "redis", "usage().blocks is DBSIZE: a namespace's record (pc:n:...) counts as a block"
-)
 ELSEWHERE: dict[str, tuple[pytest.MarkDecorator, ...]] = {
     "tests/test_cache.py::test_block_is_alive_until_its_ttl_and_a_miss_at_expiry": (
         _needs("clock_expiry"),
@@ -133,7 +127,9 @@ ELSEWHERE: dict[str, tuple[pytest.MarkDecorator, ...]] = {
     "tests/test_cache.py::test_remove_block_takes_the_block_and_everything_under_it": (
         _needs("subtree_removal"),
     ),
-    "tests/test_cache.py::test_remove_block_of_an_unknown_key_removes_nothing": (_DBSIZE_BUG,),
+    "tests/test_cache.py::test_remove_block_of_an_unknown_key_removes_nothing": (
+        _needs("exact_usage"),
+    ),
     "tests/test_metrics.py::test_capacity_evictions_before_the_ttl_are_counted": (
         _needs("store_eviction"),
     ),

@@ -32,6 +32,7 @@ from tests.store.chains import (
     T0,
     TTL,
     Namespace,
+    assert_holds,
     assert_prefix_closed,
     chain,
     matched,
@@ -159,7 +160,7 @@ def test_a_damaged_record_is_a_miss_on_every_path_and_is_dropped_with_its_subtre
 
 def _assert_consistent(store: BlockStore, raw: RawAccess, *, blocks: int) -> None:
     assert_prefix_closed(raw)
-    assert store.usage().blocks == blocks == len(raw.blocks())
+    assert_holds(store, raw, blocks=blocks)
 
 
 def test_a_damaged_parent_field_still_leaves_the_true_parent_a_leaf(
@@ -263,9 +264,6 @@ def test_a_damaged_record_is_a_miss_on_every_path_and_is_dropped(
 
 
 @pytest.mark.needs("byte_records")
-@pytest.mark.bug_on(
-    "redis", "get_payloads counts a damaged record as a corrupt payload (LMDB counts 0)"
-)
 def test_a_damaged_record_is_not_counted_as_a_corrupt_payload(
     store: BlockStore, raw: RawAccess
 ) -> None:
@@ -298,10 +296,6 @@ def test_a_damaged_payload_is_a_miss_and_dropped(store: BlockStore, raw: RawAcce
     )
 
 
-@pytest.mark.bug_on(
-    "redis",
-    "drop_damaged counts a damaged payload as a damaged record: Dropped(records=1, payloads=0)",
-)
 def test_a_dropped_damaged_payload_is_counted_as_a_payload(
     store: BlockStore, raw: RawAccess
 ) -> None:
@@ -329,11 +323,6 @@ def test_a_damaged_payload_is_dropped_with_its_subtree(store: BlockStore, raw: R
     )
 
 
-@pytest.mark.bug_on(
-    "redis",
-    "drop_damaged unlinks every key a read noted, without reading it again: a block "
-    "repaired (or expired and stored anew) since is deleted",
-)
 def test_a_payload_repaired_before_the_drop_is_kept(store: BlockStore, raw: RawAccess) -> None:
     put(store, LINKS)
     raw.overwrite_payload(key_of(1), b"rotten")

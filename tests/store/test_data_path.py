@@ -365,9 +365,7 @@ def test_corrupt_payload_is_never_returned_and_is_counted(
 # -- usage -----------------------------------------------------------------------------------
 
 
-@pytest.mark.bug_on(
-    "redis", "usage().blocks is DBSIZE: a namespace's record (pc:n:...) counts as a block"
-)
+@pytest.mark.needs("exact_usage")
 def test_usage_counts_the_blocks_stored(store: BlockStore) -> None:
     put(store, chain([1, 2, 3]))
     put(store, chain([1, 2], OTHER_NS), namespace=OTHER_NS)

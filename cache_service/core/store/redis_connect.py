@@ -165,3 +165,18 @@ def failover_seconds(nodes: list[Any]) -> float | None:
             timeout = int(answer["cluster-node-timeout"]) / 1000
             longest = timeout if longest is None else max(longest, timeout)
     return None if longest is None else 2 * longest + 1.0
+
+
+MINIMUM_VERSION = (7, 0)  # PEXPIRE ... GT, which slides a block's expiry without shortening it
+
+
+def check_versions(nodes: list[Any]) -> None:
+    """ValueError naming a node older than Redis 7.0 (Valkey reports a Redis version too)."""
+    for node in nodes:
+        text = str(node.info("server").get("redis_version", "0"))
+        version = tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
+        if version < MINIMUM_VERSION:
+            raise ValueError(
+                f"Redis {text} is too old for the cache: it needs 7.0 or later (PEXPIRE GT), "
+                "or Valkey 7.2 or later"
+            )

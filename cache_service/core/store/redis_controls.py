@@ -1,6 +1,7 @@
-"""Operator controls on the Redis store: pins (redis_pins.py), purge of a tenant or a
-namespace with a SCAN on every primary, inspecting one block, the namespace records; and what
-it refuses, with `NotSupportedByStore`, never silently: a purge under one block."""
+"""Operator controls on the Redis store: pins (redis_pins.py), purge of a tenant, a namespace
+or what lies under one block (SCANs on every primary; subtrees from redis_subtrees.py),
+removal of a block with its subtree, inspecting one block, the namespace records. A Redis
+failure in any of them is a 503 (storage-failure), never a 500."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from cache_service.core.store.redis_pins import (
     decode_pin,
     encode_pin,
     hold,
+    pin_count,
     pin_key,
     pin_pattern,
     release,
@@ -53,6 +55,7 @@ from cache_service.core.store.redis_values import (
     header_facts,
     namespace_key,
     record_of,
+    storage_failures,
 )
 
 SCAN_BATCH = 1000
@@ -76,6 +79,7 @@ class RedisControls:
     def _primaries(self) -> list[Any]:
         raise NotImplementedError
 
+    @storage_failures
     def pin(
         self,
         namespace: NamespaceId,
@@ -94,12 +98,12 @@ class RedisControls:
             raise ValueError("a pin holds a prefix from block 0")
         part = namespace.partition
         key = pin_key(namespace.scope, links[-1].key)
-        held = self.client.get(key)
+        held = self._held_pin(key)
         if held is not None:
-            record, keys = decode_pin(key, bytes(held))
+            record, keys = held
             if rank > record.rank:  # a higher role takes the pin over: only it may release
                 record = replace(record, by=by, rank=rank)
-                self.client.set(key, encode_pin(record, keys))
+                self.client.set(key, encode_pin(record, keys), xx=True)
             return record, False
         own = self.pins(part) if limits is not None else []
         if limits is not None and limits.blocks is not None:
@@ -110,14 +114,32 @@ class RedisControls:
             if limits.total_bytes is not None:
                 pins.check_bytes(self._every_pin(), size, limits.total_bytes, "all")
         keys = [link.key for link in links]
+        record = PinRecord(namespace.scope, links[-1].key, len(links), float(now), by, size, rank)
+        # The record is claimed before any count is taken: of two pins of one prefix at
+        # once, one counts its blocks and the other is told the pin exists.
+        if not self.client.set(key, encode_pin(record, keys), nx=True):
+            return self.pin(namespace, links, now=now, by=by, rank=rank, limits=limits)
         gone = hold(self.client, part, keys)
         if gone:
-            release(self.client, part, keys, self.lifetimes.longest_ttl_seconds)
-            raise _not_stored(gone[0])
-        record = PinRecord(namespace.scope, links[-1].key, len(links), float(now), by, size, rank)
-        self.client.set(key, encode_pin(record, keys))
+            if self.client.delete(key):
+                release(self.client, part, keys, self.lifetimes.longest_ttl_seconds)
+            raise NotStored(
+                f"block {gone[0]} of the prefix is not stored: store the prefix first",
+                block=gone[0],
+            )
         return record, True
 
+    def _held_pin(self, key: bytes) -> tuple[PinRecord, list[BlockKey]] | None:
+        """The pin stored under `key`; a damaged one is deleted and read as none."""
+        value = self.client.get(key)
+        if value is None:
+            return None
+        held = decode_pin(key, bytes(value))
+        if held is None:
+            self.client.delete(key)
+        return held
+
+    @storage_failures
     def unpin(
         self,
         namespace: NamespaceId,
@@ -132,10 +154,10 @@ class RedisControls:
         higher rank pinned it."""
         part = namespace.partition
         key = pin_key(namespace.scope, deepest)
-        held = self.client.get(key)
+        held = self._held_pin(key)
         if held is None:
             return 0
-        record, keys = decode_pin(key, bytes(held))
+        record, keys = held
         if record.rank > rank:
             raise Forbidden(
                 f"this prefix was pinned by {record.by!r}, whose role is above this key's"
@@ -144,6 +166,7 @@ class RedisControls:
             release(self.client, part, keys, ttl_seconds)
         return record.blocks
 
+    @storage_failures
     def pins(self, partition: bytes) -> list[PinRecord]:
         """Every pin of a tenant (SCAN on every primary)."""
         pattern, length = pin_pattern(partition)
@@ -160,11 +183,10 @@ class RedisControls:
             for batch in scan(node, pattern):
                 mine = [key for key in batch if length is None or len(key) == length]
                 values = node.mget(mine) if mine else []
-                found += [
-                    decode_pin(key, bytes(value))
-                    for key, value in zip(mine, values, strict=True)
-                    if value is not None
-                ]
+                for key, value in zip(mine, values, strict=True):
+                    held = decode_pin(key, bytes(value)) if value is not None else None
+                    if held is not None:  # a damaged record is skipped (a purge deletes it)
+                        found.append(held)
         return found
 
     def _verified_bytes(
@@ -189,11 +211,15 @@ class RedisControls:
                 now=now,
             )
             if verdict != HIT or record is None:
-                raise _not_stored(depth)
+                raise NotStored(
+                    f"block {depth} of the prefix is not stored: store the prefix first",
+                    block=depth,
+                )
             meta = decode_meta(skey, record)
             size += self.space.estimate_bytes(meta.payload_size, len(meta.tokens))
         return size
 
+    @storage_failures
     def links_of(
         self, namespace: NamespaceId, keys: Sequence[BlockKey], *, now: float
     ) -> list[ChainLink]:
@@ -221,16 +247,19 @@ class RedisControls:
             parent = key
         return links
 
+    @storage_failures
     def encoded_namespace(self, scope: StoreKey) -> bytes | None:
         """The encoded namespace stored for a scope, if any."""
         value = self.client.get(namespace_key(scope))
         return None if value is None else bytes(value)
 
+    @storage_failures
     def replace_namespace(self, scope: StoreKey, held: bytes, encoded: bytes) -> bool:
         """Replace a scope's namespace if it still is `held` (one script on its node)."""
         script = self.client.register_script(_REPLACE_NAMESPACE)
         return bool(script(keys=[namespace_key(scope)], args=[held, encoded]))
 
+    @storage_failures
     def purge(
         self,
         partition: bytes,
@@ -250,6 +279,10 @@ class RedisControls:
         for record, _keys in self._pins_matching(pattern, length):
             if root is None or record.scope == store_key(partition, root):
                 dropped += self.client.delete(pin_key(record.scope, record.key))
+        if root is None:  # the whole tenant: damaged pin records go too
+            for node in self._primaries():
+                for batch in scan(node, pattern):
+                    node.unlink(*[key for key in batch if len(key) == length])
         blocks = payload_bytes = 0
         for node in self._primaries():
             for batch in tenant_blocks(node, partition):
@@ -278,12 +311,19 @@ class RedisControls:
             if len(held) != KEY_BYTES:
                 return PurgeResult()
             root = BlockKey(held)
-        removed = {key for key, _parent in subtree(self._primaries(), partition, root, top)}
+        tree = [key for key, _parent in subtree(self._primaries(), partition, root, top)]
+        dropped = self._let_pins_go(partition, set(tree), ttl_seconds)
+        gone, size = self._unlink(tree)
+        return PurgeResult(blocks=gone, payload_bytes=size, pins=dropped)
+
+    def _let_pins_go(self, partition: bytes, removed: set[StoreKey], ttl_seconds: float) -> int:
+        """Drop the tenant's pins that hold any of `removed` (their other blocks expire in
+        `ttl_seconds`); how many."""
         dropped = 0
         pattern, length = pin_pattern(partition)
         for record, keys in self._pins_matching(pattern, length):
             held_keys = [store_key(partition, key) for key in keys]
-            if record.scope != store_key(partition, root) or removed.isdisjoint(held_keys):
+            if removed.isdisjoint(held_keys):
                 continue
             if self.client.delete(pin_key(record.scope, record.key)):
                 kept = [
@@ -291,9 +331,9 @@ class RedisControls:
                 ]
                 release(self.client, partition, kept, ttl_seconds)
                 dropped += 1
-        gone, size = self._unlink(list(removed))
-        return PurgeResult(blocks=gone, payload_bytes=size, pins=dropped)
+        return dropped
 
+    @storage_failures
     def remove_subtree(self, namespace: NamespaceId, key: BlockKey, *, now: float) -> list[Evicted]:
         """Remove block `key` and its stored descendants, deepest first (reason "removed");
         pinned blocks and their ancestors stay. A pass over the tenant's keys."""
@@ -308,34 +348,43 @@ class RedisControls:
         parent_of = dict(tree)
         keep: set[StoreKey] = set()
         for (skey, _parent), count in zip(tree, counts, strict=True):
-            at: StoreKey | None = skey if count is not None and int(count) > 0 else None
+            at: StoreKey | None = skey if count is not None and pin_count(count) > 0 else None
             while at is not None and at in parent_of and at not in keep:
                 keep.add(at)  # a pinned block and every ancestor of it in the subtree
                 at = store_key(part, parent_of[at])
-        doomed = [skey for skey, _parent in reversed(tree) if skey not in keep]
+        return self._remove_keys(
+            [skey for skey, _parent in reversed(tree) if skey not in keep], reason="removed"
+        )
+
+    def _remove_keys(self, keys: list[StoreKey], *, reason: str) -> list[Evicted]:
+        """Delete blocks (and their pin counts), reporting each one that was there."""
+        if not keys:
+            return []
         pipe = self.client.pipeline(transaction=False)
-        for skey in doomed:
+        for skey in keys:
             pipe.getrange(block_key(skey), 0, HEADER_BYTES - 1)
         headers = pipe.execute(raise_on_error=True)
-        self._unlink(doomed)
+        self._unlink(keys)
         return [
-            Evicted(skey, "removed", *header_facts(header))
-            for skey, header in zip(doomed, headers, strict=True)
+            Evicted(skey, reason, *header_facts(header))
+            for skey, header in zip(keys, headers, strict=True)
             if header
         ]
 
     def _unlink(self, keys: list[StoreKey], *, node: Any = None) -> tuple[int, int]:
-        """Delete blocks and their pin counts; (blocks deleted, their bytes). With `node`,
+        """Delete blocks and their pin counts; (blocks deleted, their payload bytes). With `node`,
         the blocks are that node's (a SCAN's); their counts go through the cluster client."""
         if not keys:
             return 0, 0
         pipe = (node or self.client).pipeline(transaction=False)
         for key in keys:
-            pipe.strlen(block_key(key))
+            pipe.getrange(block_key(key), 0, HEADER_BYTES - 1)
             pipe.unlink(block_key(key))
         answers = pipe.execute(raise_on_error=False)
         gone = [
-            int(size) for size, done in zip(answers[::2], answers[1::2], strict=True) if done == 1
+            header_facts(head)[2] if isinstance(head, bytes) else 0
+            for head, done in zip(answers[::2], answers[1::2], strict=True)
+            if done == 1
         ]
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
@@ -343,6 +392,7 @@ class RedisControls:
         pipe.execute(raise_on_error=False)
         return len(gone), sum(gone)
 
+    @storage_failures
     def inspect(self, namespace: NamespaceId, link: ChainLink, *, now: float) -> BlockState:
         """Why one block does not match: absent, a collision, damaged, or stored."""
         skey = store_key(namespace.partition, link.key)

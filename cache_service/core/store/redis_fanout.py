@@ -35,7 +35,15 @@ class Fanout:
         self._lock = threading.Lock()
 
     def run(self, commands: list[Command]) -> list[Any]:
-        """The commands' replies in order; raises the first error (a redis error)."""
+        """The commands' replies in order; raises the first error (a redis error). A slot
+        that moved (MOVED: a reshard, or a failover the map missed) is followed once."""
+        try:
+            return self._run(commands)
+        except redis.exceptions.MovedError:
+            self.failed(force=True)
+            return self._run(commands)
+
+    def _run(self, commands: list[Command]) -> list[Any]:
         if not self.clustered:
             return _pipeline(self.client, commands)
         groups: dict[str, tuple[Any, list[int]]] = {}
@@ -58,14 +66,14 @@ class Fanout:
                 future.result()
         return replies
 
-    def failed(self) -> None:
-        """A read failed: read the slot map again (at most once a second), so the next reads
-        go where a failover put the slots."""
+    def failed(self, *, force: bool = False) -> None:
+        """A read failed: read the slot map again (at most once a second unless `force`), so
+        the next reads go where a failover put the slots."""
         if not self.clustered:
             return
         with self._lock:
             now = time.monotonic()
-            if now - self._refreshed_at < REFRESH_SECONDS:
+            if not force and now - self._refreshed_at < REFRESH_SECONDS:
                 return
             self._refreshed_at = now
         # No node answering yet is no matter: the next failure tries again.

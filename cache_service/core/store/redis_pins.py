@@ -58,8 +58,16 @@ def encode_pin(record: PinRecord, keys: Sequence[BlockKey]) -> bytes:
     return json.dumps(fields).encode() + _SEPARATOR + b"".join(keys)
 
 
-def decode_pin(redis_key: bytes, value: bytes) -> tuple[PinRecord, list[BlockKey]]:
-    """The record and block keys `encode_pin` wrote under `redis_key`."""
+def decode_pin(redis_key: bytes, value: bytes) -> tuple[PinRecord, list[BlockKey]] | None:
+    """The record and block keys `encode_pin` wrote under `redis_key`; None for a damaged
+    one (its callers skip or replace it)."""
+    try:
+        return _decode_pin(redis_key, value)
+    except (ValueError, KeyError, TypeError):  # json's errors are ValueErrors
+        return None
+
+
+def _decode_pin(redis_key: bytes, value: bytes) -> tuple[PinRecord, list[BlockKey]]:
     head, _, joined = value.partition(_SEPARATOR)
     fields = json.loads(head)
     scope_and_key = redis_key[len(PIN_PREFIX) :]
@@ -93,16 +101,65 @@ def hold(client: Any, partition: bytes, keys: Sequence[BlockKey]) -> list[int]:
 
 def release(client: Any, partition: bytes, keys: Sequence[BlockKey], ttl_seconds: float) -> None:
     """Count one pin less on each block; a block no pin holds any more expires in
-    `ttl_seconds` (kept as is when infinite)."""
+    `ttl_seconds` (kept as is when infinite). A pin taken meanwhile wins: after the expiry
+    is set the count is read again, and a block counted again is made persistent again (the
+    pin side persists after counting, so either order ends persistent)."""
+    counts = [store_key(partition, key) for key in keys]
+    left = _decrement(client, [count_key(key) for key in counts])
+    freed = [key for key, count in zip(counts, left, strict=True) if int(count) <= 0]
+    if not freed or math.isinf(ttl_seconds):
+        return
+    ttl_ms = max(1, math.ceil(ttl_seconds * 1000))
     pipe = client.pipeline(transaction=False)
-    for key in keys:
-        pipe.decr(count_key(store_key(partition, key)))
-    counts = pipe.execute(raise_on_error=True)
-    pipe = client.pipeline(transaction=False)
-    ttl_ms = None if math.isinf(ttl_seconds) else max(1, math.ceil(ttl_seconds * 1000))
-    for key, count in zip(keys, counts, strict=True):
-        if count <= 0:
-            pipe.delete(count_key(store_key(partition, key)))
-            if ttl_ms is not None:
-                pipe.pexpire(block_key(store_key(partition, key)), ttl_ms)
-    pipe.execute(raise_on_error=True)
+    for key in freed:
+        pipe.pexpire(block_key(key), ttl_ms)
+    for key in freed:
+        pipe.get(count_key(key))
+    again = pipe.execute(raise_on_error=True)[len(freed) :]
+    pinned = [
+        key for key, count in zip(freed, again, strict=True) if count and pin_count(count) > 0
+    ]
+    if pinned:
+        pipe = client.pipeline(transaction=False)
+        for key in pinned:
+            pipe.persist(block_key(key))
+        pipe.execute(raise_on_error=True)
+
+
+def pin_count(value: bytes) -> int:
+    """A pin count as stored; a damaged one counts as held (a block is kept, never lost)."""
+    try:
+        return int(value)
+    except ValueError:
+        return 1
+
+
+# One pin less on a block, the count deleted at zero in the same step: a pin counting up
+# meanwhile starts from a fresh key, never from a count about to be deleted.
+_DECREMENT = """
+local left = redis.call('DECR', KEYS[1])
+if left <= 0 then
+    redis.call('DEL', KEYS[1])
+end
+return left
+"""
+
+
+def _decrement(client: Any, keys: list[bytes]) -> list[int]:
+    """Run _DECREMENT on each key, pipelined per node (a cluster pipeline refuses scripts)."""
+    script = client.register_script(_DECREMENT)
+    if not hasattr(client, "get_node_from_key"):  # one node
+        groups = {"": (client, list(range(len(keys))))}
+    else:
+        groups = {}
+        for index, key in enumerate(keys):
+            node = client.get_node_from_key(key)
+            groups.setdefault(node.name, (client.get_redis_connection(node), []))[1].append(index)
+    left = [0] * len(keys)
+    for connection, indexes in groups.values():
+        pipe = connection.pipeline(transaction=False)
+        for index in indexes:
+            script(keys=[keys[index]], client=pipe)
+        for index, value in zip(indexes, pipe.execute(raise_on_error=True), strict=True):
+            left[index] = int(value)
+    return left

@@ -54,7 +54,7 @@ class RedisReads:
             self.lookup_errors += 1
         self.reads.failed()
 
-    def _note_damage(self, key: StoreKey) -> None:
+    def _note_damage(self, key: StoreKey, *, payload: bool = False) -> None:
         raise NotImplementedError
 
     def match(
@@ -135,7 +135,7 @@ class RedisReads:
                         or len(payload) != meta.payload_size
                         or checksum(payload) != meta.checksum
                     ):
-                        self._note_damage(skey)
+                        self._note_damage(skey, payload=True)
                         corrupt += 1
                         return self._result(
                             matched, collisions, corrupt, with_payloads, sink, collected
@@ -202,18 +202,12 @@ class RedisReads:
         for index, (key, value) in enumerate(zip(keys, values, strict=True)):
             skey = store_key(part, key)
             parts = None if foreign or value is None else split_value(value)
-            if parts is None:
-                if value is not None and not foreign:
-                    corrupt += 1
+            if parts is None or not intact(parts[0]):
+                if value is not None and not foreign:  # a damaged record: a miss, as on LMDB
                     self._note_damage(skey)
                 sink(index, None)
                 continue
             record, payload = parts
-            if not intact(record):
-                corrupt += 1
-                self._note_damage(skey)
-                sink(index, None)
-                continue
             try:
                 meta = decode_meta(skey, record)
             except CorruptRecord:  # intact, yet its fields do not hold together
@@ -223,7 +217,7 @@ class RedisReads:
                 continue
             if len(payload) != meta.payload_size or checksum(payload) != meta.checksum:
                 corrupt += 1
-                self._note_damage(skey)
+                self._note_damage(skey, payload=True)
                 sink(index, None)
                 continue
             sink(index, payload)

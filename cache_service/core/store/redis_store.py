@@ -39,6 +39,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from cache_service.core.blocks import (
+    KEY_BYTES,
+    BlockKey,
     Evicted,
     StoreKey,
     StoreUsage,
@@ -51,6 +53,7 @@ from cache_service.core.store.damage import Dropped
 from cache_service.core.store.redis_connect import (
     RedisAddress,
     check_memory_settings,
+    check_versions,
     connect,
     failover_seconds,
     memory_settings,
@@ -59,11 +62,17 @@ from cache_service.core.store.redis_connect import (
 from cache_service.core.store.redis_controls import RedisControls
 from cache_service.core.store.redis_fanout import READ_TIMEOUT_SECONDS, Fanout
 from cache_service.core.store.redis_reads import RedisReads
+from cache_service.core.store.redis_subtrees import subtree
 from cache_service.core.store.redis_values import (
+    HEADER_BYTES,
     IDENTITY_KEY,
+    UNLINK_IF_SAME,
     RedisSpace,
     block_key,
+    header_facts,
     is_redis_error,
+    storage_failures,
+    value_damage,
 )
 from cache_service.core.store.redis_writes import WRITE_RETRY_SECONDS, RedisWrites
 
@@ -97,9 +106,10 @@ class RedisStore(RedisReads, RedisWrites, RedisControls):
         self.space = RedisSpace()
         self.breaker = breaker or CircuitBreaker()
         self.lookup_errors = 0  # lookups answered as misses because Redis failed them
-        self._damaged: set[StoreKey] = set()
+        self._damaged: dict[StoreKey, str] = {}  # noted by reads: record or payload
         self._lock = threading.Lock()
         self._usage: tuple[float, StoreUsage, int] | None = None
+        check_versions(self._primaries())
         self.memory_settings = memory_settings(self._primaries())
         # A write is tried again for as long as a failover of this cluster may take (at
         # least WRITE_RETRY_SECONDS), so that it lands on the promoted replica.
@@ -157,10 +167,12 @@ class RedisStore(RedisReads, RedisWrites, RedisControls):
                 "breaker_opened": self.breaker.opened_total,
             }
 
+    @storage_failures
     def usage(self) -> StoreUsage:
         """Keys on every primary, and the memory Redis uses (reused for USAGE_SECONDS)."""
         return self._usage_report()[0]
 
+    @storage_failures
     def memory_limit_bytes(self) -> int:
         """The sum of the primaries' maxmemory (0: unknown or none)."""
         return self._usage_report()[1]
@@ -204,24 +216,54 @@ class RedisStore(RedisReads, RedisWrites, RedisControls):
         """Nothing: no tenant quotas on Redis."""
         return []
 
+    @storage_failures
     def drop_damaged(self, *, now: float, ttl_seconds: float) -> Dropped:
-        """Unlink the blocks reads found damaged (their descendants stop matching there)."""
+        """Unlink the blocks reads found damaged and still are (read again: one stored anew
+        since is kept), each only if its value is still the damaged one read here; their
+        descendants stop matching there."""
         with self._lock:
-            damaged, self._damaged = self._damaged, set()
-        for key in damaged:
-            self.client.unlink(block_key(key))
-        removed = tuple(Evicted(key, "corrupt", "", 0.0, 0) for key in damaged)
-        return Dropped(records=len(damaged), payloads=0, removed=removed)
+            noted, self._damaged = self._damaged, {}
+        keys = list(noted)
+        values = self._values(keys)
+        records = payloads = 0
+        removed = []
+        for key, value in zip(keys, values, strict=True):
+            kind = value_damage(value) if value is not None else None
+            if kind is None or value is None:
+                continue  # gone, or whole again
+            partition, top = key[:-KEY_BYTES], BlockKey(key[-KEY_BYTES:])
+            # Its descendants first found (by their parent links, in any namespace: a
+            # damaged record's root is not to be trusted), then it, then them.
+            below = [k for k, _parent in subtree(self._primaries(), partition, None, top)[1:]]
+            if not self._unlink_if(block_key(key), value):
+                continue  # rewritten since the read: not ours to judge
+            records += kind == "record"
+            payloads += kind == "payload"
+            retention, expires_at, size = header_facts(value[:HEADER_BYTES])
+            removed.append(Evicted(key, "corrupt", retention, expires_at, size))
+            self._let_pins_go(partition, {key, *below}, ttl_seconds)
+            removed += self._remove_keys(below, reason="corrupt")
+        return Dropped(records=records, payloads=payloads, removed=tuple(removed))
+
+    def _values(self, keys: list[StoreKey]) -> list[bytes | None]:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(block_key(key))
+        return list(pipe.execute(raise_on_error=True)) if keys else []
+
+    def _unlink_if(self, redis_key: bytes, value: bytes) -> bool:
+        script = self.client.register_script(UNLINK_IF_SAME)
+        return bool(script(keys=[redis_key], args=[value]))
 
     def damage_pending(self) -> int:
         """How many damaged blocks reads noted since the last `drop_damaged`."""
         with self._lock:
             return len(self._damaged)
 
-    def _note_damage(self, key: StoreKey) -> None:
+    def _note_damage(self, key: StoreKey, *, payload: bool = False) -> None:
         with self._lock:
             if len(self._damaged) < 65536:
-                self._damaged.add(key)
+                self._damaged[key] = "payload" if payload else "record"
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:

@@ -39,10 +39,11 @@ def tenant_blocks(node: Any, partition: bytes) -> Iterator[list[bytes]]:
 
 
 def subtree(
-    nodes: list[Any], partition: bytes, root: BlockKey, top: BlockKey
+    nodes: list[Any], partition: bytes, root: BlockKey | None, top: BlockKey
 ) -> list[tuple[StoreKey, BlockKey]]:
-    """`top` and every block of its namespace stored under it, parents before children,
-    each with its parent's hash; empty when `top` is not stored."""
+    """`top` and every block of its namespace (of any, when `root` is None: a damaged
+    record's root cannot be trusted) stored under it, parents before children, each with
+    its parent's hash; empty when `top` is not stored."""
     children: dict[bytes, list[bytes]] = defaultdict(list)
     present = False
     start = len(BLOCK_PREFIX) + len(partition)
@@ -52,7 +53,7 @@ def subtree(
             for key in batch:
                 pipe.getrange(key, LENGTH.size + ROOT_AT, LENGTH.size + PARENT_END - 1)
             for key, held in zip(batch, pipe.execute(raise_on_error=False), strict=True):
-                if not isinstance(held, bytes) or held[:KEY_BYTES] != root:
+                if not isinstance(held, bytes) or (root is not None and held[:KEY_BYTES] != root):
                     continue
                 block = key[start:]
                 present = present or block == top

@@ -9,15 +9,26 @@ together), the space it takes, and the small helpers every Redis store module sh
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 import redis
 import xxhash
 
 from cache_service.core.blocks import BlockMeta, StoreKey
-from cache_service.core.store.codec import RECORD_FIELDS, RETENTION_LEN_AT, TOKENS_AT, encode_meta
+from cache_service.core.errors import StorageFailure
+from cache_service.core.store.codec import (
+    RECORD_FIELDS,
+    RETENTION_LEN_AT,
+    TOKENS_AT,
+    CorruptRecord,
+    decode_meta,
+    encode_meta,
+    intact,
+)
 
 PAYLOAD_SIZE_AT = RECORD_FIELDS["payload_size"][0]
 
@@ -74,6 +85,8 @@ class RedisSpace:
         return 0
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
 HEADER_BYTES = LENGTH.size + TOKENS_AT + 255  # the length, a record's fixed part, its class
 
 
@@ -118,7 +131,9 @@ def glob_escape(raw: bytes) -> bytes:
 def is_redis_error(exc: BaseException) -> bool:
     """Whether an exception is redis-py's (connection, timeout, cluster, response) or a
     socket error under it: what a store call may turn into a miss or a 503."""
-    return isinstance(exc, redis.RedisError | OSError)
+    # A cluster client that reaches no node raises RedisClusterException, which is not a
+    # RedisError.
+    return isinstance(exc, redis.RedisError | redis.exceptions.RedisClusterException | OSError)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -126,3 +141,47 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, redis.exceptions.OutOfMemoryError) or (
         isinstance(exc, redis.ResponseError) and "maxmemory" in str(exc)
     )
+
+
+# Deletes a key only if it still holds the value given: a damaged block is dropped, never a
+# copy written over it since it was read.
+UNLINK_IF_SAME = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return redis.call('UNLINK', KEYS[1])
+end
+return 0
+"""
+
+
+def value_damage(value: bytes) -> str | None:
+    """What is damaged in a block's value: "record", "payload", or None when it is whole."""
+    parts = split_value(value)
+    if parts is None or not intact(parts[0]):
+        return "record"
+    record, payload = parts
+    try:
+        meta = decode_meta(StoreKey(b""), record)
+    except CorruptRecord:
+        return "record"
+    if len(payload) != meta.payload_size or checksum(payload) != meta.checksum:
+        return "payload"
+    return None
+
+
+def storage_failures(method: Callable[P, R]) -> Callable[P, R]:
+    """A store method whose Redis failures are a 503 (StorageFailure, retry in a second),
+    never an unexpected error: for the calls that have no miss to answer instead."""
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(*args, **kwargs)
+        except Exception as exc:
+            if not is_redis_error(exc):
+                raise
+            raise StorageFailure(
+                f"Redis failed the {method.__name__.strip('_')}: {type(exc).__name__}: {exc}",
+                retry_after_seconds=1.0,
+            ) from exc
+
+    return wrapper

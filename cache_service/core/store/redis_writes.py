@@ -214,27 +214,31 @@ class RedisWrites:
         resolution_seconds: float = 0.0,
         slide_fraction: float = 0.0,
     ) -> None:
-        """Slide the expiry of each hit's whole prefix (PEXPIRE GT), once it would move by more
-        than the resolution and `slide_fraction` of the TTL: one PTTL round trip for all the
-        hits' deepest blocks, one for the slides. A failure is forgotten (a hit is not a write)."""
+        """Slide the expiry of each hit's blocks (PEXPIRE GT) that would move by more than
+        the resolution and `slide_fraction` of the TTL: one PTTL round trip for every block
+        of the hits (an early block stored long ago may be nearer its end than the deepest),
+        one for the slides. A failure is forgotten (a hit is not a write)."""
         hits = [hit for hit in touches if hit.keys]
         if not hits:
             return
         try:
+            keys = [[block_key(store_key(hit.partition, key)) for key in hit.keys] for hit in hits]
             pipe = self.client.pipeline(transaction=False)
-            for hit in hits:
-                pipe.pttl(block_key(store_key(hit.partition, hit.keys[-1])))
-            left = pipe.execute(raise_on_error=True)
+            for hit_keys in keys:
+                for key in hit_keys:
+                    pipe.pttl(key)
+            left = iter(pipe.execute(raise_on_error=True))
             pipe = self.client.pipeline(transaction=False)
             slides = 0
-            for hit, ttl_left_ms in zip(hits, left, strict=True):
+            for hit, hit_keys in zip(hits, keys, strict=True):
                 ttl_ms = math.ceil(hit.ttl_seconds * 1000)
                 slack_ms = 1000 * max(resolution_seconds, hit.ttl_seconds * slide_fraction)
-                if ttl_left_ms < 0 or ttl_ms - ttl_left_ms <= slack_ms:
-                    continue  # gone, kept without expiry, or slid recently enough
-                for key in hit.keys:
-                    pipe.pexpire(block_key(store_key(hit.partition, key)), ttl_ms, gt=True)
-                slides += 1
+                # `left` is shared: zip takes from it exactly one answer per key of this hit.
+                for key, ttl_left_ms in zip(hit_keys, left, strict=False):
+                    # Gone, kept without expiry (pinned), or slid recently enough: left be.
+                    if ttl_left_ms >= 0 and ttl_ms - ttl_left_ms > slack_ms:
+                        pipe.pexpire(key, ttl_ms, gt=True)
+                        slides += 1
             if slides:
                 pipe.execute(raise_on_error=False)
         except Exception as exc:

@@ -117,7 +117,8 @@ class Service:
             raise
         await self._first_status_sample()
         self._running.workers = self._start_workers(self._running)
-        log.info("%s", serving_line(settings, opened.where))
+        capacity = self._running.state.cache.capacity.capacity_bytes or settings.capacity
+        log.info("%s", serving_line(settings, opened.where, capacity))
         return self._running.state
 
     def _build_cache(self, store: BlockStore, capacity_bytes: int) -> PrefixCache:

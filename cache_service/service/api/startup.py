@@ -57,11 +57,23 @@ def open_store(settings: Settings) -> OpenedStore:
     return opened
 
 
+# Settings that steer the LMDB store's own capacity and eviction: on Redis, Redis does both.
+LMDB_ONLY = frozenset({"capacity", "high_water", "low_water", "eviction_policy", "lmdb_sync"})
+
+
 def refuse_unsupported(opened: OpenedStore, settings: Settings) -> None:
     """NotSupportedByStore for settings the store could not honour (never silently ignored):
-    tenant byte quotas on Redis, whose store does not count a tenant's bytes."""
+    on Redis, the LMDB store's capacity and eviction settings when given, and tenant byte
+    quotas (the Redis store does not count a tenant's bytes)."""
     if opened.kind != "redis":
         return
+    steering = sorted(LMDB_ONLY & settings.model_fields_set)
+    if steering:
+        flags = ", ".join("--" + name.replace("_", "-") for name in steering)
+        raise NotSupportedByStore(
+            f"{flags} do not apply to the Redis store: its capacity is Redis's maxmemory and "
+            "Redis evicts by its own maxmemory-policy; remove them"
+        )
     quotas = settings.key_ring().tenant_capacity if settings.auth == "keys" else {}
     if quotas:
         raise NotSupportedByStore(
@@ -96,10 +108,10 @@ def check_disk(opened: OpenedStore, capacity_bytes: int) -> None:
     DiskWarning().check(measure_room(Path(folder), int(file_bytes()), capacity_bytes))
 
 
-def serving_line(settings: Settings, where: str) -> str:
+def serving_line(settings: Settings, where: str, capacity_bytes: int) -> str:
     """The start-up line: which process serves which data, how much, to whom, where."""
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     return (
-        f"process {os.getpid()} serves {where} (capacity {show_size(settings.capacity)}, "
+        f"process {os.getpid()} serves {where} (capacity {show_size(capacity_bytes)}, "
         f"auth {settings.auth}) on http://{host}:{settings.port}"
     )
