@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import route_scores
+from bench import redis_scaling, route_scores
 from bench.report import Row, format_table, skipped, write_json
 from bench.scenarios import churn, hashing, lookup, payload, replay, store_size
 from bench.scenarios.context import Context
@@ -22,6 +22,7 @@ SCENARIOS = {
     "replay": replay.run,
     "churn": churn.run,
     "route": route_scores.run,
+    "redis": redis_scaling.run,
 }
 DEFAULT_JSON = Path(__file__).parent / "results" / "latest.json"
 
