@@ -105,7 +105,9 @@ def connect(
         nodes = [ClusterNode(h, p) for h, p in address.nodes]  # type: ignore[no-untyped-call]
         try:
             return RedisCluster(startup_nodes=nodes, **auth), True
-        except (redis.RedisError, RedisClusterException) as exc:  # e.g. slots not all covered
+        # Slots not all covered: RedisClusterException, or IndexError in redis-py 5.0 (it
+        # looks for a primary that an unformed cluster does not have).
+        except (redis.RedisError, RedisClusterException, IndexError) as exc:
             raise ValueError(
                 f"the Redis Cluster at {address.describe()} is not ready ({exc}): form it "
                 "first (redis-cli --cluster create) and wait for cluster_state:ok"
