@@ -41,9 +41,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import re
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -59,7 +56,8 @@ from typing import Any
 
 from bench.peers.harness import check_equal, stop_process, time_calls
 from bench.peers.payloads import block_keys, prefix_blocks
-from bench.peers.redis_peer import _hiredis_reason, _start_server, ensure_redis
+from bench.peers.redis_peer import ensure_redis, hiredis_reason, start_server
+from bench.redis_round_trips import count_redis_work, traced_turns
 from bench.report import Row, compare, format_table, latency_row, skipped
 from bench.scenarios.context import Context
 from bench.services import Service, our_service
@@ -352,7 +350,7 @@ def redis_peer() -> Iterator[tuple[int, int]]:
     if path is None:
         raise RuntimeError(reason)
     with tempfile.TemporaryDirectory(prefix="bench-redis-") as folder:
-        process, port = _start_server(path, folder)
+        process, port = start_server(path, folder)
         try:
             yield port, process.pid
         finally:
@@ -360,84 +358,6 @@ def redis_peer() -> Iterator[tuple[int, int]]:
 
 
 # -- round trips --------------------------------------------------------------------------------
-
-
-def node_counters(cluster: Any) -> dict[str, tuple[int, dict[str, int]]]:
-    """Per primary: read events so far and the calls of each command."""
-    counters = {}
-    for address in cluster.primaries():
-        node = cluster.node_client(address)
-        reads = int(node.info("stats")["total_reads_processed"])
-        calls = {name.removeprefix("cmdstat_"): int(stat["calls"])
-                 for name, stat in node.info("commandstats").items()}  # fmt: skip
-        counters[str(address)] = (reads, calls)
-    return counters
-
-
-def count_redis_work(
-    cluster: Any, run_all: Callable[[], object], count: int
-) -> tuple[float, dict[str, float], int]:
-    """Run `run_all` (`count` calls); per call: read events on the primaries, commands by name
-    (the counting's own INFO calls left out), and how many primaries served any."""
-    before = node_counters(cluster)
-    run_all()
-    after = node_counters(cluster)
-    reads = 0
-    commands: dict[str, float] = {}
-    busy = 0
-    for address, (read_after, calls_after) in after.items():
-        read_before, calls_before = before[address]
-        # Between the two reads of total_reads_processed: the first snapshot's INFO
-        # commandstats and the second's INFO stats; commandstats counts both INFOs likewise.
-        reads += read_after - read_before - 2
-        served = False
-        for name, number in calls_after.items():
-            delta = number - calls_before.get(name, 0) - 2 * (name == "info")
-            if delta > 0:
-                commands[name] = commands.get(name, 0) + delta / count
-                served = True
-        busy += served
-    return reads / count, commands, busy
-
-
-TRACED = "sendto,sendmsg,write,recvfrom,recvmsg,read"
-SYSCALL = re.compile(r"^\d+ +(send\w*|write|recv\w*|read)\((\d+)<TCP:\[[\d.]+:\d+->[\d.]+:(\d+)\]>")
-
-
-def traced_turns(
-    pid: int, ports: set[int], run_all: Callable[[], object], count: int
-) -> tuple[float, float]:
-    """Round trips to Redis of `run_all`'s `count` calls, seen by strace on the service `pid`:
-    on each socket to a Redis node, a turn is a run of sends followed by receives. Per
-    call: all turns, and the most on any one node's socket (the turns taken in sequence,
-    since a cluster pipeline writes to every node before it reads from any)."""
-    strace = shutil.which("strace")
-    if strace is None:
-        raise RuntimeError("strace is not installed")
-    with tempfile.TemporaryDirectory(prefix="bench-strace-") as folder:
-        out = Path(folder) / "trace"
-        command = [strace, "-f", "-qq", "-yy", "-e", f"trace={TRACED}", "-o", str(out)]
-        tracer = subprocess.Popen([*command, "-p", str(pid)], stderr=subprocess.DEVNULL)
-        try:
-            time.sleep(0.5)  # attached to every thread by then
-            run_all()
-            time.sleep(0.2)
-        finally:
-            os.kill(tracer.pid, signal.SIGINT)  # strace detaches and exits
-            tracer.wait(timeout=10)
-        turns: dict[str, int] = {}
-        sending: dict[str, bool] = {}
-        for line in out.read_text(errors="replace").splitlines():
-            found = SYSCALL.match(line)
-            if found is None or int(found.group(3)) not in ports:
-                continue
-            fd, sends = found.group(2), found.group(1).startswith(("send", "write"))
-            if sends and not sending.get(fd, False):
-                turns[fd] = turns.get(fd, 0) + 1
-            sending[fd] = sends
-    if not turns:
-        raise RuntimeError("strace saw no traffic to Redis")
-    return sum(turns.values()) / count, max(turns.values()) / count
 
 
 def round_trip_rows(cluster: Any, service: Service, work: Workload, count: int) -> list[Row]:
@@ -541,7 +461,7 @@ def scale_notes(rows: list[Row]) -> None:
 
 def run(ctx: Context) -> list[Row]:
     """The `redis` scenario of python -m bench."""
-    reason = _hiredis_reason() or ensure_redis(allow_install=ctx.allow_install)[1]
+    reason = hiredis_reason() or ensure_redis(allow_install=ctx.allow_install)[1]
     if reason:
         return [skipped(SCENARIO, case("lookup", CLIENTS), "redis cluster", reason)]
     import redis  # noqa: PLC0415 - optional (the bench extra), checked above

@@ -69,7 +69,7 @@ def ensure_redis(*, allow_install: bool) -> tuple[str | None, str]:
     return found, ""
 
 
-def _hiredis_reason() -> str:
+def hiredis_reason() -> str:
     """ "" when redis-py imports and parses with hiredis, else why not."""
     try:
         import hiredis  # noqa: F401, PLC0415
@@ -82,7 +82,7 @@ def _hiredis_reason() -> str:
     return ""
 
 
-def _start_server(path: str, data_dir: str) -> tuple[subprocess.Popen[bytes], int]:
+def start_server(path: str, data_dir: str) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     command = [
         path,
@@ -178,14 +178,14 @@ def measure(*, quick: bool, repetitions: int, allow_install: bool) -> list[Row]:
     """Redis pipelined SET/GET of the 32k prefix and single SET/GET of 256 KiB and 2 MiB."""
     del quick  # the caller's `repetitions` already says how long to run
     case = prefix_case("store/fetch")
-    reason = _hiredis_reason()
+    reason = hiredis_reason()
     if reason:
         return [skipped(SCENARIO, case, SUBJECT, reason)]
     path, reason = ensure_redis(allow_install=allow_install)
     if path is None:
         return [skipped(SCENARIO, case, SUBJECT, reason)]
     with tempfile.TemporaryDirectory(prefix="bench-redis-") as data_dir:
-        process, port = _start_server(path, data_dir)
+        process, port = start_server(path, data_dir)
         try:
             return _measure_server(port, repetitions=repetitions)
         finally:
