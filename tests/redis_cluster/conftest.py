@@ -16,7 +16,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -42,13 +42,31 @@ def require_tools() -> tuple[str, str]:
     return str(found["redis-server"]), str(found["redis-cli"])
 
 
-def start_cluster(directory: Path) -> LocalRedisCluster:
-    """A started three-primary, three-replica cluster in `directory`."""
+STORE_MAXMEMORY_BYTES = 64 * 2**20
+
+
+def start_cluster(directory: Path, *, for_the_store: bool = False) -> LocalRedisCluster:
+    """A started three-primary, three-replica cluster in `directory`; `for_the_store`: with
+    the maxmemory and volatile-lru policy the Redis store insists on (64 MiB a node)."""
     server, cli = require_tools()
-    # Imported here: redis-py is optional, and a module-level import would break collection.
     from bench.redis_cluster import LocalRedisCluster  # noqa: PLC0415
 
-    return LocalRedisCluster(directory, redis_server=server, redis_cli=cli).start()
+    memory: dict[str, Any] = (
+        {"maxmemory_bytes": STORE_MAXMEMORY_BYTES, "maxmemory_policy": "volatile-lru"}
+        if for_the_store
+        else {}
+    )
+    return LocalRedisCluster(directory, redis_server=server, redis_cli=cli, **memory).start()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    """One cluster set up for the Redis store, for a whole test module."""
+    started = start_cluster(tmp_path_factory.mktemp("redis-store"), for_the_store=True)
+    try:
+        yield started
+    finally:
+        started.stop()
 
 
 @pytest.fixture(scope="module")

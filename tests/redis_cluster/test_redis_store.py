@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -42,30 +40,17 @@ from cache_service.core.identity import StoreIdentity, identity_of
 from cache_service.core.store.breaker import CircuitBreaker
 from cache_service.core.store.redis_connect import RedisAddress, check_versions, parse_nodes
 from cache_service.core.store.redis_pins import pin_key
-from cache_service.core.store.redis_store import RedisStore, block_key
+from cache_service.core.store.redis_store import RedisStore
+from cache_service.core.store.redis_values import block_key
 from cache_service.core.store.registry import open_store, parse_store_url
 from tests.redis_cluster.conftest import require_tools
+from tests.redis_cluster.nodes import MEMORY, single_node
 
 BLOCK = 4
 TTL = 3600.0
 HASHER = BlockHasher()
 NS = Namespace(model="redis-model")
 NSID = HASHER.namespace_id(NS)
-MEMORY = ["--maxmemory", str(64 * 2**20), "--maxmemory-policy", "volatile-lru"]
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
-    """A cluster set up as the store wants it: maxmemory with volatile-lru."""
-    server, cli = require_tools()
-    with LocalRedisCluster(
-        tmp_path_factory.mktemp("redis-store"),
-        maxmemory_bytes=64 * 2**20,
-        maxmemory_policy="volatile-lru",
-        redis_server=server,
-        redis_cli=cli,
-    ) as started:
-        yield started
 
 
 @pytest.fixture
@@ -394,46 +379,6 @@ def test_settings_that_define_the_data_must_match_across_replicas(
     open_store(url, map_size_bytes=1, identity=identity("one")).store.close()
     with pytest.raises(SettingsMismatch):
         open_store(url, map_size_bytes=1, identity=identity("two"))
-
-
-@contextmanager
-def single_node(directory: Path, *args: str) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
-    """One redis-server (not a cluster) on a free port, stopped after. A port taken between
-    choosing and binding it (other tests start servers too) is chosen again."""
-    server, _cli = require_tools()
-    for _attempt in range(5):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        process = subprocess.Popen(
-            [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(directory), *args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        if _answers(process, port):
-            break
-        process.kill()
-        process.wait()
-    else:
-        raise AssertionError("redis-server did not start on any of 5 ports")
-    try:
-        yield process, port
-    finally:
-        process.kill()
-        process.wait()
-
-
-def _answers(process: subprocess.Popen[bytes], port: int) -> bool:
-    """Whether the server listens on `port` within 20 s (False at once if it exited)."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return True
-        except OSError:
-            time.sleep(0.05)
-    return False
 
 
 def test_a_node_without_a_memory_limit_or_with_noeviction_is_refused(tmp_path: Path) -> None:

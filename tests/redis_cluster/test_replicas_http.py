@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-import pytest
 
 from bench.redis_cluster import LocalRedisCluster
 from cache_service.client import CacheClient
@@ -18,24 +17,10 @@ from cache_service.core.framing import MEDIA_TYPE, encode_frames, join_frames
 from cache_service.core.hashing import tokens_to_bytes
 from cache_service.service.api_keys import Role, key_file_entry, new_key
 from tests.integration.conftest import ServerProcess, free_port, service_command
-from tests.redis_cluster.conftest import require_tools
-from tests.redis_cluster.test_redis_store import MEMORY, single_node
+from tests.redis_cluster.conftest import start_cluster
+from tests.redis_cluster.nodes import MEMORY, single_node
 
 PROMPT = list(range(9000, 9000 + 64 * 40))  # 40 blocks of 64
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
-    """A cluster as the store wants it: maxmemory with volatile-lru."""
-    server, cli = require_tools()
-    with LocalRedisCluster(
-        tmp_path_factory.mktemp("redis-replicas"),
-        maxmemory_bytes=64 * 2**20,
-        maxmemory_policy="volatile-lru",
-        redis_server=server,
-        redis_cli=cli,
-    ) as started:
-        yield started
 
 
 def redis_url(cluster: LocalRedisCluster) -> str:
@@ -154,10 +139,7 @@ def _sample(text: str, name: str) -> float:
 def test_a_whole_cluster_gone_is_misses_and_503s_never_a_500(
     tmp_path: Path, make_server: Callable[..., ServerProcess]
 ) -> None:
-    server_path, cli = require_tools()
-    gone = LocalRedisCluster(tmp_path / "gone", maxmemory_bytes=64 * 2**20,
-                             maxmemory_policy="volatile-lru", redis_server=server_path,
-                             redis_cli=cli).start()  # fmt: skip
+    gone = start_cluster(tmp_path / "gone", for_the_store=True)
     try:
         server = make_server(store=redis_url(gone), touch_flush_interval="0.05")
         with CacheClient(server.url) as client:
