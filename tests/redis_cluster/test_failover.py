@@ -126,18 +126,26 @@ class Ledger:
         return min(done) - killed_at if done else None
 
 
+def post_counted(
+    http: httpx.Client, url: str, body: bytes, route: str, ledger: Ledger
+) -> tuple[httpx.Response | None, float]:
+    """POST frames, every outcome counted in the ledger; (the answer if 200, when sent)."""
+    sent_at = time.monotonic()
+    try:
+        answer = http.post(url, content=body, headers=FRAMES)
+    except httpx.HTTPError as exc:
+        ledger.count(route, f"transport:{type(exc).__name__}", sent_at)
+        return None, sent_at
+    ledger.count(route, str(answer.status_code), sent_at)
+    return (answer if answer.status_code == 200 else None), sent_at
+
+
 def store(http: httpx.Client, url: str, tokens: list[int], ledger: Ledger) -> dict[str, Any] | None:
     """POST /v1/blocks with every block's payload; the answer's JSON on 200, else None."""
     header = {"model": MODEL, "start_block": 0}
     body = join_frames(encode_frames(header, [tokens_to_bytes(tokens), *payloads_of(tokens)]))
-    sent_at = time.monotonic()
-    try:
-        answer = http.post(url + "/v1/blocks", content=body, headers=FRAMES)
-    except httpx.HTTPError as exc:
-        ledger.count("store", f"transport:{type(exc).__name__}", sent_at)
-        return None
-    ledger.count("store", str(answer.status_code), sent_at)
-    if answer.status_code != 200:
+    answer, sent_at = post_counted(http, url + "/v1/blocks", body, "store", ledger)
+    if answer is None:
         return None
     result: dict[str, Any] = answer.json()
     done = Success("store", sent_at, time.monotonic(), slots_of_keys(result["keys"]))
@@ -155,14 +163,8 @@ def lookup(
     the matched block count on 200, else None."""
     header = {"model": MODEL, "fetch": True}
     body = join_frames(encode_frames(header, [tokens_to_bytes(tokens)]))
-    sent_at = time.monotonic()
-    try:
-        answer = http.post(url + "/v1/lookup", content=body, headers=FRAMES)
-    except httpx.HTTPError as exc:
-        ledger.count("lookup", f"transport:{type(exc).__name__}", sent_at)
-        return None
-    ledger.count("lookup", str(answer.status_code), sent_at)
-    if answer.status_code != 200:
+    answer, sent_at = post_counted(http, url + "/v1/lookup", body, "lookup", ledger)
+    if answer is None:
         return None
     head, frames = decode_frames(answer.content)
     matched = int(head["matched_blocks"])

@@ -30,7 +30,6 @@ from cache_service.core.store.codec import (
     DAMAGED,
     HIT,
     ROOT_AT,
-    check_record,
     decode_meta,
     intact,
 )
@@ -53,6 +52,7 @@ from cache_service.core.store.redis_values import (
     RedisSpace,
     block_key,
     header_facts,
+    link_verdict,
     namespace_key,
     record_of,
     storage_failures,
@@ -203,13 +203,7 @@ class RedisControls:
         ):
             skey = store_key(namespace.partition, link.key)
             record, _ = record_of(self.client, skey, value, whole=True)
-            verdict = check_record(
-                record,
-                root_and_parent=namespace.root + link.parent,
-                tokens=link.tokens,
-                depth=link.depth,
-                now=now,
-            )
+            verdict = link_verdict(record, namespace, link, now)
             if verdict != HIT or record is None:
                 raise NotStored(
                     f"block {depth} of the prefix is not stored: store the prefix first",
@@ -397,13 +391,7 @@ class RedisControls:
         """Why one block does not match: absent, a collision, damaged, or stored."""
         skey = store_key(namespace.partition, link.key)
         record, _ = record_of(self.client, skey, self.client.get(block_key(skey)), whole=True)
-        verdict = check_record(
-            record,
-            root_and_parent=namespace.root + link.parent,
-            tokens=link.tokens,
-            depth=link.depth,
-            now=now,
-        )
+        verdict = link_verdict(record, namespace, link, now)
         status = {HIT: "stored", COLLISION: "collision", DAMAGED: "corrupt"}.get(verdict, "absent")
         return BlockState(status=status)
 

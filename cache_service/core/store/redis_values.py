@@ -18,13 +18,14 @@ from typing import Any, ParamSpec, TypeVar
 import redis
 import xxhash
 
-from cache_service.core.blocks import BlockMeta, StoreKey
+from cache_service.core.blocks import BlockMeta, ChainLink, NamespaceId, StoreKey
 from cache_service.core.errors import StorageFailure
 from cache_service.core.store.codec import (
     RECORD_FIELDS,
     RETENTION_LEN_AT,
     TOKENS_AT,
     CorruptRecord,
+    check_record,
     decode_meta,
     encode_meta,
     intact,
@@ -185,3 +186,15 @@ def storage_failures(method: Callable[P, R]) -> Callable[P, R]:
             ) from exc
 
     return wrapper
+
+
+def link_verdict(record: bytes | None, namespace: NamespaceId, link: ChainLink, now: float) -> int:
+    """`check_record` of a stored record against the chain link it should be (HIT,
+    COLLISION, DAMAGED or MISSING)."""
+    return check_record(
+        record,
+        root_and_parent=namespace.root + link.parent,
+        tokens=link.tokens,
+        depth=link.depth,
+        now=now,
+    )

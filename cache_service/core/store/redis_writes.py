@@ -24,7 +24,6 @@ from cache_service.core.store.breaker import CircuitBreaker
 from cache_service.core.store.codec import (
     COLLISION,
     HIT,
-    check_record,
     decode_meta,
 )
 from cache_service.core.store.redis_values import (
@@ -32,6 +31,7 @@ from cache_service.core.store.redis_values import (
     checksum,
     is_out_of_memory,
     is_redis_error,
+    link_verdict,
     namespace_key,
     pack_value,
     record_of,
@@ -128,13 +128,7 @@ class RedisWrites:
             record, _ = record_of(
                 self.client, store_key(part, parent.key), parent_value[0], whole=True
             )
-            verdict = check_record(
-                record,
-                root_and_parent=namespace.root + parent.parent,
-                tokens=parent.tokens,
-                depth=parent.depth,
-                now=now,
-            )
+            verdict = link_verdict(record, namespace, parent, now)
             if verdict != HIT:
                 raise MissingParent(
                     f"block {parent.depth} (the parent of block {parent.depth + 1}) is not "
@@ -181,13 +175,7 @@ class RedisWrites:
             for index, value in zip(existing, values, strict=True):
                 link = blocks[index].link
                 record, _ = record_of(self.client, keys[index], value, whole=True)
-                verdict = check_record(
-                    record,
-                    root_and_parent=namespace.root + link.parent,
-                    tokens=link.tokens,
-                    depth=link.depth,
-                    now=now,
-                )
+                verdict = link_verdict(record, namespace, link, now)
                 if verdict == HIT:
                     assert record is not None
                     meta = decode_meta(keys[index], record)
