@@ -160,3 +160,25 @@ def test_a_whole_cluster_gone_is_misses_and_503s_never_a_500(
         answer = httpx.request(method, server.url + path, json=payload, timeout=60)
         assert answer.status_code == 503, (path, answer.status_code, answer.text)
         assert answer.json()["type"].endswith("/storage-failure")
+
+
+def test_worker_processes_of_one_replica_share_the_cluster_and_the_machine_files(
+    cluster: LocalRedisCluster, make_server: Callable[..., ServerProcess]
+) -> None:
+    cluster.flush_all()
+    metrics_port = free_port()
+    server = make_server(
+        store=redis_url(cluster),
+        workers="2",
+        touch_flush_interval="0.05",
+        metrics_port=str(metrics_port),
+    )
+    payloads = [bytes([i]) * 512 for i in range(8)]
+    with CacheClient(server.url) as client:
+        assert client.store("m", PROMPT[: 64 * 8], payloads).stored_blocks == 8
+        for _ in range(8):  # answered by either worker
+            assert client.lookup("m", PROMPT[: 64 * 8]).matched_blocks == 8
+    # One worker serves the metrics port, elected through a lock file in --data-dir.
+    assert (server.data_dir / "metrics.lock").exists()
+    assert "prompt_cache_blocks" in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+    assert not list(server.data_dir.glob("*.mdb"))  # and no LMDB data beside it

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from cache_service.core.disk import DiskWarning, measure_room
@@ -54,6 +55,12 @@ def open_store(settings: Settings) -> OpenedStore:
         opened.store.close()
         raise
     check_disk(opened, settings.capacity)
+    if opened.kind == "redis":
+        # The worker processes of one machine still share files: the metrics port's
+        # election and the per-key rate buckets, in the --data-dir folder (no data in it).
+        folder = Path(settings.data_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        opened = replace(opened, folder=folder)
     return opened
 
 
@@ -67,7 +74,9 @@ def refuse_unsupported(opened: OpenedStore, settings: Settings) -> None:
     quotas (the Redis store does not count a tenant's bytes)."""
     if opened.kind != "redis":
         return
-    steering = sorted(LMDB_ONLY & settings.model_fields_set)
+    # Told apart from the defaults by value: worker processes get every setting passed on.
+    fields = type(settings).model_fields
+    steering = sorted(name for name in LMDB_ONLY if getattr(settings, name) != fields[name].default)
     if steering:
         flags = ", ".join("--" + name.replace("_", "-") for name in steering)
         raise NotSupportedByStore(
