@@ -21,6 +21,7 @@ import pytest
 
 if TYPE_CHECKING:
     from tests.deploy.live_stack import LiveStack
+    from tests.deploy.redis_stack import RedisStack
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -89,4 +90,17 @@ def live_stack(
     from tests.deploy.live_stack import start_live_stack  # noqa: PLC0415
 
     with start_live_stack(prometheus_binary, tmp_path_factory.mktemp("live-stack")) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="session")
+def redis_stack(
+    prometheus_binary: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RedisStack]:
+    """The service on a real redis-server, a Prometheus scraping it every second with our
+    rule files, traffic, then Redis killed: lookups failed and stores refused, scraped and
+    evaluated; started once, every process stopped by PID at the end of the session."""
+    from tests.deploy.redis_stack import start_redis_stack  # noqa: PLC0415
+
+    with start_redis_stack(prometheus_binary, tmp_path_factory.mktemp("redis-stack")) as stack:
         yield stack
