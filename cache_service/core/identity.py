@@ -160,10 +160,10 @@ class StoreIdentity:
         adopted = [name for name in self.values if name not in record]
         if adopted:
             lead = (
-                f"data folder {where} had no record of the settings that define its data "
-                "(a new folder, or one made by an earlier version)"
+                f"{_place(where)} had no record of the settings that define its data "
+                "(a new one, or one made by an earlier version)"
                 if stored is None
-                else f"data folder {where} had no record of some settings"
+                else f"{_place(where)} had no record of some settings"
             )
             listed = ", ".join(
                 f"{self.fields[name].label} {self._public(name, self.values[name])}"
@@ -189,7 +189,7 @@ class StoreIdentity:
         return (field.public or field.show)(value)
 
     def _refusal(self, record: Mapping[str, Any], differing: list[str], where: str) -> str:
-        lines = [f"the data folder {where} holds blocks made with other settings:"]
+        lines = [f"the {_place(where)} holds blocks made with other settings:"]
         for name in differing:
             field = self.fields[name]
             lines.append(
@@ -232,3 +232,8 @@ def identity_of(
             "eviction_policy": eviction_policy,
         }
     )
+
+
+def _place(where: str) -> str:
+    """How the messages name a store: a data folder by its path, another store by its URL."""
+    return f"store {where}" if "://" in where else f"data folder {where}"

@@ -597,3 +597,27 @@ def test_a_redis_older_than_7_is_refused() -> None:
     check_versions(
         [type("Seven", (), {"info": lambda self, section: {"redis_version": "7.0.15"}})()]
     )
+
+
+def test_storing_again_reads_back_records_only_and_still_tells_conflicts(store: RedisStore) -> None:
+    links = chain(list(range(4)))
+    long_class = "a-retention-class-name-longer-than-the-read-ahead-of-32-bytes"
+    blocks = [NewBlock(link, payload(link.depth, 50_000)) for link in links]
+    first = store.insert(NSID, blocks, parent=None, now=time.time(), retention=long_class,
+                         ttl_seconds=TTL)  # fmt: skip
+    assert len(first.stored) == 4
+    before = _bytes_sent(store)
+    again = store.insert(NSID, blocks, parent=None, now=time.time(), retention=long_class,
+                         ttl_seconds=TTL)  # fmt: skip
+    sent = _bytes_sent(store) - before
+    assert (again.refreshed, again.conflicts, again.collisions) == (4, 0, 0)
+    other = [NewBlock(link, b"x" * 50_000) for link in links]
+    changed = store.insert(NSID, other, parent=None, now=time.time(), retention="chat",
+                           ttl_seconds=TTL)  # fmt: skip
+    assert (changed.refreshed, changed.conflicts) == (4, 4)
+    assert sent < 50_000  # the records came back, not the 200 kB of payloads
+
+
+def _bytes_sent(store: RedisStore) -> int:
+    """What the primaries have sent to their clients so far."""
+    return sum(int(node.info("stats")["total_net_output_bytes"]) for node in store._primaries())

@@ -108,12 +108,15 @@ def record_of(
 ) -> tuple[bytes | None, bytes | None]:
     """(record, payload) of a fetched value (None, None when absent; b"" for a record cut
     short, which reads as damaged). A value read only in part (`whole` False) whose record
-    runs past the read, for a long retention name, is read again whole."""
+    runs past the read, for a long retention name, is read again up to its record's end (the
+    length leads the value)."""
     if value is None or value == b"":
         return None, None
     parts = split_value(value)
     if parts is None and not whole and len(value) >= LENGTH.size:
-        parts = split_value(client.get(block_key(skey)) or b"")
+        (length,) = LENGTH.unpack_from(value)
+        again = client.getrange(block_key(skey), 0, LENGTH.size + length - 1)
+        parts = split_value(again or b"")
     if parts is None:
         return b"", None
     return parts

@@ -24,9 +24,12 @@ from cache_service.core.store.breaker import CircuitBreaker
 from cache_service.core.store.codec import (
     COLLISION,
     HIT,
+    TOKENS_AT,
     decode_meta,
 )
 from cache_service.core.store.redis_values import (
+    LENGTH,
+    RETENTION_SLACK,
     block_key,
     checksum,
     is_out_of_memory,
@@ -168,13 +171,14 @@ class RedisWrites:
         refreshed = conflicts = collisions = 0
         if existing:
             pipe = self.client.pipeline(transaction=False)
-            for index in existing:
-                pipe.get(block_key(keys[index]))
+            for index in existing:  # their records only: the conflict check needs no payload
+                last = LENGTH.size + TOKENS_AT + RETENTION_SLACK + len(blocks[index].link.tokens)
+                pipe.getrange(block_key(keys[index]), 0, last - 1)
                 pipe.pexpire(block_key(keys[index]), ttl_ms, gt=True)
             values = pipe.execute(raise_on_error=True)[::2]
             for index, value in zip(existing, values, strict=True):
                 link = blocks[index].link
-                record, _ = record_of(self.client, keys[index], value, whole=True)
+                record, _ = record_of(self.client, keys[index], value, whole=False)
                 verdict = link_verdict(record, namespace, link, now)
                 if verdict == HIT:
                     assert record is not None
