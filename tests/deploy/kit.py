@@ -225,3 +225,17 @@ def running_service(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def promtool_check_metrics(promtool: Path, text: str) -> None:
+    """`promtool check metrics` on a scrape: it exits 0 and prints nothing when no lint
+    problem is found."""
+    done = subprocess.run(
+        [str(promtool), "check", "metrics"],
+        check=False,
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout + done.stderr) == (0, "")

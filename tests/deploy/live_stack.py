@@ -18,7 +18,7 @@ import httpx
 
 from cache_service.client import CacheClient, Usage
 from cache_service.core.errors import ServiceError
-from tests.deploy.prometheus_process import PrometheusProcess, Series
+from tests.deploy.prometheus_process import PrometheusProcess, Series, wait_for_rules_after_scrape
 from tests.integration.conftest import ServerProcess, free_port
 
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "rules"
@@ -133,13 +133,10 @@ def wait_until_scraped_and_evaluated(stack: LiveStack) -> None:
 
     total("prompt_cache_hit_tokens_total", hits)
     total("prompt_cache_miss_tokens_total", misses)
-    scraped = prometheus.query("max(timestamp(prompt_cache_miss_tokens_total))")
-    # A rule evaluated one interval after the scrape's timestamp sees the appended sample.
-    after = float(scraped[0]["value"][1]) + prometheus.interval_seconds
-    prometheus.wait_for(
-        "min(timestamp(job:prompt_cache_token_hit_ratio:rate5m))",
-        lambda result: bool(result) and float(result[0]["value"][1]) >= after,
-        what="a rule evaluation after the final scrape",
+    wait_for_rules_after_scrape(
+        prometheus,
+        "prompt_cache_miss_tokens_total",
+        "job:prompt_cache_token_hit_ratio:rate5m",
         timeout_seconds=SCRAPE_WAIT_SECONDS,
     )
 

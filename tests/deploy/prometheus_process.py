@@ -132,6 +132,21 @@ class PrometheusProcess:
             time.sleep(self.interval_seconds / 4)
 
 
+def wait_for_rules_after_scrape(
+    prometheus: PrometheusProcess, scraped: str, recorded: str, *, timeout_seconds: float
+) -> None:
+    """Wait until the rule recording `recorded` has been evaluated after the last scrape of
+    `scraped`: a rule evaluated one interval after the scrape's timestamp sees its sample."""
+    last = prometheus.query(f"max(timestamp({scraped}))")
+    after = float(last[0]["value"][1]) + prometheus.interval_seconds
+    prometheus.wait_for(
+        f"min(timestamp({recorded}))",
+        lambda result: bool(result) and float(result[0]["value"][1]) >= after,
+        what="a rule evaluation after the final scrape",
+        timeout_seconds=timeout_seconds,
+    )
+
+
 def values_by(series: Series, label: str) -> dict[str, float]:
     """A query result's values keyed by one label."""
     return {item["metric"].get(label, ""): float(item["value"][1]) for item in series}

@@ -24,7 +24,7 @@ from cache_service.client import CacheClient
 from cache_service.core.errors import ServiceError
 from cache_service.service.backend_metrics import SYNC_SECONDS
 from tests.deploy.live_stack import BLOCK, MODEL, RULES, SCRAPE_WAIT_SECONDS, tokens
-from tests.deploy.prometheus_process import PrometheusProcess, Series
+from tests.deploy.prometheus_process import PrometheusProcess, Series, wait_for_rules_after_scrape
 from tests.integration.conftest import ServerProcess, free_port
 from tests.redis_cluster.nodes import MEMORY, single_node
 
@@ -108,12 +108,10 @@ def wait_until_scraped_and_evaluated(stack: RedisStack) -> None:
 
     for field in ("lookup_errors", "write_failures", "breaker_opened"):
         total(field)
-    scraped = prometheus.query("max(timestamp(prompt_cache_backend_write_failures_total))")
-    after = float(scraped[0]["value"][1]) + prometheus.interval_seconds
-    prometheus.wait_for(
-        "min(timestamp(instance:prompt_cache_backend_lookup_errors_per_lookup:ratio_rate5m))",
-        lambda result: bool(result) and float(result[0]["value"][1]) >= after,
-        what="a rule evaluation after the final scrape",
+    wait_for_rules_after_scrape(
+        prometheus,
+        "prompt_cache_backend_write_failures_total",
+        "instance:prompt_cache_backend_lookup_errors_per_lookup:ratio_rate5m",
         timeout_seconds=SCRAPE_WAIT_SECONDS,
     )
 

@@ -6,13 +6,13 @@ dashboard's "Backend (Redis)" row returns a series."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
+from tests.deploy.kit import promtool_check_metrics
 from tests.deploy.prometheus_process import values_by
 from tests.deploy.redis_stack import FAILED_LOOKUPS, REFUSED_STORES
 from tests.deploy.test_metric_names import RAW_METRIC, exported_names
@@ -101,12 +101,4 @@ def test_the_backend_metrics_the_rules_and_panels_read_are_exported_on_redis(
     backend = {name for name in read if name.startswith("prompt_cache_backend_")}
     assert len(backend) == 5
     assert sorted(backend - exported_names(text)) == []
-    done = subprocess.run(
-        [str(promtool), "check", "metrics"],
-        check=False,
-        input=text,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert (done.returncode, done.stdout + done.stderr) == (0, "")
+    promtool_check_metrics(promtool, text)

@@ -39,6 +39,19 @@ from cache_service.core.store.txns import Transactions
 PayloadSink = Callable[[int, "bytes | memoryview | None"], None]
 
 
+def collect_payloads(
+    read: Callable[[PayloadSink], int], count: int
+) -> tuple[list[bytes | None], int]:
+    """`get_payloads` from a store's `read_payloads` (given its sink): each payload copied
+    out of its view, None where there is none; and the corrupt count."""
+    out: list[bytes | None] = [None] * count
+
+    def keep(index: int, payload: bytes | memoryview | None) -> None:
+        out[index] = None if payload is None else bytes(payload)
+
+    return out, read(keep)
+
+
 def checksum(payload: bytes | memoryview) -> int:
     """The payload checksum kept with every block (xxh3-64)."""
     return int(xxhash.xxh3_64_intdigest(payload))
@@ -126,12 +139,9 @@ class DataPath:
         self, namespace: NamespaceId, keys: Sequence[BlockKey], *, now: float
     ) -> tuple[list[bytes | None], int]:
         """Payloads of alive blocks of one namespace; None where absent, foreign or corrupt."""
-        out: list[bytes | None] = [None] * len(keys)
-
-        def keep(index: int, payload: bytes | memoryview | None) -> None:
-            out[index] = None if payload is None else bytes(payload)
-
-        return out, self.read_payloads(namespace, keys, now=now, sink=keep)
+        return collect_payloads(
+            lambda sink: self.read_payloads(namespace, keys, now=now, sink=sink), len(keys)
+        )
 
     def read_payloads(
         self, namespace: NamespaceId, keys: Sequence[BlockKey], *, now: float, sink: PayloadSink

@@ -26,6 +26,7 @@ from cache_service.core.store.codec import (
     decode_meta,
     intact,
 )
+from cache_service.core.store.data_path import collect_payloads
 from cache_service.core.store.redis_fanout import Command, Fanout
 from cache_service.core.store.redis_values import (
     LENGTH,
@@ -165,12 +166,9 @@ class RedisReads:
         self, namespace: NamespaceId, keys: Sequence[BlockKey], *, now: float
     ) -> tuple[list[bytes | None], int]:
         """Payloads of stored blocks of one namespace (None where absent, foreign or damaged)."""
-        out: list[bytes | None] = [None] * len(keys)
-
-        def keep(index: int, payload: bytes | memoryview | None) -> None:
-            out[index] = None if payload is None else bytes(payload)
-
-        return out, self.read_payloads(namespace, keys, now=now, sink=keep)
+        return collect_payloads(
+            lambda sink: self.read_payloads(namespace, keys, now=now, sink=sink), len(keys)
+        )
 
     def read_payloads(
         self,
