@@ -11,7 +11,7 @@ from pathlib import Path
 
 from bench import redis_scaling, route_scores
 from bench.report import Row, format_table, skipped, write_json
-from bench.scenarios import churn, hashing, lookup, payload, replay, store_size
+from bench.scenarios import churn, eviction_cost, hashing, lookup, payload, replay, store_size
 from bench.scenarios.context import Context
 
 SCENARIOS = {
@@ -21,6 +21,7 @@ SCENARIOS = {
     "store-size": store_size.run,
     "replay": replay.run,
     "churn": churn.run,
+    "eviction": eviction_cost.run,
     "route": route_scores.run,
     "redis": redis_scaling.run,
 }
