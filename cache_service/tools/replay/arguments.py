@@ -36,6 +36,19 @@ def _token_list(text: str) -> list[int]:
     return [_tokens(part) for part in text.split(",") if part.strip()]
 
 
+def _policy_list(text: str) -> list[str]:
+    """Known eviction policy names, comma separated, each once, in the order given."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("name at least one policy")
+    for name in names:
+        if name not in POLICIES:
+            raise argparse.ArgumentTypeError(
+                f"unknown eviction policy {name!r} (known: {', '.join(sorted(POLICIES))})"
+            )
+    return list(dict.fromkeys(names))
+
+
 def add_replay_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `replay` and its flags."""
     parser = commands.add_parser(
@@ -53,7 +66,14 @@ def add_replay_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
         type=_tokens,
         help="embedded cache capacity in tokens (e.g. 3M); unbounded if omitted",
     )
-    parser.add_argument("--policy", choices=sorted(POLICIES), default="lru")
+    parser.add_argument(
+        "--policy",
+        type=_policy_list,
+        default=["lru"],
+        metavar="NAME[,NAME...]",
+        help=f"eviction policy ({', '.join(sorted(POLICIES))}; default lru); with --mrc, "
+        "several comma separated are compared against LRU and Belady; without it, one",
+    )
     parser.add_argument(
         "--retention-map",
         default="agent=3d,chat=7d",
@@ -111,7 +131,8 @@ def run_replay_command(args: argparse.Namespace) -> int:
             url=args.url,
             api_key=args.api_key,
             capacity_tokens=args.capacity_tokens,
-            policy=args.policy,
+            policy=args.policy[0],
+            compare=args.policy,
             retention=retention,
             speed=args.speed,
             block_size=args.block_size,

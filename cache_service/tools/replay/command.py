@@ -6,7 +6,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -14,7 +14,7 @@ from cache_service.core.retention import RetentionPolicy
 from cache_service.tools.replay.accesses import build_accesses
 from cache_service.tools.replay.block_units import BlockUnits, plan_units
 from cache_service.tools.replay.cost import Prices, cost_report
-from cache_service.tools.replay.curves import CurvePlan, capacity_curves
+from cache_service.tools.replay.curves import CurvePlan, Scale, capacity_curves
 from cache_service.tools.replay.engine import (
     EmbeddedOptions,
     HttpOptions,
@@ -22,6 +22,8 @@ from cache_service.tools.replay.engine import (
     replay_embedded,
     replay_http,
 )
+from cache_service.tools.replay.mrc import lru_curve
+from cache_service.tools.replay.policy_curves import Hits, compare_policies
 from cache_service.tools.replay.progress import Progress
 from cache_service.tools.replay.stats import Outcome, ReplayStats, Tally
 from cache_service.tools.replay.traces import TraceError, TraceRequest, read_trace
@@ -50,6 +52,8 @@ class ReplayConfig:
     api_key: str | None = None
     capacity_tokens: int | None = None
     policy: str = "lru"
+    # Policies compared against LRU and Belady on the curves (needs mrc); empty: `policy`.
+    compare: Sequence[str] = ()
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
     speed: float | None = None
     block_size: int | None = None
@@ -165,6 +169,11 @@ def run_replay(config: ReplayConfig, *, log: TextIO = sys.stderr) -> dict[str, A
     """Replay the traces and return the report (see README.md for its fields)."""
     if config.url is not None and config.capacity_tokens is not None:
         raise ReplayError("--capacity-tokens needs the embedded cache: a service has its own")
+    if len(config.compare) > 1 and not config.mrc:
+        raise ReplayError(
+            f"--policy {','.join(config.compare)} compares policies, which needs --mrc; "
+            "without it, name one policy"
+        )
     loaded = load_traces(config, log=log)
     requests = loaded.requests
     if not requests:
@@ -208,32 +217,69 @@ def run_replay(config: ReplayConfig, *, log: TextIO = sys.stderr) -> dict[str, A
         "windows": {"window_seconds": main.window_seconds, "points": main.window_points()},
         "mrc": None,
         "belady": None,
+        "policies": None,
         "cost": cost_report(main.total, config.prices),
         "ceiling_cost": cost_report(ceiling, config.prices),
     }
     if config.mrc:
-        report["mrc"], report["belady"] = _curves(requests, config, units)
+        report["mrc"], report["belady"], report["policies"] = _curves(requests, config, units)
     return report
+
+
+class _Replays:
+    """Replays at one capacity under one policy, each run once (the curves share them)."""
+
+    def __init__(
+        self, requests: Sequence[TraceRequest], config: ReplayConfig, units: BlockUnits
+    ) -> None:
+        self.requests = requests
+        self.config = config
+        self.units = units
+        self.done: dict[tuple[str, int], Hits] = {}
+
+    def at(self, policy: str, capacity_tokens: int, label: str) -> Hits:
+        """(hit blocks, hit tokens) of the trace under `policy` at a capacity."""
+        key = (policy, capacity_tokens)
+        if key not in self.done:
+            tally: Tally = _replay(
+                self.requests,
+                replace(self.config, policy=policy),
+                self.units,
+                capacity_tokens=capacity_tokens,
+                label=label,
+            ).total
+            self.done[key] = (tally.hit_blocks, tally.hit_tokens)
+        return self.done[key]
 
 
 def _curves(
     requests: Sequence[TraceRequest], config: ReplayConfig, units: BlockUnits
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+    """The `mrc`, `belady` and `policies` sections (the last None when only LRU is named)."""
     accesses = build_accesses(requests, units)
-    exact = config.policy == "lru" and not _ttls_may_expire(requests, config.retention)
+    stack_exact = not _ttls_may_expire(requests, config.retention)
     extra = list(config.capacities)
     if config.capacity_tokens is not None:
         extra.append(config.capacity_tokens)
-
-    def replay_at(capacity_tokens: int) -> tuple[int, int]:
-        tally: Tally = _replay(
-            requests, config, units, capacity_tokens=capacity_tokens, label=f"@{capacity_tokens:,}"
-        ).total
-        return tally.hit_blocks, tally.hit_tokens
-
+    replays = _Replays(requests, config, units)
     plan = CurvePlan(
         extra_capacity_tokens=extra,
         kv_bytes_per_token=config.kv_bytes_per_token,
-        stack_distance=exact,
+        stack_distance=config.policy == "lru" and stack_exact,
     )
-    return capacity_curves(accesses, plan, replay_at)
+    mrc, belady = capacity_curves(
+        accesses,
+        plan,
+        lambda tokens: replays.at(config.policy, tokens, f"{config.policy} @{tokens:,} tokens"),
+    )
+    names = list(dict.fromkeys(config.compare or [config.policy]))
+    if names == ["lru"]:
+        return mrc, belady, None
+    policies = compare_policies(
+        names,
+        belady,
+        Scale.of(accesses, config.kv_bytes_per_token),
+        replay_at=replays.at,
+        lru_exact=lru_curve(accesses) if stack_exact else None,
+    )
+    return mrc, belady, policies

@@ -35,7 +35,7 @@ def capacity_points(distinct: int, extra_blocks: Sequence[int]) -> list[int]:
 
 
 @dataclass(frozen=True, slots=True)
-class _Scale:
+class Scale:
     """What turns hit counts at a capacity into a report point."""
 
     block_tokens: int
@@ -43,7 +43,18 @@ class _Scale:
     total_tokens: int
     kv_bytes_per_token: int
 
+    @classmethod
+    def of(cls, accesses: Accesses, kv_bytes_per_token: int) -> Scale:
+        """The scale of a replay's accesses."""
+        return cls(
+            block_tokens=accesses.block_tokens,
+            total_blocks=sum(len(blocks) for blocks in accesses.blocks),
+            total_tokens=sum(accesses.input_lengths),
+            kv_bytes_per_token=kv_bytes_per_token,
+        )
+
     def point(self, capacity_blocks: int, hits: tuple[int, int]) -> dict[str, Any]:
+        """The report point of a capacity and its (hit blocks, hit tokens) there."""
         tokens = capacity_blocks * self.block_tokens
         return {
             "capacity_blocks": capacity_blocks,
@@ -64,12 +75,7 @@ def capacity_curves(
     `replay_at(capacity_tokens) -> (hit blocks, hit tokens)` replays the trace once at a
     capacity; it is used instead of stack distances when those would not be exact.
     """
-    scale = _Scale(
-        block_tokens=accesses.block_tokens,
-        total_blocks=sum(len(blocks) for blocks in accesses.blocks),
-        total_tokens=sum(accesses.input_lengths),
-        kv_bytes_per_token=plan.kv_bytes_per_token,
-    )
+    scale = Scale.of(accesses, plan.kv_bytes_per_token)
     whole = accesses.distinct * accesses.block_tokens
     rounds = [tokens for tokens in ROUND_CAPACITY_TOKENS if tokens < whole]
     requested = [tokens // accesses.block_tokens for tokens in plan.extra_capacity_tokens]

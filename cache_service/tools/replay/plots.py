@@ -1,4 +1,5 @@
-"""PNG figures of a replay report: hit ratio over time, and the miss-ratio curve."""
+"""PNG figures of a replay report: hit ratio over time, the miss-ratio curve, and the
+policies compared against LRU and Belady."""
 
 from __future__ import annotations
 
@@ -23,13 +24,16 @@ def plot_report(report: dict[str, Any], path: str | Path) -> None:
         raise PlotUnavailable(
             "plots need matplotlib: pip install 'prompt-cache-service[plot]'"
         ) from exc
-    curves = report.get("mrc") is not None
+    panels = [_plot_over_time]
+    if report.get("mrc") is not None:
+        panels.append(_plot_curve)
+    if report.get("policies"):
+        panels.append(_plot_policies)
     figure, axes = plt.subplots(
-        2 if curves else 1, 1, figsize=(10, 9 if curves else 4.8), squeeze=False
+        len(panels), 1, figsize=(10, 4.8 if len(panels) == 1 else 4.5 * len(panels)), squeeze=False
     )
-    _plot_over_time(axes[0][0], report)
-    if curves:
-        _plot_curve(axes[1][0], report)
+    for panel, row in zip(panels, axes, strict=True):
+        panel(row[0], report)
     figure.suptitle(_title(report))
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -39,9 +43,13 @@ def plot_report(report: dict[str, Any], path: str | Path) -> None:
 def _title(report: dict[str, Any]) -> str:
     capacity = report["capacity_tokens"]
     size = "unbounded" if capacity is None else f"{capacity:,} tokens"
+    compared = report.get("policies")
+    policy = (
+        f"{report['policy']} (compared: {', '.join(compared)})" if compared else report["policy"]
+    )
     return (
         f"{', '.join(Path(t).name for t in report['traces'])} - {report['requests']:,} requests, "
-        f"{report['policy']}, capacity {size}"
+        f"{policy}, capacity {size}"
     )
 
 
@@ -98,3 +106,44 @@ def _plot_curve(axis: Any, report: dict[str, Any]) -> None:
     )
     top.set_xlabel(f"capacity (GiB at {per_token} bytes of KV per token)")
     axis.set_title("Hit ratio at every capacity (the miss-ratio curve, as hits)", pad=28)
+
+
+def _plot_policies(axis: Any, report: dict[str, Any]) -> None:
+    policies: dict[str, list[dict[str, Any]]] = report["policies"]
+    rows = next(iter(policies.values()))
+    mrc = report["mrc"]
+    if mrc["method"] == "lru-stack-distance":  # the exact curve, at every listed capacity
+        lru = [(point["capacity_tokens"], point["block_hit_ratio"]) for point in mrc["points"]]
+        marker = None
+    else:  # LRU as the comparison measured it, at its capacities
+        lru = [(row["capacity_tokens"], row["lru_block_hit_ratio"]) for row in rows]
+        marker = "."
+    axis.plot(*zip(*lru, strict=True), label="LRU", color="tab:blue", marker=marker)
+    axis.plot(
+        [row["capacity_tokens"] for row in rows],
+        [row["belady_block_hit_ratio"] for row in rows],
+        label="offline optimum (Belady)",
+        color="tab:red",
+        marker="o",
+        ls="--",
+    )
+    colours = iter(["tab:green", "tab:purple", "tab:orange", "tab:brown", "tab:pink", "tab:olive"])
+    for name, points in policies.items():
+        if name == "lru":  # drawn above
+            continue
+        axis.plot(
+            [point["capacity_tokens"] for point in points],
+            [point["block_hit_ratio"] for point in points],
+            label=name,
+            color=next(colours, None),
+            marker="s",
+            ms=4,
+        )
+    axis.axhline(report["ceiling"]["block_hit_ratio"], color="black", ls=":", label="ceiling")
+    axis.set_xscale("log")
+    axis.set_xlabel("capacity (tokens)")
+    axis.set_ylabel("block hit ratio")
+    axis.set_ylim(0, 1)
+    axis.grid(alpha=0.3, which="both")
+    axis.legend(loc="upper left", fontsize=8)
+    axis.set_title("Eviction policies against LRU and the offline optimum")

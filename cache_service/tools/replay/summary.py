@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from cache_service.tools.replay.curves import capacity_for_share
+from cache_service.tools.replay.policy_table import format_policy_comparison
 
 GIB = 2**30
 MAX_CURVE_ROWS = 6
@@ -81,6 +82,8 @@ def format_summary(report: dict[str, Any], written: Sequence[tuple[str, Path]] =
                 )
                 + f"  {point['token_hit_ratio']:12.1%} {point['block_hit_ratio']:6.1%}"
             )
+    if report.get("policies"):
+        lines.extend(format_policy_comparison(report))
     if report["skipped_lines"]:
         lines.append(f"Skipped {report['skipped_lines']:,} malformed lines (listed above)")
     lines.extend(f"Wrote {what}: {path}" for what, path in written)
