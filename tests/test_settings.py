@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from cache_service.cli import build_parser, load_settings
+from cache_service.core.eviction import POLICIES
 from cache_service.service.settings import Settings, parse_model_block_sizes
 
 
@@ -89,6 +90,8 @@ def test_cli_help_names_each_environment_variable() -> None:
 
 KEY_LIST = "k:team-a:reader:" + "a" * 64
 
+KNOWN = ", ".join(POLICIES)
+
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
@@ -131,7 +134,7 @@ def test_a_true_false_setting_is_also_a_bare_switch() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"eviction_policy": "fifo"}, "unknown eviction policy 'fifo' \\(known: lru\\)"),
+        ({"eviction_policy": "fifo"}, f"unknown eviction policy 'fifo' \\(known: {KNOWN}\\)"),
         ({"store": "valkey://cache:6379"}, "unknown store scheme 'valkey'.*lmdb://, memory://"),
         ({"store": "redis://cache:6379/0"}, "redis:// takes HOST:PORT only"),
         ({"store": "redis://"}, "an empty node"),
@@ -159,6 +162,5 @@ def test_cli_names_the_known_eviction_policies_for_an_unknown_one() -> None:
     args.pop("command")
     with pytest.raises(SystemExit) as exited:
         load_settings(args)
-    assert "--eviction-policy: Value error, unknown eviction policy 'lfu' (known: lru)" in str(
-        exited.value
-    )
+    message = f"--eviction-policy: Value error, unknown eviction policy 'lfu' (known: {KNOWN})"
+    assert message in str(exited.value)

@@ -179,7 +179,7 @@ class BlockMeta:
     expires_at: float
     retention: str
     children: int = 0
-    lru_seq: int = 0
+    eviction_rank: int = 0
     hits: int = 0
     # Where the expiry index lists the block: at most expires_at (sliding a block's expiry
     # leaves its entry early; the sweeper moves an entry it finds early to its real time).

@@ -229,8 +229,10 @@ class PrefixCache:
         retention: str | None = None,
         payload: bytes = b"",
     ) -> tuple[PrefixMatch, InsertOutcome]:
-        """Serve one request as a worker would: look up, store the blocks that missed (each
-        with `payload`), then mark the hit prefix used, so the head is the most recent."""
+        """Serve one request as a worker does through the service: look up (the hit is a use
+        of its prefix, as a lookup's touch is), then store the blocks that missed (each with
+        `payload`). The same order as the service's, so a policy ranks a replay's blocks as
+        the service would."""
         retention_class, ttl = self.config.resolve_retention(retention)
         size = self.config.block_size_for(namespace.model)
         token_bytes = as_token_bytes(tokens)
@@ -243,6 +245,8 @@ class PrefixCache:
                 prompt_tokens=len(token_bytes) // 4,
                 retention=retention_class,
             )
+            if found.keys:
+                self._touch_match(namespace, found, ttl)
             outcome = self._store_links(
                 namespace,
                 links,
@@ -251,8 +255,6 @@ class PrefixCache:
                 retention=retention_class,
                 ttl_seconds=ttl,
             )
-            if found.keys and not outcome.prefix_touched:
-                self._touch_match(namespace, found, ttl)
         self._repair_now()
         return found, outcome
 

@@ -164,7 +164,14 @@ class Capacity:
         if self.capacity_blocks is not None:
             if self.store.usage().blocks <= self.capacity_blocks:
                 return []
-            return self._evict_until(now=now, target_blocks=self.capacity_blocks)
+            # As with bytes: older blocks first (a policy may rank a reused block above the
+            # ones just written), the request's own only if they alone overflow the cache.
+            evicted = self._evict_until(
+                now=now, target_blocks=self.capacity_blocks, protected=frozenset(protected or ())
+            )
+            if self.store.usage().blocks > self.capacity_blocks:
+                evicted += self._evict_until(now=now, target_blocks=self.capacity_blocks)
+            return evicted
         limit = self.limit_bytes()  # the capacity, or what the disk can back
         if limit is None:
             return []

@@ -226,7 +226,7 @@ def test_damage_seen_only_by_an_eviction_scan_is_noted(
     lmdb_store: LmdbStore, lmdb_raw: LmdbRawAccess
 ) -> None:
     put(lmdb_store, LINKS)
-    lmdb_raw.flip(key_of(4), RECORD_FIELDS["lru_seq"][0])  # the only leaf
+    lmdb_raw.flip(key_of(4), RECORD_FIELDS["eviction_rank"][0])  # the only leaf
     assert lmdb_store.evict(now=T0, max_blocks=1) == []  # its entry goes; nothing else a leaf
     assert lmdb_store.damage_pending() == 1
     assert lmdb_store.drop_damaged(now=T0, ttl_seconds=TTL).records == 1

@@ -190,7 +190,7 @@ def test_a_removed_blocks_record_of_use_passes_to_its_parent(
     deepest = raw.blocks()[keys[-1]]
     assert store.evict(now=T0 + 30, max_blocks=1)[0].key == keys[-1]
     parent = raw.blocks()[keys[1]]
-    assert parent.lru_seq == deepest.lru_seq
+    assert parent.eviction_rank == deepest.eviction_rank
     assert parent.last_used_at == T0 + 20
     assert parent.hits == 2
 
@@ -239,6 +239,6 @@ def test_what_a_parent_takes_over_from_a_removed_child_is_the_policys(
         before = raw_of(store).blocks()[links[0].key]
         store.evict(now=T0 + 20, max_blocks=1)
         after = raw_of(store).blocks()[links[0].key]
-        assert (after.lru_seq, after.hits, after.children) == (before.lru_seq, 0, 0)
+        assert (after.eviction_rank, after.hits, after.children) == (before.eviction_rank, 0, 0)
     finally:
         store.close()

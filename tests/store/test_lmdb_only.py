@@ -101,7 +101,8 @@ def test_lmdb_data_survives_close_and_reopen(
         newer = chain([7])
         put(again, newer, now=T0 + 1)
         metas = raw_of(again).blocks()
-        assert metas[newer[0].key].lru_seq > max(metas[link.key].lru_seq for link in links)
+        ranks = [metas[link.key].eviction_rank for link in links]
+        assert metas[newer[0].key].eviction_rank > max(ranks)
         assert [e.key for e in again.evict(now=T0 + 1, max_blocks=1)] == [links[2].key]
     finally:
         again.close()

@@ -25,9 +25,9 @@ LINKS = chain(list(range(1, 13)))
 def encode_v3(meta: BlockMeta) -> bytes:
     retention = meta.retention.encode()
     header = V3.pack(3, meta.depth, meta.children, meta.created_at, meta.last_used_at,
-                     meta.expires_at, meta.lru_seq, meta.hits, meta.payload_size, meta.checksum,
-                     meta.namespace_root, meta.parent, meta.indexed_expiry, meta.stored_seq,
-                     len(retention))  # fmt: skip
+                     meta.expires_at, meta.eviction_rank, meta.hits, meta.payload_size,
+                     meta.checksum, meta.namespace_root, meta.parent, meta.indexed_expiry,
+                     meta.stored_seq, len(retention))  # fmt: skip
     return header + retention + meta.tokens
 
 

@@ -7,7 +7,7 @@ Layout (little-endian), format 4:
          8      1  record version (4)
          9      4  depth                       13   4  children
         17      8  created_at                  25   8  last_used_at
-        33      8  expires_at                  41   8  lru_seq
+        33      8  expires_at                  41   8  eviction_rank
         49      8  hits                        57   8  payload_size
         65      8  payload checksum            73  16  namespace root
         89     16  parent key                 105   8  indexed expiry
@@ -31,7 +31,7 @@ from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
 
 RECORD_VERSION = 4
 SUM_BYTES = 8
-# version, depth, children, created, last_used, expires, lru_seq, hits, payload_size,
+# version, depth, children, created, last_used, expires, eviction_rank, hits, payload_size,
 # payload checksum, namespace root, parent key, indexed expiry, stored seq, retention length
 _BODY = struct.Struct("<BIIdddQQQQ16s16sdQB")
 # The checksum of a record's body (every byte after the checksum): the function itself, not
@@ -54,7 +54,7 @@ def encode_meta(meta: BlockMeta) -> bytes:
             meta.created_at,
             meta.last_used_at,
             meta.expires_at,
-            meta.lru_seq,
+            meta.eviction_rank,
             meta.hits,
             meta.payload_size,
             meta.checksum,
@@ -92,7 +92,7 @@ def decode_meta(key: StoreKey, record: bytes | memoryview) -> BlockMeta:
         created_at,
         last_used_at,
         expires_at,
-        lru_seq,
+        eviction_rank,
         hits,
         payload_size,
         checksum,
@@ -125,7 +125,7 @@ def decode_meta(key: StoreKey, record: bytes | memoryview) -> BlockMeta:
         expires_at=expires_at,
         retention=retention,
         children=children,
-        lru_seq=lru_seq,
+        eviction_rank=eviction_rank,
         hits=hits,
         indexed_expiry=indexed_expiry,
         stored_seq=stored_seq,
@@ -167,7 +167,7 @@ RECORD_FIELDS: dict[str, tuple[int, int | None]] = {
     "created_at": (17, 8),
     "last_used_at": (25, 8),
     "expires_at": (EXPIRES_AT, 8),
-    "lru_seq": (41, 8),
+    "eviction_rank": (41, 8),
     "hits": (49, 8),
     "payload_size": (57, 8),
     "payload_checksum": (65, 8),

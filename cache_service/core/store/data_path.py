@@ -30,6 +30,7 @@ from cache_service.core.blocks import (
     store_key,
 )
 from cache_service.core.errors import MissingParent
+from cache_service.core.eviction import Use
 from cache_service.core.store.backend import Txn
 from cache_service.core.store.damage import DamageLog
 from cache_service.core.store.records import Records
@@ -210,6 +211,7 @@ class DataPath:
         refreshed = conflicts = collisions = tenant_bytes = 0
         part = namespace.partition
         records, tenants = self.records, self.records.tenants
+        policy = records.victims.policy
         with self.txns.write() as txn:
             held_namespace = txn.get_namespace(namespace.scope)
             if held_namespace is not None and held_namespace != namespace.encoded:
@@ -241,7 +243,7 @@ class DataPath:
                     refreshed += 1
                     before = records.position(old)
                     old.last_used_at = max(old.last_used_at, now)
-                    old.lru_seq = seq
+                    old.eviction_rank = policy.rank(old, seq=seq, use=Use.REFRESHED)
                     old.expires_at, old.retention = _later_expiry(old, expires_at, retention)
                     records.save(txn, old, before)
                     new = old
@@ -264,10 +266,11 @@ class DataPath:
                         expires_at=held_until,
                         retention=held_class,
                         children=old.children if old is not None else 0,
-                        lru_seq=seq,
+                        eviction_rank=seq,
                         indexed_expiry=old.indexed_expiry if old is not None else 0.0,
                         stored_seq=seq,
                     )
+                    new.eviction_rank = policy.rank(new, seq=seq, use=Use.STORED)
                     txn.put_payload(key, block.payload)
                     txn.add_payload_bytes(new.payload_size - (old.payload_size if old else 0))
                     if part:  # only tenants' bytes are counted: the default tenant has no quota
@@ -341,8 +344,10 @@ class DataPath:
             return
         before = self.records.position(meta)
         meta.last_used_at = max(meta.last_used_at, hit.at)
-        meta.lru_seq = txn.next_seq(1)
         meta.hits += hit.uses
+        meta.eviction_rank = self.records.victims.policy.rank(
+            meta, seq=txn.next_seq(1), use=Use.HIT
+        )
         if slide:
             meta.expires_at, meta.retention = _later_expiry(meta, expires_at, hit.retention)
         self.records.save(txn, meta, before)

@@ -158,6 +158,9 @@ class _Scan:
                 while victim is not None:
                     new_leaf = self.records.drop(self.txn, victim, reason=reason, at=self.at)
                     self.evicted.append(evicted_record(victim, reason))
+                    if reason == "capacity":  # what a policy may learn from: room was needed
+                        held = self.txn.usage().blocks
+                        self.records.victims.policy.evicted(victim, held_blocks=held)
                     progressed = True
                     if self.satisfied():
                         return

@@ -320,7 +320,7 @@ class LmdbTxn:
                     meta = decode_meta(StoreKey(bytes(key)), record)
                 except CorruptRecord:
                     continue  # its own damage is found and dropped as any other
-                next_seq = max(next_seq, meta.stored_seq + 1, meta.lru_seq + 1)
+                next_seq = max(next_seq, meta.stored_seq + 1, meta.eviction_rank + 1)
                 payload_bytes += meta.payload_size
         return next_seq if name == _SEQ else payload_bytes
 

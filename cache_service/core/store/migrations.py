@@ -21,7 +21,7 @@ from cache_service.core.store.codec import encode_meta, intact
 log = logging.getLogger("cache_service")
 
 MIGRATE_BATCH_RECORDS = 4096
-# Format 3's record: version (3), depth, children, created, last_used, expires, lru_seq, hits,
+# Format 3's record: version (3), depth, children, created, last_used, expires, eviction_rank, hits,
 # payload_size, checksum, namespace root, parent key, indexed expiry, stored seq, retention
 # length; then the retention name and the tokens. No checksum of its own.
 V3_RECORD = struct.Struct("<BIIdddQQQQ16s16sdQB")
@@ -53,7 +53,7 @@ def decode_v3(key: StoreKey, raw: bytes) -> BlockMeta | None:
         expires_at=fields[5],
         retention=retention,
         children=fields[2],
-        lru_seq=fields[6],
+        eviction_rank=fields[6],
         hits=fields[7],
         indexed_expiry=fields[12],
         stored_seq=fields[13],

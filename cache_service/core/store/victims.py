@@ -1,4 +1,4 @@
-"""The eviction index: unpinned leaf blocks, ordered by the eviction policy's priority."""
+"""The eviction index: unpinned leaf blocks, ordered by the rank their policy gave them."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class VictimIndex:
         block changes, to move its entry after)."""
         if meta.children or meta.pinned:
             return None
-        return _PRIORITY.pack(self.policy.priority(meta))
+        return _PRIORITY.pack(meta.eviction_rank)
 
     @staticmethod
     def move(txn: Txn, key: StoreKey, before: bytes | None, after: bytes | None) -> None:
