@@ -8,14 +8,20 @@ replay predicts the order the service evicts in. The Redis store leaves eviction
 
 from __future__ import annotations
 
+from cache_service.core.eviction.adaptive import AdaptivePolicy
 from cache_service.core.eviction.base import EvictionPolicy, Use, inherit_use
 from cache_service.core.eviction.lru import LruPolicy
 from cache_service.core.eviction.protected import ProtectedPolicy
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LruPolicy, "protected": ProtectedPolicy}
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    "lru": LruPolicy,
+    "protected": ProtectedPolicy,
+    "adaptive": AdaptivePolicy,
+}
 
 __all__ = [
     "POLICIES",
+    "AdaptivePolicy",
     "EvictionPolicy",
     "LruPolicy",
     "ProtectedPolicy",

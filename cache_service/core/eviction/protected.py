@@ -32,7 +32,7 @@ class ProtectedPolicy:
 
     def __init__(self) -> None:
         self._frontier = 0  # the highest rank evicted to make room: where eviction stands
-        self._ghost: OrderedDict[StoreKey, None] = OrderedDict()
+        self._ghost: OrderedDict[StoreKey, bool] = OrderedDict()  # key -> had been hit
         self._ghost_limit = GHOST_FLOOR
 
     def horizon(self, seq: int) -> int:
@@ -42,22 +42,36 @@ class ProtectedPolicy:
         return max(seq - self._frontier, 0)
 
     def rank(self, meta: BlockMeta, *, seq: int, use: Use) -> int:
-        """`seq`, plus the horizon once a second request has used the block."""
+        """`seq`, plus the protection once a second request has used the block."""
         reused = use is not Use.STORED or meta.hits > 0
-        if use is Use.STORED and meta.key in self._ghost:
-            del self._ghost[meta.key]
-            reused = True  # evicted, and asked for again
-        return seq + self.horizon(seq) if reused else seq
+        if use is Use.STORED:
+            self.stored_once()
+            was_reused = self._ghost.pop(meta.key, None)
+            if was_reused is not None:  # evicted, and asked for again
+                self.ghost_hit(was_reused)
+                reused = True
+        return seq + self.protection(seq) if reused else seq
+
+    def protection(self, seq: int) -> int:
+        """What a reused block gets over a new one at use `seq`: one eviction horizon."""
+        return self.horizon(seq)
+
+    def stored_once(self) -> None:
+        """A block was stored (a subclass may count turnovers)."""
+
+    def ghost_hit(self, was_reused: bool) -> None:
+        """A block evicted while `was_reused` (or not) was stored again (a subclass learns)."""
 
     def child_removed(self, parent: BlockMeta, child: BlockMeta) -> None:
         """The parent takes over its child's record of use (rank, last use, hits)."""
         inherit_use(parent, child)
 
     def evicted(self, meta: BlockMeta, *, held_blocks: int) -> None:
-        """Move the frontier and remember the block in the ghost."""
+        """Move the frontier and remember the block in the ghost, with whether it had been
+        hit (a block stored again is not marked: its record keeps verified hits only)."""
         self._frontier = max(self._frontier, meta.eviction_rank)
         ghost = self._ghost
-        ghost[meta.key] = None
+        ghost[meta.key] = meta.hits > 0
         ghost.move_to_end(meta.key)
         self._ghost_limit = max(GHOST_FLOOR, GHOST_PER_HELD_BLOCK * held_blocks)
         while len(ghost) > self._ghost_limit:

@@ -1,0 +1,194 @@
+"""The eviction policies: their ranks, what they learn from evictions, and the order a real
+store (memory and LMDB) evicts in under each."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from cache_service.core.blocks import BlockMeta, StoreKey, Touch
+from cache_service.core.eviction import (
+    POLICIES,
+    AdaptivePolicy,
+    LruPolicy,
+    ProtectedPolicy,
+    Use,
+    make_policy,
+)
+from cache_service.core.eviction.adaptive import RUNGS
+from cache_service.core.eviction.protected import GHOST_FLOOR
+from cache_service.core.store.base import BlockStore
+from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.memory import MemoryStore
+from tests.store.chains import LMDB_MAP_SIZE_BYTES, T0, chain, put
+
+
+def meta(label: int, *, rank: int = 0, hits: int = 0) -> BlockMeta:
+    """A block record with only what policies read."""
+    return BlockMeta(
+        key=StoreKey(label.to_bytes(16, "big")),
+        namespace_root=b"\0" * 16,  # type: ignore[arg-type]
+        parent=b"\0" * 16,  # type: ignore[arg-type]
+        depth=1,
+        tokens=b"",
+        payload_size=0,
+        checksum=0,
+        created_at=0.0,
+        last_used_at=0.0,
+        expires_at=1e12,
+        retention="chat",
+        eviction_rank=rank,
+        hits=hits,
+    )
+
+
+def test_lru_ranks_by_the_use_sequence_alone() -> None:
+    policy = LruPolicy()
+    for use in Use:
+        assert policy.rank(meta(1, hits=5), seq=42, use=use) == 42
+
+
+def test_protected_is_lru_until_the_store_first_evicts() -> None:
+    policy = ProtectedPolicy()
+    assert policy.rank(meta(1, hits=3), seq=100, use=Use.HIT) == 100
+    assert policy.horizon(100) == 0
+
+
+def test_protected_gives_a_reused_block_one_eviction_horizon_more() -> None:
+    policy = ProtectedPolicy()
+    policy.evicted(meta(9, rank=60), held_blocks=10)  # eviction reaches back to use 60
+    assert policy.horizon(100) == 40
+    assert policy.rank(meta(1), seq=100, use=Use.STORED) == 100  # new: as LRU
+    assert policy.rank(meta(2), seq=100, use=Use.HIT) == 140
+    assert policy.rank(meta(3), seq=100, use=Use.REFRESHED) == 140
+    assert policy.rank(meta(4, hits=1), seq=100, use=Use.STORED) == 140
+    # The frontier never moves back, and a horizon is never negative.
+    policy.evicted(meta(8, rank=10), held_blocks=10)
+    assert policy.horizon(100) == 40
+    assert policy.horizon(50) == 0
+
+
+def test_a_block_stored_again_after_its_eviction_counts_as_reused_once() -> None:
+    policy = ProtectedPolicy()
+    policy.evicted(meta(7, rank=50), held_blocks=10)
+    assert policy.rank(meta(7), seq=100, use=Use.STORED) == 150
+    assert policy.rank(meta(7), seq=101, use=Use.STORED) == 101  # the ghost let it go
+
+
+def test_the_ghost_holds_twice_the_blocks_held_and_at_least_the_floor() -> None:
+    policy = ProtectedPolicy()
+    for label in range(3 * GHOST_FLOOR):
+        policy.evicted(meta(label, rank=label), held_blocks=10)
+    assert policy.ghost_size() == GHOST_FLOOR
+    for label in range(3 * GHOST_FLOOR, 3 * GHOST_FLOOR + 5000):
+        policy.evicted(meta(label, rank=label), held_blocks=2000)
+    assert policy.ghost_size() == 4000
+    # The oldest went first: the most recent evictions are still remembered.
+    last = 3 * GHOST_FLOOR + 4999
+    assert policy.rank(meta(last), seq=10**6, use=Use.STORED) > 10**6
+
+
+def churn(policy: AdaptivePolicy, *, turnovers: int, hit_back: float, new_back: float) -> None:
+    """Evict blocks (half had been hit) and store blocks again from the ghost at the given
+    rates per eviction, for a number of cache turnovers of 100 blocks."""
+    label = 0
+    for _ in range(turnovers):
+        evicted = []
+        for index in range(100):
+            label += 1
+            block = meta(label, rank=label, hits=index % 2)
+            policy.evicted(block, held_blocks=100)
+            evicted.append(block)
+        back = [b for b in evicted if b.hits][: int(hit_back * 50)]
+        back += [b for b in evicted if not b.hits][: int(new_back * 50)]
+        for block in back:
+            policy.rank(meta(int.from_bytes(block.key, "big")), seq=label, use=Use.STORED)
+        for _ in range(100 - len(back)):  # the rest of the turnover: new blocks
+            label += 1
+            policy.rank(meta(10**9 + label), seq=label, use=Use.STORED)
+
+
+def test_adaptive_starts_as_lru() -> None:
+    policy = AdaptivePolicy()
+    policy.evicted(meta(9, rank=60), held_blocks=10)
+    assert policy.multiple == 0.0
+    assert policy.rank(meta(1), seq=100, use=Use.HIT) == 100
+
+
+def test_adaptive_protects_more_while_hit_blocks_come_back_more_often() -> None:
+    policy = AdaptivePolicy()
+    churn(policy, turnovers=4, hit_back=0.6, new_back=0.1)
+    assert policy.multiple >= RUNGS[3]
+    policy.evicted(meta(10**12, rank=1000), held_blocks=100)
+    seq = 2000
+    assert policy.rank(meta(1), seq=seq, use=Use.HIT) == seq + int(policy.multiple * 1000)
+
+
+def test_adaptive_goes_back_to_lru_when_new_blocks_come_back_more_often() -> None:
+    policy = AdaptivePolicy()
+    churn(policy, turnovers=4, hit_back=0.6, new_back=0.1)
+    raised = policy.multiple
+    churn(policy, turnovers=12, hit_back=0.1, new_back=0.6)
+    assert raised > 0
+    assert policy.multiple == 0.0
+
+
+def test_adaptive_does_not_move_on_noise() -> None:
+    policy = AdaptivePolicy()
+    churn(policy, turnovers=10, hit_back=0.04, new_back=0.02)  # 2 against 1 per turnover
+    assert policy.multiple == 0.0
+
+
+def test_policies_are_made_by_name_and_unknown_names_are_refused() -> None:
+    assert list(POLICIES) == ["lru", "protected", "adaptive"]
+    assert isinstance(make_policy("adaptive"), AdaptivePolicy)
+    with pytest.raises(ValueError, match="unknown eviction policy 'lfu' \\(known: lru, "):
+        make_policy("lfu")
+
+
+@pytest.fixture(params=["memory", "lmdb"])
+def open_store(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[Callable[[str], BlockStore]]:
+    """A factory of real stores under a given policy."""
+    stores: list[BlockStore] = []
+
+    def factory(policy_name: str) -> BlockStore:
+        policy = make_policy(policy_name)
+        if request.param == "memory":
+            store: BlockStore = MemoryStore(policy=policy)
+        else:
+            folder = tmp_path / f"{policy_name}-{len(stores)}"
+            store = LmdbStore(folder, map_size_bytes=LMDB_MAP_SIZE_BYTES, policy=policy)
+        stores.append(store)
+        return store
+
+    yield factory
+    for store in stores:
+        store.close()
+
+
+@pytest.mark.parametrize("policy_name", ["lru", "protected"])
+def test_a_store_keeps_a_reused_prefix_under_protected_and_not_under_lru(
+    open_store: Callable[[str], BlockStore], policy_name: str
+) -> None:
+    store = open_store(policy_name)
+    hot, cold, filler, late = chain([1, 2]), chain([3, 4]), chain([5, 6]), chain([7, 8])
+    put(store, hot, now=T0)
+    put(store, cold, now=T0 + 1)
+    keys = tuple(link.key for link in hot)
+    store.touch([Touch(keys=keys, at=T0 + 2, retention="chat", ttl_seconds=3600)])
+    put(store, filler, now=T0 + 3)
+    # The first eviction sets the horizon: filler's tail went last, so it reaches back far.
+    first = store.evict(now=T0 + 4, max_blocks=2)
+    assert [e.key for e in first] == [cold[1].key, cold[0].key]
+    # A second hit ranks `hot` a horizon ahead under `protected`; under LRU it is older
+    # than what is stored next.
+    store.touch([Touch(keys=keys, at=T0 + 5, retention="chat", ttl_seconds=3600)])
+    put(store, late, now=T0 + 6)
+    put(store, chain([9, 10]), now=T0 + 7)
+    gone = {e.key for e in store.evict(now=T0 + 8, max_blocks=4)}
+    hot_kept = not gone & set(keys)
+    assert hot_kept == (policy_name == "protected")
