@@ -35,8 +35,8 @@ SORT_KEY_BYTES = 8  # an index entry is its 8-byte sort key then the block's sto
 # Small tables beside the blocks, each kept by one part:
 PINS = "pins"  # a pin: namespace scope + its deepest block's hash -> what it pins
 PIN_COUNTS = "pin_counts"  # stored key -> how many pins hold the block (u32)
-REMOVALS = "removals"  # stored key -> why and when the block was removed (bounded)
-REMOVAL_ORDER = "removal_order"  # removal sequence -> stored key (to drop the oldest)
+REMOVALS = "removals"  # stored key -> why and when it was removed (bounded); the log counter
+REMOVAL_ORDER = "removal_order"  # removal number -> stored key (to drop the oldest)
 FIRSTS = "firsts"  # partition + first tokens' fingerprint + scope + block size -> b""
 TENANT_LEAVES = "tenant_leaves"  # partition + victims sort key + stored key -> b""
 TENANT_BYTES = "tenant_bytes"  # partition -> the tenant's estimated bytes (i64)

@@ -37,6 +37,22 @@ _SEQ = struct.Struct(">Q")
 _SIZE = struct.Struct("<I")
 
 
+# The log numbers removals with a counter of its own, kept beside its entries (a key shorter
+# than any block's), not with the use sequence: policies rank blocks by that sequence, and a
+# removal is not a use (a store that logs removals would otherwise evict in another order than
+# a replay whose store does not). Missing or damaged, it starts again from the use sequence,
+# which is past the numbers earlier versions drew from it.
+_ORDER_COUNTER = b"#order"
+
+
+def _next_order(txn: Txn) -> int:
+    """The next removal's number."""
+    raw = txn.aux_get(REMOVALS, _ORDER_COUNTER)
+    order = _SEQ.unpack(raw)[0] if raw is not None and len(raw) == _SEQ.size else txn.next_seq(0)
+    txn.aux_put(REMOVALS, _ORDER_COUNTER, _SEQ.pack(order + 1))
+    return int(order)
+
+
 class RemovalLog:
     """The most recent `entries` removals (0: none are kept), within the store's share."""
 
@@ -52,7 +68,7 @@ class RemovalLog:
         earlier = txn.aux_get(REMOVALS, meta.key)
         if earlier is not None:
             txn.aux_delete(REMOVAL_ORDER, _SEQ.pack(_REMOVAL.unpack_from(earlier)[0]))
-        seq = txn.next_seq(1)
+        seq = _next_order(txn)
         record = _REMOVAL.pack(seq, REMOVAL_REASONS.index(reason), at, meta.expires_at)
         txn.aux_put(REMOVALS, meta.key, record + meta.retention.encode())
         txn.aux_put(REMOVAL_ORDER, _SEQ.pack(seq), meta.key)
