@@ -14,10 +14,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cache_service.core.identity import StoreIdentity
-from cache_service.core.store.lmdb import LmdbStore
-from cache_service.service.api.startup import store_identity
-from cache_service.service.settings import Settings
 from tests.integration.conftest import ServerProcess, free_port, service_command
 
 MakeServer = Callable[..., ServerProcess]
@@ -54,15 +50,17 @@ def test_serve_refuses_a_folder_made_with_another_setting_that_defines_its_data(
     first.start()  # the folder still serves its own settings
 
 
-def test_serve_refuses_a_folder_recorded_with_another_eviction_policy(tmp_path: Path) -> None:
-    # Only "lru" exists: record another policy's name as a build that had one would.
-    values = {**store_identity(Settings()).values, "eviction_policy": "lfu"}
-    LmdbStore(tmp_path / "data", map_size_bytes=2**26, identity=StoreIdentity(values)).close()
-    refused = serve_once(tmp_path / "data", eviction_policy="lru")
-    assert refused.returncode != 0
-    assert "  --eviction-policy: stored lfu, requested lru" in refused.stderr.splitlines()
-    assert "ordered by the stored policy" in refused.stderr
-    assert "Traceback" not in refused.stderr
+def test_serve_with_another_eviction_policy_starts_and_logs_the_change(
+    make_server: MakeServer,
+) -> None:
+    server = make_server(eviction_policy="lru")
+    server.stop()
+    server.flags["eviction_policy"] = "adaptive"
+    server.start()
+    assert (
+        "--eviction-policy changed since the last run: lru -> adaptive; blocks keep the rank "
+        "the old policy gave them until their next use" in server.log_path.read_text()
+    )
 
 
 def test_serve_with_another_capacity_starts_and_logs_the_change(make_server: MakeServer) -> None:
