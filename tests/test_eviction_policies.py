@@ -3,12 +3,15 @@ store (memory and LMDB) evicts in under each."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from conftest import VirtualClock, raw_access
 
-from cache_service.core.blocks import BlockMeta, StoreKey, Touch
+from cache_service.core.blocks import BlockMeta, Namespace, StoreKey, Touch
+from cache_service.core.cache import PrefixCache
 from cache_service.core.eviction import (
     POLICIES,
     AdaptivePolicy,
@@ -19,10 +22,17 @@ from cache_service.core.eviction import (
 )
 from cache_service.core.eviction.adaptive import RUNGS
 from cache_service.core.eviction.protected import GHOST_FLOOR
+from cache_service.core.hashing import tokens_to_bytes
+from cache_service.core.operators import Operators
 from cache_service.core.store.base import BlockStore
 from cache_service.core.store.lmdb import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 from tests.store.chains import LMDB_MAP_SIZE_BYTES, T0, chain, put
+
+
+def raw_blocks(store: BlockStore) -> list[BlockMeta]:
+    """Every block record the store holds, read below its protocol."""
+    return list(raw_access(store).blocks().values())
 
 
 def meta(label: int, *, rank: int = 0, hits: int = 0) -> BlockMeta:
@@ -192,3 +202,44 @@ def test_a_store_keeps_a_reused_prefix_under_protected_and_not_under_lru(
     gone = {e.key for e in store.evict(now=T0 + 8, max_blocks=4)}
     hot_kept = not gone & set(keys)
     assert hot_kept == (policy_name == "protected")
+
+
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_every_policy_keeps_pins_quotas_and_prefix_closure_under_churn(
+    open_store: Callable[[str], BlockStore], policy_name: str
+) -> None:
+    """Random traffic of two tenants with shared and private prefixes through a small cache:
+    the pinned prompt stays whole, the tenant stays within its quota, the cache within its
+    capacity, and every stored block's parent is stored."""
+    store = open_store(policy_name)
+    clock = VirtualClock()
+    block = 4
+    quota = 12 * store.space.estimate_bytes(8, 4 * block)
+    cache = PrefixCache(
+        store,
+        clock=clock,
+        default_block_size=block,
+        capacity_blocks=60,
+        tenant_capacity_bytes={"small": quota},
+    )
+    shared = Namespace(model="m")
+    small = Namespace(model="m", tenant="small")
+    pinned = tokens_to_bytes(range(9000, 9000 + 5 * block))
+    cache.insert(shared, pinned, [b"p" * 8] * 5)
+    Operators.for_cache(cache).pin(shared, pinned, by="test")
+    rng = random.Random(policy_name)
+    for step in range(400):
+        clock.advance(rng.choice((0.5, 2.0, 30.0)))
+        namespace = small if rng.random() < 0.3 else shared
+        head = rng.randrange(6)  # a few system prompts, each extended by private turns
+        tail = [rng.randrange(10**6) for _ in range(rng.randrange(0, 4) * block)]
+        tokens = tokens_to_bytes([head] * (3 * block) + tail)
+        cache.lookup_and_fill(namespace, tokens, payload=b"x" * 8)
+        assert cache.match_prefix(shared, pinned, touch=False).matched_blocks == 5, step
+        assert store.usage().blocks <= 60
+        assert store.tenant_bytes(cache.hasher.namespace_id(small).partition) <= quota
+    held = {meta.key: meta for meta in raw_blocks(store)}
+    for meta in held.values():
+        if meta.depth > 0:
+            assert meta.parent_key in held, "a stored block lost its parent"
+    assert store.usage().blocks >= 50  # it was full, not emptied
