@@ -94,12 +94,7 @@ def _plot_curve(axis: Any, report: dict[str, Any]) -> None:
     axis.axhline(report["ceiling"]["token_hit_ratio"], color="black", ls=":", label="ceiling")
     if report["capacity_tokens"] is not None:
         axis.axvline(report["capacity_tokens"], color="gray", ls="-.", label="this run's capacity")
-    axis.set_xscale("log")
-    axis.set_xlabel("capacity (tokens)")
-    axis.set_ylabel("token hit ratio")
-    axis.set_ylim(0, 1)
-    axis.grid(alpha=0.3, which="both")
-    axis.legend(loc="upper left", fontsize=8)
+    _capacity_axes(axis, "token hit ratio")
     per_token = mrc["kv_bytes_per_token"]
     top = axis.secondary_xaxis(
         "top", functions=(lambda t: t * per_token / GIB, lambda g: g * GIB / per_token)
@@ -140,10 +135,15 @@ def _plot_policies(axis: Any, report: dict[str, Any]) -> None:
             ms=4,
         )
     axis.axhline(report["ceiling"]["block_hit_ratio"], color="black", ls=":", label="ceiling")
+    _capacity_axes(axis, "block hit ratio")
+    axis.set_title("Eviction policies against LRU and the offline optimum")
+
+
+def _capacity_axes(axis: Any, ratio: str) -> None:
+    """A hit ratio (0 to 1) against capacity in tokens on a log scale, gridded, with a legend."""
     axis.set_xscale("log")
     axis.set_xlabel("capacity (tokens)")
-    axis.set_ylabel("block hit ratio")
+    axis.set_ylabel(ratio)
     axis.set_ylim(0, 1)
     axis.grid(alpha=0.3, which="both")
     axis.legend(loc="upper left", fontsize=8)
-    axis.set_title("Eviction policies against LRU and the offline optimum")
