@@ -68,6 +68,7 @@ def test_protected_is_lru_until_the_store_first_evicts() -> None:
 
 def test_protected_gives_a_reused_block_one_eviction_horizon_more() -> None:
     policy = ProtectedPolicy()
+    policy.rank(meta(0), seq=99, use=Use.STORED)
     policy.evicted(meta(9, rank=60), held_blocks=10)  # eviction reaches back to use 60
     assert policy.horizon(100) == 40
     assert policy.rank(meta(1), seq=100, use=Use.STORED) == 100  # new: as LRU
@@ -78,10 +79,16 @@ def test_protected_gives_a_reused_block_one_eviction_horizon_more() -> None:
     policy.evicted(meta(8, rank=10), held_blocks=10)
     assert policy.horizon(100) == 40
     assert policy.horizon(50) == 0
+    # A use never lowers a rank; a protected block evicted does not move the frontier past
+    # the newest use (its rank runs ahead of the sequence).
+    assert policy.rank(meta(5, rank=500), seq=101, use=Use.HIT) == 500
+    policy.evicted(meta(6, rank=10**6), held_blocks=10)
+    assert policy.horizon(120) == 120 - 101
 
 
 def test_a_block_stored_again_after_its_eviction_counts_as_reused_once() -> None:
     policy = ProtectedPolicy()
+    policy.rank(meta(0), seq=99, use=Use.STORED)
     policy.evicted(meta(7, rank=50), held_blocks=10)
     assert policy.rank(meta(7), seq=100, use=Use.STORED) == 150
     assert policy.rank(meta(7), seq=101, use=Use.STORED) == 101  # the ghost let it go
@@ -89,6 +96,7 @@ def test_a_block_stored_again_after_its_eviction_counts_as_reused_once() -> None
 
 def test_the_ghost_holds_twice_the_blocks_held_and_at_least_the_floor() -> None:
     policy = ProtectedPolicy()
+    policy.rank(meta(0), seq=10**5, use=Use.STORED)
     for label in range(3 * GHOST_FLOOR):
         policy.evicted(meta(label, rank=label), held_blocks=10)
     assert policy.ghost_size() == GHOST_FLOOR
@@ -122,6 +130,7 @@ def churn(policy: AdaptivePolicy, *, turnovers: int, hit_back: float, new_back: 
 
 def test_adaptive_starts_as_lru() -> None:
     policy = AdaptivePolicy()
+    policy.rank(meta(0), seq=99, use=Use.STORED)
     policy.evicted(meta(9, rank=60), held_blocks=10)
     assert policy.multiple == 0.0
     assert policy.rank(meta(1), seq=100, use=Use.HIT) == 100
@@ -131,9 +140,10 @@ def test_adaptive_protects_more_while_hit_blocks_come_back_more_often() -> None:
     policy = AdaptivePolicy()
     churn(policy, turnovers=4, hit_back=0.6, new_back=0.1)
     assert policy.multiple >= RUNGS[3]
-    policy.evicted(meta(10**12, rank=1000), held_blocks=100)
-    seq = 2000
-    assert policy.rank(meta(1), seq=seq, use=Use.HIT) == seq + int(policy.multiple * 1000)
+    seq = 10**6
+    expected = seq + int(policy.multiple * policy.horizon(seq))
+    assert policy.horizon(seq) > 0
+    assert policy.rank(meta(1), seq=seq, use=Use.HIT) == expected
 
 
 def test_adaptive_goes_back_to_lru_when_new_blocks_come_back_more_often() -> None:
@@ -243,3 +253,57 @@ def test_every_policy_keeps_pins_quotas_and_prefix_closure_under_churn(
         if meta.depth > 0:
             assert meta.parent_key in held, "a stored block lost its parent"
     assert store.usage().blocks >= 50  # it was full, not emptied
+
+
+def test_what_an_aborted_transaction_taught_a_policy_is_undone() -> None:
+    policy = AdaptivePolicy()
+    policy.rank(meta(0), seq=1000, use=Use.STORED)
+    for label in range(1, 2000):
+        policy.evicted(meta(label, rank=label % 900, hits=label % 2), held_blocks=600)
+    before = (policy._state(), list(policy._ghost._keys.items()))
+    policy.begin()
+    policy.rank(meta(1990), seq=1001, use=Use.STORED)  # back from the ghost
+    assert meta(1990).key not in policy._ghost._keys
+    for label in range(5000, 7000):  # trims the ghost's oldest entries too
+        policy.evicted(meta(label, rank=999, hits=1), held_blocks=600)
+    policy.abort()
+    # Everything as it was; a key taken from the middle returns at the newest end.
+    assert policy._state() == before[0]
+    assert dict(policy._ghost._keys) == dict(before[1])
+    policy.begin()
+    policy.evicted(meta(9999, rank=999), held_blocks=600)
+    policy.commit()
+    assert list(policy._ghost._keys)[-1] == meta(9999).key  # a commit keeps it
+
+
+@pytest.mark.parametrize("policy_name", ["protected", "adaptive"])
+def test_an_lmdb_transaction_that_aborts_leaves_the_policy_as_it_was(
+    tmp_path: Path, policy_name: str
+) -> None:
+    policy = make_policy(policy_name)
+    store = LmdbStore(tmp_path / "data", map_size_bytes=LMDB_MAP_SIZE_BYTES, policy=policy)
+    try:
+        for label in range(40):
+            put(store, chain([label, label + 1000]), now=T0 + label)
+        store.evict(now=T0 + 50, max_blocks=10)
+        assert isinstance(policy, ProtectedPolicy)
+        saved = (policy._state(), dict(policy._ghost._keys))
+        with pytest.raises(RuntimeError), store.batch():
+            put(store, chain([0, 1000]), now=T0 + 60)  # back from the ghost
+            store.evict(now=T0 + 60, max_blocks=10)
+            raise RuntimeError("the transaction aborts")
+        assert (policy._state(), dict(policy._ghost._keys)) == saved
+        assert store.usage().blocks == 70  # and the store is as it was
+    finally:
+        store.close()
+
+
+def test_adaptive_survives_a_kind_of_block_that_stops_being_evicted() -> None:
+    # Its count halves every turnover towards zero without reaching it: no rate from it.
+    policy = AdaptivePolicy()
+    policy.rank(meta(0), seq=10**6, use=Use.STORED)
+    policy.evicted(meta(1, rank=1, hits=1), held_blocks=10)
+    for label in range(2, 9000):  # 900 turnovers: the count squared underflows to 0.0
+        policy.evicted(meta(label, rank=label), held_blocks=10)
+        policy.rank(meta(10**9 + label), seq=10**6 + label, use=Use.STORED)
+    assert policy.multiple == 0.0

@@ -176,3 +176,4 @@ def test_the_policies_differ_on_this_sequence(requests: list[TraceRequest]) -> N
     """Otherwise the parity above would not show that the service ran the named policy."""
     by_policy = {policy: replayed_hits(requests, policy) for policy in POLICIES}
     assert by_policy["protected"] != by_policy["lru"]
+    assert by_policy["adaptive"] != by_policy["lru"]  # it learned to protect here

@@ -17,6 +17,7 @@ test is the usual two sigma.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from cache_service.core.blocks import BlockMeta
 from cache_service.core.eviction.protected import ProtectedPolicy
@@ -56,9 +57,9 @@ class AdaptivePolicy(ProtectedPolicy):
             self._stored = 0
             self._step()
 
-    def ghost_hit(self, was_reused: bool) -> None:
+    def ghost_hit(self, was_hit: bool) -> None:
         """One more block of that kind evicted too early."""
-        self._ghost_hits[was_reused] += 1
+        self._ghost_hits[was_hit] += 1
 
     def evicted(self, meta: BlockMeta, *, held_blocks: int) -> None:
         """Count the eviction by kind, then as `protected` does."""
@@ -68,7 +69,7 @@ class AdaptivePolicy(ProtectedPolicy):
 
     def _step(self) -> None:
         (new_back, reused_back), (new_out, reused_out) = self._ghost_hits, self._evictions
-        if new_out and reused_out:
+        if new_out >= 1 and reused_out >= 1:  # halved counts fade towards 0, never reach it
             new_rate, reused_rate = new_back / new_out, reused_back / reused_out
             # Poisson noise of each rate (one count added: no evidence is not certainty)
             noise = SIGMAS * math.sqrt(
@@ -80,3 +81,12 @@ class AdaptivePolicy(ProtectedPolicy):
                 self.rung = max(self.rung - 1, 0)
         self._ghost_hits = [count / 2 for count in self._ghost_hits]
         self._evictions = [count / 2 for count in self._evictions]
+
+    def _state(self) -> Any:
+        counts = (tuple(self._ghost_hits), tuple(self._evictions))
+        return (super()._state(), self.rung, counts, self._stored, self._held)
+
+    def _restore(self, state: Any) -> None:
+        base, self.rung, (back, out), self._stored, self._held = state
+        super()._restore(base)
+        self._ghost_hits, self._evictions = list(back), list(out)

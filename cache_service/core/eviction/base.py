@@ -38,7 +38,19 @@ class EvictionPolicy(Protocol):
 
     def evicted(self, meta: BlockMeta, *, held_blocks: int) -> None:
         """A block left to make room (not expired, purged or removed on request);
-        `held_blocks` is how many the store holds now."""
+        `held_blocks` is about how many the store holds now."""
+        ...
+
+    def begin(self) -> None:
+        """A write transaction begins (the store calls `rank` and `evicted` only inside one)."""
+        ...
+
+    def commit(self) -> None:
+        """The transaction committed: what the policy saw in it happened."""
+        ...
+
+    def abort(self) -> None:
+        """The transaction aborted: undo what the policy learned in it."""
         ...
 
 

@@ -26,3 +26,12 @@ class LruPolicy:
 
     def evicted(self, meta: BlockMeta, *, held_blocks: int) -> None:
         """LRU learns nothing from an eviction."""
+
+    def begin(self) -> None:
+        """LRU keeps no state of its own."""
+
+    def commit(self) -> None:
+        """Nothing to keep."""
+
+    def abort(self) -> None:
+        """Nothing to undo."""

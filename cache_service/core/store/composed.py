@@ -44,7 +44,7 @@ class ComposedStore(Generic[B]):
         self.policy: EvictionPolicy = policy or LruPolicy()
         self.space = backend.space
         self._removal_log = RemovalLog(removal_log_entries)
-        txns = Transactions(backend)
+        txns = Transactions(backend, self.policy)
         records = Records(VictimIndex(self.policy), TenantAccounts(self.space), self._removal_log)
         data, evictions, controls, repairs = (
             DataPath(txns, records, backend.damage),

@@ -146,6 +146,7 @@ class _Scan:
         self.satisfied = satisfied
         self.protected = protected
         self.at = at
+        self._held: int | None = None
 
     def drain(
         self, index: str, *, upto: bytes | None, reason: str, now: float | None = None
@@ -159,8 +160,7 @@ class _Scan:
                     new_leaf = self.records.drop(self.txn, victim, reason=reason, at=self.at)
                     self.evicted.append(evicted_record(victim, reason))
                     if reason == "capacity":  # what a policy may learn from: room was needed
-                        held = self.txn.usage().blocks
-                        self.records.victims.policy.evicted(victim, held_blocks=held)
+                        self._evicted_for_room(victim)
                     progressed = True
                     if self.satisfied():
                         return
@@ -169,6 +169,15 @@ class _Scan:
                     break  # the parent may now come first in policy order: scan again
             if not progressed:
                 return
+
+    def _evicted_for_room(self, victim: BlockMeta) -> None:
+        # The blocks held are read once a scan (a read of every table's size on LMDB), then
+        # counted down: the policy needs about how many, to bound what it remembers.
+        if self._held is None:
+            self._held = self.txn.usage().blocks
+        else:
+            self._held -= 1
+        self.records.victims.policy.evicted(victim, held_blocks=self._held)
 
     def drain_future(self, now: float) -> None:
         """Once the clock reads earlier than a write was made at, remove the blocks stored
