@@ -260,7 +260,6 @@ class InsertResult:
     refreshed: int = 0
     conflicts: int = 0  # same block, different payload bytes: the first writer won
     collisions: int = 0  # same key, different parent or tokens: refused
-    prefix_touched: bool = False  # the ancestors were marked used (something was written)
     last_incarnation: bytes | None = None  # of the last block written (see store.match)
 
 

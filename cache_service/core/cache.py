@@ -45,7 +45,6 @@ class InsertOutcome:
     conflicts: int  # of those, how many had different payload bytes
     truncated: int  # blocks not stored because the request is larger than the cache
     collisions: int  # blocks refused because another block holds their key
-    prefix_touched: bool = False  # the stored blocks' ancestors were marked used
 
 
 class PrefixCache:
@@ -231,8 +230,8 @@ class PrefixCache:
     ) -> tuple[PrefixMatch, InsertOutcome]:
         """Serve one request as a worker does through the service: look up (the hit is a use
         of its prefix, as a lookup's touch is), then store the blocks that missed (each with
-        `payload`). The same order as the service's, so a policy ranks a replay's blocks as
-        the service would."""
+        `payload`). The service's order, with the hit applied at once (a service applies it
+        at its next touch flush)."""
         retention_class, ttl = self.config.resolve_retention(retention)
         size = self.config.block_size_for(namespace.model)
         token_bytes = as_token_bytes(tokens)
@@ -411,7 +410,6 @@ class PrefixCache:
             conflicts=result.conflicts,
             truncated=len(blocks) - len(fitting) + own_evicted,
             collisions=result.collisions,
-            prefix_touched=result.prefix_touched,
         )
 
     # -- removal on request -------------------------------------------------------------------

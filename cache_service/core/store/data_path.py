@@ -299,7 +299,6 @@ class DataPath:
             refreshed=refreshed,
             conflicts=conflicts,
             collisions=collisions,
-            prefix_touched=bool(written),
             last_incarnation=last,
         )
 

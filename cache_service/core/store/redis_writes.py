@@ -196,7 +196,6 @@ class RedisWrites:
             refreshed=refreshed,
             conflicts=conflicts,
             collisions=collisions,
-            prefix_touched=bool(stored or refreshed),
         )
 
     def touch(
