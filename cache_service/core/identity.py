@@ -88,7 +88,6 @@ class RecordField:
     consequence: Callable[[Any, Any], str] | None = None  # said after a logged change
     # Whether the stored and the requested record differ in this field (default: unequal).
     differs: Callable[[Mapping[str, Any], Mapping[str, Any]], bool] | None = None
-    why: str = _KEYS_DIFFER  # why a difference is refused (MUST_MATCH fields)
 
     def differ(self, name: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
         """Whether records `old` and `new` differ in this field (both have it)."""
@@ -203,9 +202,9 @@ class StoreIdentity:
         build = (
             " (for the hash scheme, a build that computes it)" if "hash_scheme" in differing else ""
         )
-        whys = dict.fromkeys(self.fields[name].why for name in differing)  # once each, in order
+        # Every setting that must match makes the keys: one reason covers them all.
         lines.append(
-            " ".join(whys) + f" Start with the stored values{build}, or use another --data-dir "
+            _KEYS_DIFFER + f" Start with the stored values{build}, or use another --data-dir "
             "for these settings."
         )
         return "\n".join(lines)

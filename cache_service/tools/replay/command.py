@@ -267,10 +267,12 @@ def _curves(
         kv_bytes_per_token=config.kv_bytes_per_token,
         stack_distance=config.policy == "lru" and stack_exact,
     )
+    exact_lru = lru_curve(accesses) if stack_exact else None  # one pass serves both uses
     mrc, belady = capacity_curves(
         accesses,
         plan,
         lambda tokens: replays.at(config.policy, tokens, f"{config.policy} @{tokens:,} tokens"),
+        lru=exact_lru,
     )
     names = list(dict.fromkeys(config.compare or [config.policy]))
     if names == ["lru"]:
@@ -280,6 +282,6 @@ def _curves(
         belady,
         Scale.of(accesses, config.kv_bytes_per_token),
         replay_at=replays.at,
-        lru_exact=lru_curve(accesses) if stack_exact else None,
+        lru_exact=exact_lru,
     )
     return mrc, belady, policies

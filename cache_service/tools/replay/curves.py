@@ -8,7 +8,7 @@ from typing import Any
 
 from cache_service.tools.replay.accesses import Accesses
 from cache_service.tools.replay.belady import belady_hits, next_uses
-from cache_service.tools.replay.mrc import lru_curve
+from cache_service.tools.replay.mrc import MissRatioCurve, lru_curve
 
 CURVE_POINTS = 48  # log-spaced capacities in the report (the curve itself is exact everywhere)
 BELADY_FRACTIONS = (1 / 1024, 1 / 256, 1 / 64, 1 / 16, 1 / 4, 1)  # of the distinct blocks
@@ -69,11 +69,13 @@ def capacity_curves(
     accesses: Accesses,
     plan: CurvePlan,
     replay_at: Callable[[int], tuple[int, int]] | None = None,
+    lru: MissRatioCurve | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The `mrc` and `belady` sections of the report.
 
     `replay_at(capacity_tokens) -> (hit blocks, hit tokens)` replays the trace once at a
-    capacity; it is used instead of stack distances when those would not be exact.
+    capacity; it is used instead of stack distances when those would not be exact. `lru`:
+    the stack-distance curve if the caller already has it (else it is computed here).
     """
     scale = Scale.of(accesses, plan.kv_bytes_per_token)
     whole = accesses.distinct * accesses.block_tokens
@@ -93,7 +95,7 @@ def capacity_curves(
     }
     mrc: dict[str, Any] = {"kv_bytes_per_token": plan.kv_bytes_per_token}
     if plan.stack_distance:
-        curve = lru_curve(accesses)
+        curve = lru if lru is not None else lru_curve(accesses)
         points = capacity_points(accesses.distinct, extra + belady_capacities)
         mrc["method"] = "lru-stack-distance"
         mrc["points"] = [scale.point(c, curve.at(c)) for c in points]
