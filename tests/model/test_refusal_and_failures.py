@@ -1,0 +1,111 @@
+"""Blocks that do not fit the running model are refused and counted, never used; a cache that
+is down, or goes down, makes the worker compute everything, never fail."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from cache_service.client import CacheClient
+from cache_service.integrations.kv_codec import encode_block
+from cache_service.integrations.kv_layout import KVLayout
+from cache_service.integrations.model import CausalLM, tiny_model
+from cache_service.integrations.worker import PrefillWorker
+from tests.integration.conftest import ServerProcess, free_port
+
+PROMPT = list(range(3, 203))  # 200 tokens: three full blocks of 64
+
+
+def foreign_block(layout: KVLayout) -> bytes:
+    """A payload written for `layout`: its header and KV tensors of its shape and dtype."""
+    shape = (layout.kv_heads, layout.block_size, layout.head_size)
+    dtype = getattr(torch, layout.dtype)
+    return encode_block(
+        layout, [(torch.ones(shape, dtype=dtype), torch.ones(shape, dtype=dtype))] * layout.layers
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": "another-model"},
+        {"digest": "sha256:" + "00" * 32},
+        {"layers": 3},
+        {"kv_heads": 1},
+        {"head_size": 8},
+        {"dtype": "float16"},
+        {"block_size": 32},
+    ],
+    ids=lambda change: next(iter(change)),
+)
+def test_a_block_of_another_layout_under_the_namespace_is_refused_and_counted(
+    change: dict[str, object], tiny: CausalLM, cache_server: ServerProcess
+) -> None:
+    """A writer that named its namespace wrongly put block 1 of another layout there: the
+    worker uses block 0, refuses block 1 (and so block 2 after it), and computes the rest."""
+    with CacheClient(cache_server.url) as client:
+        worker = PrefillWorker(tiny, client)
+        layout = worker.layout
+        good = worker.prefill(PROMPT[:64])  # block 0, the worker's own
+        assert good.stored_blocks == 1
+        bad = foreign_block(dataclasses.replace(layout, **change))  # type: ignore[arg-type]
+        honest = PrefillWorker(tiny, client, store=False).prefill(PROMPT)  # block 2's bytes
+        block_2 = encode_block(layout, tiny.kv_range(honest.cache, 128, 192))
+        stored = client.store(
+            tiny.name,
+            PROMPT[:192],
+            [bad, block_2],
+            kv_layout=layout.namespace_name,
+            start_block=1,
+            block_size=64,
+        )
+        assert stored.stored_blocks == 2
+        prefill = worker.prefill(PROMPT)
+    field = next(iter(change))
+    assert worker.refused == {field: 1}
+    assert (prefill.cached_tokens, prefill.refused_blocks) == (64, 2)
+    logits, _ = tiny.forward(PROMPT)
+    assert float((prefill.logits - logits).abs().max()) <= 1e-5 * (1 + float(logits.abs().max()))
+
+
+def test_another_model_never_finds_the_blocks_of_this_one(
+    tiny: CausalLM, cache_server: ServerProcess
+) -> None:
+    """Its layout is in the namespace: other weights (another seed) look up other keys."""
+    other = tiny_model(seed=1)
+    with CacheClient(cache_server.url) as client:
+        assert PrefillWorker(tiny, client).prefill(PROMPT).stored_blocks == 3
+        renamed = CausalLM(other.model, name=tiny.name, digest=other.digest)
+        worker = PrefillWorker(renamed, client)
+        prefill = worker.prefill(PROMPT)
+    assert prefill.cached_tokens == 0 and not worker.refused
+    assert prefill.stored_blocks == 3  # its own blocks, beside the first model's
+
+
+def test_a_cache_that_is_down_makes_the_worker_compute_everything(tiny: CausalLM) -> None:
+    with CacheClient(f"http://127.0.0.1:{free_port()}", timeout=1.0) as client:
+        worker = PrefillWorker(tiny, client)
+        prefill, continuation = worker.generate(PROMPT, 8)
+    logits, cache = tiny.forward(PROMPT)
+    assert (prefill.cached_tokens, prefill.stored_blocks) == (0, 0)
+    assert torch.equal(prefill.logits, logits)
+    assert continuation == tiny.greedy(logits, cache, 8)
+    assert worker.layout.block_size == 64  # the default, with no service to ask
+    assert worker.cache_errors == {"info 503": 1, "lookup 503": 1, "store 503": 1}
+
+
+def test_a_cache_that_goes_down_between_turns_is_survived(
+    tiny: CausalLM, cache_server: ServerProcess
+) -> None:
+    with CacheClient(cache_server.url, timeout=1.0, fail_open=True) as client:
+        worker = PrefillWorker(tiny, client)
+        assert worker.prefill(PROMPT[:150]).stored_blocks == 2
+        cache_server.stop()
+        prefill, continuation = worker.generate(PROMPT, 8)
+        assert client.failures.total >= 1  # fail-open misses, counted by the client
+    logits, cache = tiny.forward(PROMPT)
+    assert prefill.cached_tokens == 0
+    assert torch.equal(prefill.logits, logits)
+    assert continuation == tiny.greedy(logits, cache, 8)
