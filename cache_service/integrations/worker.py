@@ -29,6 +29,10 @@ from cache_service.integrations.model import CausalLM
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 64  # the service's default block size
+# A store request's payload bytes at most: a long prompt's KV (46 KB a token for SmolLM2 in
+# float32: 377 MB at 8k tokens) would pass the service's body limit (512 MiB by default) and
+# hold the whole encoding in memory twice.
+STORE_REQUEST_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,23 +162,29 @@ class PrefillWorker:
         return blocks, len(match.payloads) - len(blocks)
 
     def _store(self, tokens: list[int], cache: DynamicCache, *, first_block: int) -> int:
-        """Store full blocks first_block.. of the prompt; the count the cache newly took."""
+        """Store full blocks first_block.. of the prompt, in requests of at most
+        STORE_REQUEST_BYTES; the count the cache newly took."""
         size = self.layout.block_size
         full_blocks = len(tokens) // size
         if self.client is None or not self.store or first_block >= full_blocks:
             return 0
-        payloads = [
-            encode_block(self.layout, self.model.kv_range(cache, i * size, (i + 1) * size))
-            for i in range(first_block, full_blocks)
-        ]
-        try:
-            return self._send(tokens[: full_blocks * size], payloads, first_block)
-        except ServiceError as exc:
-            if exc.problem_type.endswith("missing-parent") and first_block > 0:
-                # The prefix was evicted since the lookup: store the prompt's blocks whole.
-                return self._store(tokens, cache, first_block=0)
-            self._count_error("store", exc)
-            return 0
+        per_request = max(1, STORE_REQUEST_BYTES // self.layout.block_kv_bytes)
+        stored = 0
+        for start in range(first_block, full_blocks, per_request):
+            end = min(start + per_request, full_blocks)
+            payloads = [
+                encode_block(self.layout, self.model.kv_range(cache, i * size, (i + 1) * size))
+                for i in range(start, end)
+            ]
+            try:
+                stored += self._send(tokens[: end * size], payloads, start)
+            except ServiceError as exc:
+                if exc.problem_type.endswith("missing-parent") and start == first_block > 0:
+                    # The prefix was evicted since the lookup: store the prompt's blocks whole.
+                    return self._store(tokens, cache, first_block=0)
+                self._count_error("store", exc)
+                break  # later blocks' parents are not stored either
+        return stored
 
     def _send(self, tokens: list[int], payloads: list[bytes], start_block: int) -> int:
         assert self.client is not None

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import httpx
 import pytest
 import torch
 
 from cache_service.client import CacheClient
+from cache_service.integrations import worker as worker_module
 from cache_service.integrations.kv_codec import encode_block
 from cache_service.integrations.kv_layout import KVLayout
 from cache_service.integrations.model import CausalLM, tiny_model
@@ -109,3 +111,50 @@ def test_a_cache_that_goes_down_between_turns_is_survived(
     assert prefill.cached_tokens == 0
     assert torch.equal(prefill.logits, logits)
     assert continuation == tiny.greedy(logits, cache, 8)
+
+
+def test_a_long_prompt_is_stored_in_several_requests(
+    tiny: CausalLM, cache_server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests stay under STORE_REQUEST_BYTES: here one block each, chained by start_block."""
+    monkeypatch.setattr(worker_module, "STORE_REQUEST_BYTES", 1)
+    prompt = list(range(1, 330))  # five full blocks
+    with CacheClient(cache_server.url) as client:
+        sent: list[int] = []
+        store = client.store
+
+        def count_then_store(*args: object, **kwargs: object) -> object:
+            sent.append(len(args[2]))  # type: ignore[arg-type]
+            return store(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(client, "store", count_then_store)
+        worker = PrefillWorker(tiny, client)
+        assert worker.prefill(prompt).stored_blocks == 5
+        assert sent == [1, 1, 1, 1, 1]
+        assert worker.prefill(prompt).cached_tokens == 320
+
+
+def test_a_prefix_evicted_between_lookup_and_store_is_stored_again(
+    tiny: CausalLM, cache_server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The namespace is purged while the worker computes the rest (its lookup had hit): the
+    store of the new blocks finds no parent (409), and the worker stores the prompt whole."""
+    with CacheClient(cache_server.url) as client:
+        worker = PrefillWorker(tiny, client)
+        assert worker.prefill(PROMPT[:128]).stored_blocks == 2
+        compute = tiny.forward
+
+        def purge_then_compute(*args: object, **kwargs: object) -> object:
+            answer = httpx.post(
+                cache_server.url + "/v1/purge",
+                json={"model": tiny.name, "kv_layout": worker.layout.namespace_name},
+            )
+            assert answer.status_code == 200 and answer.json()["blocks"] == 2
+            return compute(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(tiny, "forward", purge_then_compute)
+        prefill = worker.prefill(PROMPT)
+        monkeypatch.undo()
+        assert (prefill.cached_tokens, prefill.stored_blocks) == (128, 3)
+        assert not worker.cache_errors
+        assert worker.prefill(PROMPT).cached_tokens == 192
