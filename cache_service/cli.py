@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from cache_service import __version__
+from cache_service.integrations.demo import add_demo_parser, run_demo_command
 from cache_service.service.settings import ENV_PREFIX, Settings, settings_environment
 from cache_service.tools.admin import add_admin_parser, run_admin_command
 from cache_service.tools.doctor import add_doctor_parser, run_doctor_command
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_admin_parser(commands)
     add_doctor_parser(commands)
     add_route_parser(commands)
+    add_demo_parser(commands)
     return parser
 
 
@@ -205,6 +207,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(run_doctor_command(parsed))
     if parsed.command == "route":
         sys.exit(run_route_command(parsed))
+    if parsed.command == "demo":
+        sys.exit(run_demo_command(parsed))
     args = vars(parsed)
     args.pop("command")
     sys.exit(serve(load_settings(args)))
