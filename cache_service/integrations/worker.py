@@ -107,7 +107,10 @@ class PrefillWorker:
         cached = min(len(blocks) * self.layout.block_size, len(tokens) - 1)
         cache = self.model.cache_from_blocks(blocks, tokens=cached)
         loaded = time.perf_counter()
-        logits, cache = self.model.forward(tokens[cached:], cache)
+        if cached:  # after a prefix, in passes (see model.CHUNK_TOKENS)
+            logits, cache = self.model.extend(tokens[cached:], cache)
+        else:  # one pass: SDPA's causal kernel skips the masked half
+            logits, cache = self.model.forward(tokens, cache)
         computed = time.perf_counter()
         stored = self._store(tokens, cache, first_block=len(blocks))
         return Prefill(

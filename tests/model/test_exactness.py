@@ -14,8 +14,10 @@ import random
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from cache_service.client import CacheClient
+from cache_service.integrations import model as model_module
 from cache_service.integrations.model import CausalLM
 from cache_service.integrations.worker import PrefillWorker
 from tests.integration.conftest import ServerProcess
@@ -24,9 +26,14 @@ LOGIT_TOLERANCE = 1e-5  # of (1 + the largest logit's magnitude); seen here: 1e-
 NEW_TOKENS = 12
 
 
+def scratch_state(model: CausalLM, tokens: list[int]) -> tuple[torch.Tensor, DynamicCache]:
+    """The last position's logits and the KV cache of a prefill with no cache at all."""
+    return model.forward(tokens)
+
+
 def scratch(model: CausalLM, tokens: list[int], new_tokens: int) -> tuple[torch.Tensor, list[int]]:
     """The last position's logits and the greedy continuation with no cache at all."""
-    logits, cache = model.forward(tokens)
+    logits, cache = scratch_state(model, tokens)
     return logits, model.greedy(logits, cache, new_tokens)
 
 
@@ -128,3 +135,29 @@ def test_a_prompt_wholly_cached_computes_only_its_last_token(
     logits, expected = scratch(tiny, prompt, NEW_TOKENS)
     assert_close_logits(again.logits, logits)
     assert continuation == expected
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 37, 64, 1000])
+def test_the_rest_computed_in_passes_equals_one_pass(tiny: CausalLM, chunk_tokens: int) -> None:
+    prompt = conversation(500, 3, seed=5)[-1]
+    _, whole = tiny.forward(prompt[:128])
+    logits, cache = tiny.extend(prompt[128:], whole, chunk_tokens=chunk_tokens)
+    want_logits, want_cache = scratch_state(tiny, prompt)
+    assert cache.get_seq_length() == len(prompt)
+    assert_close_logits(logits, want_logits)
+    assert tiny.greedy(logits, cache, NEW_TOKENS) == tiny.greedy(
+        want_logits, want_cache, NEW_TOKENS
+    )
+
+
+def test_a_conversation_with_the_rest_in_short_passes_matches_from_scratch(
+    tiny: CausalLM, cache_server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(model_module, "CHUNK_TOKENS", 50)
+    with CacheClient(cache_server.url) as client:
+        worker = PrefillWorker(tiny, client)
+        for prompt in conversation(500, 4, seed=9):
+            prefill, continuation = worker.generate(prompt, NEW_TOKENS)
+            logits, expected = scratch(tiny, prompt, NEW_TOKENS)
+            assert_close_logits(prefill.logits, logits)
+            assert continuation == expected
