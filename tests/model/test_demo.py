@@ -69,11 +69,11 @@ def test_tiny_demo_loads_each_turns_prefix_from_the_service(
     assert document["block_size"] == 64  # asked of the service
     assert document["cache_errors"] == {}
     assert len(scenario_rows(document, "chat")) == 4
-    assert len(scenario_rows(document, "agent")) == 5
+    assert len(scenario_rows(document, "agent")) == 9
     assert_each_turn_reuses_the_last(document, exact=True)
     summary = document["summary"]
     assert summary["cached_tokens"] == sum(row["cached_tokens"] for row in document["rows"])
-    assert summary["identical_turns"] == summary["turns"] == 9
+    assert summary["identical_turns"] == summary["turns"] == 13
     assert f"salt {document['salt']} (fresh: this run starts cold)" in output
     assert "total: " in output.splitlines()[-1]
 
@@ -96,7 +96,9 @@ def test_a_second_run_starts_cold_unless_given_the_first_runs_salt(
 
 def test_demo_without_a_service_computes_every_prompt_and_exits_0(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    output, document = run_demo(tmp_path, url, "--model", "tiny", "--new-tokens", "4")
+    output, document = run_demo(
+        tmp_path, url, "--model", "tiny", "--turns", "3", "--new-tokens", "4"
+    )
     assert "unreachable or refusing" in output
     assert document["rows"]
     assert all(row["cached_tokens"] == 0 for row in document["rows"])
