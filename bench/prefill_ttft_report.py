@@ -178,8 +178,8 @@ def markdown(result: dict[str, Any]) -> str:
         "Per token (compute per token grows with position: attention is quadratic):",
         "",
         "| prompt tokens | miss: lookup (ms) | lookup+load per cached token (us) "
-        "| compute per token, whole prompt (us) | compute per token, last tokens after the "
-        "cached rest (us) |",
+        "| compute per token, whole prompt (us) | compute per token, last tokens, after the "
+        "cached prefix (us) |",
         "|---:|---:|---:|---:|---:|",
     ]
     for p in result["per_token"]:
