@@ -2,10 +2,10 @@
 and tool results, as long as production traffic's.
 
 A chat deployment's system prompt is a long policy the user never sees, sent again with
-every turn; an agent loop sends its whole context again with every tool call, and each tool
-result adds a few hundred tokens. One story runs through them: Northwind Freight's nightly
-invoice export failed on a customer that has no region. Plain strings: nothing here loads
-a model.
+every turn (here 807 tokens of SmolLM2's tokenizer); an agent loop sends its whole context
+again with every tool call, and each tool result adds a few hundred tokens (here nine turns,
+from 447 to 3,220 tokens). One story runs through them: Northwind Freight's nightly invoice
+export failed on a customer that has no region. Plain strings: nothing here loads a model.
 """
 
 from __future__ import annotations
@@ -135,25 +135,14 @@ src/exporter/customers.py:134:    # Customers imported before 2024 have no \
 region_code: derive it from the country.
 src/exporter/customers.py:137:        record["region"] = legacy
 src/exporter/invoice.py:57:    region = customer["region"]
-src/exporter/invoice.py:112:    lines.append(format_region(customer["region"]))
 src/exporter/regions.py:15:# have a country but no region_code: their country gives their region.
 tests/fixtures/customers.sql:3:-- region_code is NULL for customers imported before 2024 (see Atlas)
-tests/fixtures/customers.sql:5:INSERT INTO customers (id, name, currency, \
-country, region_code) VALUES
 tests/test_customers.py:18:    assert load_customer(row)["region"] == "EU-CENTRAL"
 tests/test_customers.py:27:    assert load_customer(legacy_row)["region"] == "EU-WEST"
-tests/test_invoice.py:33:    customer = {"id": 7, "name": "Acme", \
-"currency": "EUR", "region": "EU-WEST"}
 tests/test_invoice.py:115:    # November; it was imported in 2019 from the \
 old billing system, without a region_code."""
 
 _CUSTOMERS = '''\
- 118 def load_customers(conn: Connection) -> list[dict[str, object]]:
- 119     """Every active customer, as the exporter's customer records."""
- 120     rows = conn.execute(ACTIVE_CUSTOMERS).fetchall()
- 121     return [load_customer(row) for row in rows]
- 122
- 123
  124 def load_customer(row: Row) -> dict[str, object]:
  125     """A customer record: id, name, currency and region."""
  126     record: dict[str, object] = {
@@ -171,28 +160,9 @@ _CUSTOMERS = '''\
  138         return record
  139     logger.info("customer %s has no region", row["id"])
  140     # The caller decides what a customer without a region means.
- 141     return record
- 142
- 143
- 144 def customer_row(conn: Connection, customer_id: int) -> Row:
- 145     """One customer's row, active or not."""
- 146     row = conn.execute(ONE_CUSTOMER, (customer_id,)).fetchone()
- 147     if row is None:
- 148         raise UnknownCustomer(customer_id)
- 149     return row'''
+ 141     return record'''
 
-_REGIONS = '''\
-   1 """Sales regions: their codes, their names, and the countries of legacy customers."""
-   2
-   3 from __future__ import annotations
-   4
-   5 REGION_NAMES = {
-   6     "EU-WEST": "Europe (West)",
-   7     "EU-CENTRAL": "Europe (Central)",
-   8     "EU-SOUTH": "Europe (South)",
-   9     "NORDICS": "Nordics",
-  10     "UK": "United Kingdom",
-  11 }
+_REGIONS = """\
   12 DEFAULT_REGION = "EU-WEST"  # for new sign-ups, until sales assigns one
   13
   14 # Customers imported from the old billing system (before 2024, before EU-SOUTH existed)
@@ -212,18 +182,10 @@ _REGIONS = '''\
   28     "NO": "NORDICS",
   29     "SE": "NORDICS",
   30     "GB": "UK",
-  31 }
-  32
-  33
-  34 def format_region(region: str) -> str:
-  35     """The region's name, as printed on invoices."""
-  36     return REGION_NAMES[region]'''
+  31 }"""
 
 _FAILED = """\
 ============================= test session starts ==============================
-platform linux -- Python 3.11.9, pytest-8.3.3, pluggy-1.5.0
-rootdir: /workspace/invoice-exporter
-configfile: pyproject.toml
 collected 14 items
 
 tests/test_invoice.py .............F                                      [100%]
@@ -249,19 +211,6 @@ FAILED tests/test_invoice.py::test_invoice_for_legacy_customer - KeyError: 'regi
 ========================= 1 failed, 13 passed in 0.84s ========================="""
 
 _TEST_SOURCE = """\
- 100 def test_credit_note_reverses_every_line(db):
- 101     invoice = build_invoice(load_customer(db.row(customer_id=7)), date(2026, 10, 31))
- 102     note = credit_note_for(invoice, reason="duplicate shipment")
- 103     assert [line.amount for line in note.lines] == [-line.amount for line in invoice.lines]
- 104     assert note.currency == invoice.currency
- 105
- 106
- 107 def test_invoice_for_customer_without_shipments_is_empty(db):
- 108     invoice = build_invoice(load_customer(db.row(customer_id=12)), date(2026, 11, 30))
- 109     assert invoice.lines == []
- 110     assert invoice.total == Decimal("0.00")
- 111
- 112
  113 def test_invoice_for_legacy_customer(db):
  114     # Reproduces the export failure of 2026-12-01: customer 4411 (IT) came back in
  115     # November; it was imported in 2019 from the old billing system, without a region_code.
@@ -311,9 +260,6 @@ Applied 3 files: src/exporter/regions.py (1 hunk, +3), src/exporter/customers.py
 
 _PASSED = """\
 ============================= test session starts ==============================
-platform linux -- Python 3.11.9, pytest-8.3.3, pluggy-1.5.0
-rootdir: /workspace/invoice-exporter
-configfile: pyproject.toml
 collected 52 items
 
 tests/test_currency.py .......                                            [ 13%]
@@ -334,10 +280,10 @@ def _call(tool: str, **arguments: object) -> str:
 AGENT_STEPS = (
     (_call("list_files", path="."), _LISTING),
     (_call("search", query=r'region_code|\["region"\]', path="src tests"), _SEARCH),
-    (_call("read_file", path="src/exporter/customers.py", start=118, end=149), _CUSTOMERS),
-    (_call("read_file", path="src/exporter/regions.py", start=1, end=36), _REGIONS),
+    (_call("read_file", path="src/exporter/customers.py", start=124, end=141), _CUSTOMERS),
+    (_call("read_file", path="src/exporter/regions.py", start=12, end=31), _REGIONS),
     (_call("run_tests", path="tests/test_invoice.py"), _FAILED),
-    (_call("read_file", path="tests/test_invoice.py", start=100, end=120), _TEST_SOURCE),
+    (_call("read_file", path="tests/test_invoice.py", start=113, end=120), _TEST_SOURCE),
     (_call("apply_patch", diff=_PATCH), _PATCHED),
     (_call("run_tests", path="tests"), _PASSED),
 )
