@@ -103,3 +103,11 @@ def test_a_layout_refuses_unknown_dtypes_and_empty_shapes() -> None:
         dataclasses.replace(LAYOUT, dtype="int8")
     with pytest.raises(ValueError, match="kv_heads"):
         dataclasses.replace(LAYOUT, kv_heads=0)
+
+
+def test_a_header_nested_too_deep_for_json_is_refused_not_raised() -> None:
+    text = b"[" * 60000
+    block = struct.pack("<4sHH", b"PCKV", 1, len(text)) + text + bytes(LAYOUT.block_kv_bytes)
+    with pytest.raises(BlockRefused) as refused:
+        LAYOUT.check_header(block)
+    assert refused.value.field == "format"

@@ -90,8 +90,8 @@ class KVLayout:
             raise BlockRefused("format", f"magic {magic!r} version {version} is not PCKV 1")
         try:
             stored = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + length]))
-        except ValueError as exc:
-            raise BlockRefused("format", f"header is not JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
+            raise BlockRefused("format", f"header is not JSON: {exc!r:.200}") from None
         if not isinstance(stored, dict):
             raise BlockRefused("format", "header is not a JSON object")
         for field in fields(self):

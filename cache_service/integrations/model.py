@@ -73,10 +73,16 @@ class CausalLM:
         if not token_ids:
             raise ValueError("forward needs at least one token")
         cache = DynamicCache() if cache is None else cache
+        before = cache.get_seq_length()
         with torch.no_grad():
             ids = torch.tensor([list(token_ids)], dtype=torch.long)
-            output = self.model(input_ids=ids, cache=cache, use_cache=True)
-        return output.logits[0, -1], cache
+            # Only the last position's logits: the LM head on every token is ~10-20% of the
+            # work and keeps a [tokens, vocab] tensor alive.
+            output = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        if cache.get_seq_length() != before + len(token_ids):
+            # transformers before 5.24 named the argument past_key_values and ignored `cache`.
+            raise RuntimeError("the model did not extend the cache it was given")
+        return output.logits[0, -1].clone(), cache
 
     def extend(
         self, token_ids: Sequence[int], cache: DynamicCache, *, chunk_tokens: int | None = None
@@ -129,8 +135,9 @@ def file_digest(path: Path) -> str:
 
 
 def weights_digest(model: Any) -> str:
-    """`sha256:<hex>` of a model's parameters and buffers, by name, as stored."""
-    digest = hashlib.sha256()
+    """`sha256:<hex>` of a model's config and its parameters and buffers, by name, as stored
+    (the config too: RoPE settings change the keys without changing a weight)."""
+    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
         digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())

@@ -5,8 +5,9 @@ one round trip); each block's header checked against the running model (a block 
 match is refused, counted by the field that differs, and it and every later block are
 computed instead); the model's KV cache rebuilt from the blocks; the model run on the
 remaining tokens only; the new full blocks stored. The cache is an optimisation, never a
-dependency: any error from it (down, slow, full, refusing) makes the worker compute
-everything, counted in `cache_errors` and logged.
+dependency: a lookup that fails (down, slow, refusing, an answer it cannot use) makes the
+worker compute everything, and a store that fails only loses the blocks; both are counted in
+`cache_errors` and logged. A payload that cannot be decoded is refused like a foreign one.
 """
 
 from __future__ import annotations
@@ -41,14 +42,14 @@ class Prefill:
 
     prompt_tokens: int
     cached_tokens: int  # tokens whose keys and values were loaded from the cache
-    refused_blocks: int  # blocks the cache returned that did not match the model
+    refused_blocks: int  # blocks the cache returned but not used: the first refused and after
     stored_blocks: int  # new full blocks the cache took
     lookup_seconds: float  # the lookup and the payloads' transfer
     load_seconds: float  # decoding payloads into the model's KV cache
     compute_seconds: float  # the model on the tokens not cached
     store_seconds: float  # encoding and storing the new blocks (after the first token)
     logits: torch.Tensor  # the last position's
-    cache: DynamicCache  # the whole prompt's keys and values
+    cache: DynamicCache  # the prompt's keys and values (and, after generate, the new tokens')
 
     @property
     def computed_tokens(self) -> int:
@@ -92,7 +93,10 @@ class PrefillWorker:
             return int(sizes["models"].get(self.model.name, sizes["default"]))
         except ServiceError as exc:
             self._count_error("info", exc)
-            return DEFAULT_BLOCK_SIZE
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # not our service's
+            self.cache_errors["info invalid"] += 1
+            logger.warning("prompt cache info not understood: %r", exc)
+        return DEFAULT_BLOCK_SIZE
 
     def prefill(self, token_ids: Sequence[int]) -> Prefill:
         """Prefill one prompt, loading what the cache holds of it and storing the rest."""
@@ -112,7 +116,9 @@ class PrefillWorker:
         else:  # one pass: SDPA's causal kernel skips the masked half
             logits, cache = self.model.forward(tokens, cache)
         computed = time.perf_counter()
-        stored = self._store(tokens, cache, first_block=len(blocks))
+        # From the first block the service lacks: refused blocks are held (as first written) and
+        # sending them again would only be refused again.
+        stored = self._store(tokens, cache, first_block=len(blocks) + refused)
         return Prefill(
             prompt_tokens=len(tokens),
             cached_tokens=cached,
@@ -159,10 +165,16 @@ class PrefillWorker:
             try:
                 blocks.append(decode_block(self.layout, payload))
             except BlockRefused as refusal:
-                self.refused[refusal.field] += 1
-                logger.warning("KV block %d refused: %s", len(blocks), refusal)
+                self._refuse(len(blocks), refusal.field, refusal)
+                break
+            except Exception as exc:  # whatever a payload does, it never fails a prefill
+                self._refuse(len(blocks), "format", exc)
                 break
         return blocks, len(match.payloads) - len(blocks)
+
+    def _refuse(self, block: int, field: str, reason: Exception) -> None:
+        self.refused[field] += 1
+        logger.warning("KV block %d refused (%s): %s", block, field, reason)
 
     def _store(self, tokens: list[int], cache: DynamicCache, *, first_block: int) -> int:
         """Store full blocks first_block.. of the prompt, in requests of at most

@@ -4,6 +4,9 @@ is down, or goes down, makes the worker compute everything, never fail."""
 from __future__ import annotations
 
 import dataclasses
+import http.server
+import struct
+import threading
 
 import httpx
 import pytest
@@ -158,3 +161,56 @@ def test_a_prefix_evicted_between_lookup_and_store_is_stored_again(
         assert (prefill.cached_tokens, prefill.stored_blocks) == (128, 3)
         assert not worker.cache_errors
         assert worker.prefill(PROMPT).cached_tokens == 192
+
+
+def test_a_payload_that_is_not_a_block_is_refused_and_the_prefill_goes_on(
+    tiny: CausalLM, cache_server: ServerProcess
+) -> None:
+    text = b"[" * 60000  # JSON nested deeper than Python's parser goes
+    junk = struct.pack("<4sHH", b"PCKV", 1, len(text)) + text
+    with CacheClient(cache_server.url) as client:
+        worker = PrefillWorker(tiny, client)
+        assert worker.prefill(PROMPT[:64]).stored_blocks == 1
+        layout = worker.layout
+        client.store(
+            tiny.name, PROMPT[:128], [junk], kv_layout=layout.namespace_name, start_block=1
+        )
+        prefill = worker.prefill(PROMPT)
+    assert worker.refused == {"format": 1}
+    assert (prefill.cached_tokens, prefill.refused_blocks, prefill.stored_blocks) == (64, 1, 1)
+    logits, _ = tiny.forward(PROMPT)
+    assert float((prefill.logits - logits).abs().max()) <= 1e-5 * (1 + float(logits.abs().max()))
+
+
+def test_a_server_that_is_not_the_cache_leaves_the_worker_on_its_defaults(
+    tiny: CausalLM,
+) -> None:
+    """Something else on the port answers 200 with JSON of another shape."""
+
+    class OtherService(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"{}"
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), OtherService)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with CacheClient(url, timeout=2.0) as client:
+            worker = PrefillWorker(tiny, client)
+            prefill = worker.prefill(PROMPT)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert worker.layout.block_size == 64
+    assert worker.cache_errors["info invalid"] == 1
+    assert prefill.cached_tokens == 0
