@@ -106,7 +106,7 @@ def test_demo_without_a_service_computes_every_prompt_and_exits_0(tmp_path: Path
     assert document["cache_errors"]  # counted, by call and status
 
 
-def test_smollm2_demo_reuses_prefixes_and_its_longest_cached_turn_is_faster(
+def test_smollm2_demo_reuses_prefixes_with_identical_continuations(
     cache_server: ServerProcess, tmp_path: Path
 ) -> None:
     # One PyTorch thread: a busy machine then slows both prefills alike, where it would stall
@@ -119,8 +119,9 @@ def test_smollm2_demo_reuses_prefixes_and_its_longest_cached_turn_is_faster(
     assert all(row["continuation"] for row in document["rows"])  # decoded text
     longest = max(document["rows"], key=lambda row: row["prompt_tokens"])
     assert longest["cached_tokens"] > 0
-    # A measured property, checked coarsely: loading most of a prompt beats computing it.
-    assert longest["cached_seconds"] < longest["uncached_seconds"], longest
+    assert all(row["identical"] for row in document["rows"])
+    # How much faster is measured by the demo itself and python -m bench.prefill_ttft, not
+    # asserted here: timings on a shared machine are no test.
     assert "de-quantizing" not in output  # no progress bars
 
 
