@@ -188,8 +188,15 @@ def test_two_workers_append_one_usage_log_without_losing_or_tearing_a_line(
     files = sorted(tmp_path.glob("usage.jsonl*"))
 
     def records() -> list[dict[str, Any]]:
-        lines = [line for path in tmp_path.glob("usage.jsonl*") if not path.name.endswith(".lock")
-                 for line in path.read_text().splitlines()]  # fmt: skip
+        lines: list[str] = []
+        for _ in range(100):  # a worker may rotate a file between the glob and the read
+            try:
+                lines = [line for path in tmp_path.glob("usage.jsonl*")
+                         if not path.name.endswith(".lock")
+                         for line in path.read_text().splitlines()]  # fmt: skip
+                break
+            except FileNotFoundError:
+                continue
         return [json.loads(line) for line in lines]  # a torn line would not parse
 
     deadline = time.monotonic() + 10
