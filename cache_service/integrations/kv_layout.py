@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 MAGIC = b"PCKV"
 FORMAT_VERSION = 1
@@ -77,29 +79,42 @@ class KVLayout:
 
     def header(self) -> bytes:
         """The payload's header: magic, version, length and this layout as JSON."""
-        text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
-        return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(text)) + text
+        return pack_header(asdict(self))
 
     def check_header(self, payload: bytes | memoryview) -> int:
         """The offset of the payload's keys and values; BlockRefused unless it is this layout's."""
-        view = memoryview(payload)
-        if len(view) < _PREFIX.size:
-            raise BlockRefused("format", f"{len(view)} bytes is shorter than a header")
-        magic, version, length = _PREFIX.unpack_from(view)
-        if magic != MAGIC or version != FORMAT_VERSION:
-            raise BlockRefused("format", f"magic {magic!r} version {version} is not PCKV 1")
-        try:
-            stored = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + length]))
-        except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
-            raise BlockRefused("format", f"header is not JSON: {exc!r:.200}") from None
-        if not isinstance(stored, dict):
-            raise BlockRefused("format", "header is not a JSON object")
-        for field in fields(self):
-            expected, got = getattr(self, field.name), stored.get(field.name)
-            if got != expected:
-                raise BlockRefused(field.name, f"block has {got!r}, the model {expected!r}")
-        offset = _PREFIX.size + int(length)
-        if len(view) - offset != self.block_kv_bytes:
-            needed, got = self.block_kv_bytes, len(view) - offset
-            raise BlockRefused("format", f"{got} bytes of KV, the layout needs {needed}")
-        return offset
+        expected = {field.name: getattr(self, field.name) for field in fields(self)}
+        return check_header(payload, expected, kv_bytes=self.block_kv_bytes)
+
+
+def pack_header(layout: Mapping[str, Any]) -> bytes:
+    """A payload header: magic, version, length and the layout's fields as sorted JSON."""
+    text = json.dumps(layout, sort_keys=True, separators=(",", ":")).encode()
+    return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(text)) + text
+
+
+def check_header(payload: bytes | memoryview, expected: Mapping[str, Any], *, kv_bytes: int) -> int:
+    """The offset of the payload's keys and values; BlockRefused by the first field of
+    `expected` the header differs in, or as `format` (not a header, or not kv_bytes of KV)."""
+    view = memoryview(payload)
+    if len(view) < _PREFIX.size:
+        raise BlockRefused("format", f"{len(view)} bytes is shorter than a header")
+    magic, version, length = _PREFIX.unpack_from(view)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise BlockRefused("format", f"magic {magic!r} version {version} is not PCKV 1")
+    try:
+        stored = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + length]))
+    except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
+        raise BlockRefused("format", f"header is not JSON: {exc!r:.200}") from None
+    if not isinstance(stored, dict):
+        raise BlockRefused("format", "header is not a JSON object")
+    for name, want in expected.items():
+        got = stored.get(name)
+        if got != want:
+            raise BlockRefused(name, f"block has {got!r}, the model {want!r}")
+    offset = _PREFIX.size + int(length)
+    if len(view) - offset != kv_bytes:
+        raise BlockRefused(
+            "format", f"{len(view) - offset} bytes of KV, the layout needs {kv_bytes}"
+        )
+    return offset

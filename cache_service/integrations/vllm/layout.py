@@ -1,0 +1,76 @@
+"""What a vLLM engine's KV bytes must match to be reused, as a namespace and a piece header.
+
+Bytes of a paged KV block are reusable only by an engine that would have written the very
+same bytes: the same weights, KV dtype, layer count, KV heads, head size, attention backend
+and (on CPU) the kernel's instruction set, which decides the byte order inside a block, the
+same vLLM block size, the same tensor-parallel rank and size, and the same LoRA adapter.
+`EngineLayout.namespace_name` puts all of them in the namespace's `kv_layout`, so blocks of
+another layout sit under other keys and are never found; every stored piece also carries them
+in its header (`kv_layout.pack_header`), checked at load, for a writer that named its
+namespace wrongly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import xxhash
+
+from cache_service.integrations.kv_layout import check_header, pack_header
+
+MAX_KV_LAYOUT_CHARS = 256  # the service's limit on a namespace's kv_layout
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLayout:
+    """The engine, model and block shape a piece of KV was computed for."""
+
+    model: str  # the namespace's model name
+    weights: str  # digest of the weights ("xxh3:<hex>") or the name the operator gave them
+    backend: str  # vLLM's attention backend, e.g. "CPU_ATTN"
+    isa: str  # the CPU kernel's instruction set (amx, vec, vec16, neon, ...), "" on GPUs
+    kv_dtype: str  # torch's name without "torch.", e.g. "bfloat16"
+    layers: int
+    kv_heads: int  # per tensor-parallel rank
+    head_size: int
+    engine_block_tokens: int
+    block_bytes: int  # bytes of one vLLM block across every layer
+    tp_rank: int = 0
+    tp_size: int = 1
+    lora: str = ""  # the adapter's name and path, "" without one
+
+    def for_lora(self, lora: str) -> EngineLayout:
+        """The same layout under a LoRA adapter (another namespace: its KV differs)."""
+        return replace(self, lora=lora)
+
+    @property
+    def namespace_name(self) -> str:
+        """The namespace's kv_layout: every field but the model name (the namespace has it)."""
+        text = (
+            f"vllm1;{self.backend};isa={self.isa or '-'};{self.kv_dtype};layers={self.layers};"
+            f"kv_heads={self.kv_heads};head_size={self.head_size};"
+            f"block={self.engine_block_tokens};bytes={self.block_bytes};"
+            f"tp={self.tp_rank}/{self.tp_size};{self.weights}"
+        )
+        if self.lora:
+            text += ";lora=" + xxhash.xxh3_64_hexdigest(self.lora.encode())
+        if len(text) > MAX_KV_LAYOUT_CHARS:
+            raise ValueError(f"kv_layout is {len(text)} characters: name the weights shorter")
+        return text
+
+    def header_fields(self, *, piece: int, pieces: int) -> dict[str, Any]:
+        """The fields a piece's header carries: the layout and the piece's place in its group."""
+        return {**asdict(self), "engine": "vllm", "piece": piece, "pieces": pieces}
+
+    def header(self, *, piece: int, pieces: int) -> bytes:
+        """The header of piece `piece` of a group of `pieces`."""
+        return pack_header(self.header_fields(piece=piece, pieces=pieces))
+
+    def check_piece(
+        self, payload: bytes | memoryview, *, piece: int, pieces: int, kv_bytes: int
+    ) -> int:
+        """The offset of a piece's KV; kv_layout.BlockRefused unless it is this layout's and
+        this place's piece with `kv_bytes` of KV."""
+        expected = self.header_fields(piece=piece, pieces=pieces)
+        return check_header(payload, expected, kv_bytes=kv_bytes)

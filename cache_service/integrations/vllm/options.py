@@ -1,0 +1,108 @@
+"""The connector's settings, from `kv_connector_extra_config`, and a request's own options.
+
+Every key is checked when the engine starts: an unknown key (a typo) or a value of the wrong
+type stops the engine with a message naming the key, rather than silently running on a
+default. A request may name a retention class, or skip loading or storing, under the key
+`prompt_cache` of its `kv_transfer_params`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+REQUEST_PARAMS_KEY = "prompt_cache"  # kv_transfer_params={"prompt_cache": {...}}
+DEFAULT_URL = "http://127.0.0.1:8080"
+DEFAULT_API_KEY_ENV = "CACHE_SERVICE_API_KEY"
+
+
+class OptionError(ValueError):
+    """A connector setting or a request's prompt_cache option that cannot be used."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorOptions:
+    """What `kv_connector_extra_config` may say; every field has a working default."""
+
+    url: str = DEFAULT_URL
+    # The API key is read from this environment variable (unset: no key), never from the
+    # command line, where `ps` and logs would show it.
+    api_key_env: str = DEFAULT_API_KEY_ENV
+    model: str = ""  # the namespace's model name; "" = vLLM's served model name
+    weights_id: str = ""  # names the weights; "" = a digest of the model folder's files
+    retention: str = ""  # the retention class of stored blocks; "" = the service's default
+    # The lookup runs inside vLLM's scheduler loop: a slow service must not stall it.
+    lookup_timeout_seconds: float = 0.5
+    transfer_timeout_seconds: float = 10.0  # fetching and storing payloads
+    store_queue_bytes: int = 1 << 30  # KV copied out and waiting to be stored, at most
+    store_request_bytes: int = 64 << 20  # payload bytes in one store request, at most
+    backoff_max_seconds: float = 30.0  # after failures, calls skip the network this long at most
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
+        """The options `extra` sets; OptionError naming the key for an unknown or bad one."""
+        given = dict(extra or {})
+        known = {field.name: field for field in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in given.items():
+            if key not in known:
+                raise OptionError(
+                    f"kv_connector_extra_config: unknown key {key!r} (known: {sorted(known)})"
+                )
+            default = getattr(cls(), key)
+            values[key] = _checked(key, value, type(default))
+        options = cls(**values)
+        for key in ("lookup_timeout_seconds", "transfer_timeout_seconds", "backoff_max_seconds"):
+            if getattr(options, key) <= 0:
+                raise OptionError(f"kv_connector_extra_config: {key} must be above 0")
+        for key in ("store_queue_bytes", "store_request_bytes"):
+            if getattr(options, key) < 1:
+                raise OptionError(f"kv_connector_extra_config: {key} must be at least 1")
+        return options
+
+    def api_key(self) -> str | None:
+        """The API key from the environment variable `api_key_env`, or None."""
+        return os.environ.get(self.api_key_env) or None
+
+
+def _checked(key: str, value: Any, kind: type) -> Any:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise OptionError(
+            f"kv_connector_extra_config: {key} must be {kind.__name__}, got {value!r}"
+        )
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """One request's `kv_transfer_params["prompt_cache"]`: retention, and whether to use us."""
+
+    retention: str = ""  # "" = the connector's retention
+    load: bool = True
+    store: bool = True
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> RequestOptions:
+        """The options a request's kv_transfer_params give; OptionError naming a bad one."""
+        own = (params or {}).get(REQUEST_PARAMS_KEY)
+        if own is None:
+            return cls()
+        if not isinstance(own, Mapping):
+            raise OptionError(f"kv_transfer_params.{REQUEST_PARAMS_KEY} must be an object")
+        unknown = set(own) - {"retention", "load", "store"}
+        if unknown:
+            raise OptionError(
+                f"kv_transfer_params.{REQUEST_PARAMS_KEY}: unknown key {sorted(unknown)[0]!r}"
+            )
+        retention = own.get("retention", "")
+        if not isinstance(retention, str):
+            raise OptionError(f"kv_transfer_params.{REQUEST_PARAMS_KEY}.retention is a string")
+        flags = {name: own.get(name, True) for name in ("load", "store")}
+        for name, flag in flags.items():
+            if not isinstance(flag, bool):
+                raise OptionError(f"kv_transfer_params.{REQUEST_PARAMS_KEY}.{name} is a boolean")
+        return cls(retention=retention, **flags)

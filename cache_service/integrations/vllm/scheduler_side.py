@@ -1,0 +1,282 @@
+"""The connector's half in vLLM's scheduler: one lookup per request, and each step's plan.
+
+vLLM asks `matched_tokens` for a new (or preempted and resumed) request inside its scheduling
+loop, perhaps more than once for the same request, so the lookup runs once per request, with
+a short timeout, and its answer is kept until the request finishes. `allocated` then says
+which vLLM blocks the loaded tokens go into; `plan_step` turns that, and the tokens each step
+computes, into the step's loads and stores. Only whole groups (see `groups`) of the prompt
+are loaded or stored, and only prompt tokens are stored: the blocks a chunked prefill has
+completed, from the first group the service lacks.
+
+Nothing here fails a request: a lookup that fails is a miss (counted by the client's reason
+under `lookup_failed`), and a request the service cannot serve exactly (multimodal inputs,
+prompt embeddings, whose token ids are placeholders) is passed over and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cache_service.client import CacheClient
+from cache_service.core.errors import ServiceError
+from cache_service.integrations.vllm.counters import Counters
+from cache_service.integrations.vllm.groups import BlockGroups
+from cache_service.integrations.vllm.layout import EngineLayout
+from cache_service.integrations.vllm.options import ConnectorOptions, OptionError, RequestOptions
+from cache_service.integrations.vllm.plan import LoadTask, Namespace, StepPlan, StoreTask
+
+logger = logging.getLogger(__name__)
+# A group larger than this many times the larger block size makes short prompts miss.
+LARGE_GROUP_FACTOR = 4
+INFO_RETRY_SECONDS = 5.0  # while the service's block size is unknown, ask at most this often
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRequest:
+    """What the scheduler half needs of one vLLM request."""
+
+    request_id: str
+    prompt_tokens: list[int]
+    cache_salt: str = ""
+    lora: str = ""  # the adapter's name and path; "" without one
+    kv_transfer_params: Mapping[str, Any] | None = None
+    multimodal: bool = False
+    prompt_embeds: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request in a step: its blocks so far and the tokens computed by the step's end."""
+
+    request_id: str
+    new_block_ids: list[int] | None  # None: no new blocks this step
+    replaces_blocks: bool  # a new or resumed request: new_block_ids are all its blocks
+    computed_tokens: int  # computed before the step
+    scheduled_tokens: int  # computed in the step
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """A request's lookup answer and what has been planned for it."""
+
+    namespace: Namespace
+    prompt_tokens: list[int]
+    load: bool
+    store: bool
+    keys: list[str] = field(default_factory=list)
+    held_groups: int = 0  # whole groups the service held at the lookup
+    stored_groups: int = 0  # groups held or planned to be stored
+    block_ids: list[int] = field(default_factory=list)
+    offered_from: int = 0  # tokens vLLM held when it asked: the load starts there
+    computed_tokens: int = 0
+
+
+class SchedulerSide:
+    """Lookups and step plans for one engine; `role_load`/`role_store` follow kv_role."""
+
+    def __init__(
+        self,
+        *,
+        options: ConnectorOptions,
+        layout: EngineLayout,
+        client: CacheClient,
+        counters: Counters,
+        role_load: bool,
+        role_store: bool,
+    ) -> None:
+        self.options = options
+        self.layout = layout
+        self.client = client
+        self.counters = counters
+        self.role_load = role_load
+        self.role_store = role_store
+        self._groups: BlockGroups | None = None
+        self._tracked: dict[str, _Tracked] = {}
+        self._loads: list[LoadTask] = []
+        self._info_retry_at = 0.0
+
+    @property
+    def groups(self) -> BlockGroups | None:
+        """The block grouping, once the service's block size for the model is known."""
+        if self._groups is None and time.monotonic() >= self._info_retry_at:
+            self._info_retry_at = time.monotonic() + INFO_RETRY_SECONDS
+            size = self._service_block_size()
+            if size:
+                self._groups = BlockGroups(self.layout.engine_block_tokens, size)
+                self._warn_if_large(self._groups)
+        return self._groups
+
+    def _service_block_size(self) -> int:
+        """The service's block size for the model, or 0 while it cannot be learnt."""
+        try:
+            sizes = self.client.info()["block_size"]
+            return int(sizes["models"].get(self.layout.model, sizes["default"]))
+        except ServiceError as exc:
+            logger.warning("prompt cache at %s: no block size yet (%s)", self.options.url, exc)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            logger.warning("prompt cache at %s: /v1/info not understood: %r", self.options.url, exc)
+        self.counters.miss("no_block_size")
+        return 0
+
+    def _warn_if_large(self, groups: BlockGroups) -> None:
+        larger = max(groups.engine_block_tokens, groups.service_block_tokens)
+        if groups.group_tokens > LARGE_GROUP_FACTOR * larger:
+            logger.warning(
+                "vLLM's block size %d and the service's %d for model %r make groups of %d "
+                "tokens: prompts shorter than that never hit. Start the service with "
+                "--model-block-size '%s=%d' to match vLLM.",
+                groups.engine_block_tokens,
+                groups.service_block_tokens,
+                self.layout.model,
+                groups.group_tokens,
+                self.layout.model,
+                groups.engine_block_tokens,
+            )
+
+    def matched_tokens(self, request: PromptRequest, computed_tokens: int) -> int:
+        """Tokens beyond vLLM's own `computed_tokens` that it can load from the service."""
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            tracked = self._tracked[request.request_id] = self._look_up(request)
+        groups = self.groups
+        if groups is None or not tracked.load:
+            return 0
+        loadable = groups.loadable_tokens(
+            tracked.held_groups * groups.group_tokens, len(tracked.prompt_tokens)
+        )
+        tracked.offered_from = computed_tokens
+        return max(0, loadable - computed_tokens)
+
+    def _look_up(self, request: PromptRequest) -> _Tracked:
+        try:
+            own = RequestOptions.from_params(request.kv_transfer_params)
+        except OptionError as exc:
+            self.counters.miss("bad_request_options")
+            logger.warning("request %s: %s; using the defaults", request.request_id, exc)
+            own = RequestOptions()
+        namespace = Namespace(
+            model=self.layout.model,
+            kv_layout=self.layout.for_lora(request.lora).namespace_name,
+            salt=request.cache_salt,
+            retention=own.retention or self.options.retention,
+        )
+        tracked = _Tracked(
+            namespace,
+            request.prompt_tokens,
+            load=self.role_load and own.load,
+            store=self.role_store and own.store,
+        )
+        passed_over = "multimodal" if request.multimodal else ""
+        passed_over = "prompt_embeds" if request.prompt_embeds else passed_over
+        if passed_over:  # token ids that do not say what the KV was computed from
+            self.counters.miss(passed_over)
+            tracked.load = tracked.store = False
+            return tracked
+        groups = self.groups
+        if groups is None or len(request.prompt_tokens) < groups.group_tokens:
+            return tracked
+        before = self.client.failures.total
+        try:
+            match = self.client.lookup(
+                namespace.model,
+                request.prompt_tokens,
+                kv_layout=namespace.kv_layout,
+                salt=namespace.salt,
+                retention=namespace.retention or None,
+                block_size=groups.service_block_tokens,
+            )
+        except ServiceError as exc:  # a 4xx: the service is up but refuses this lookup
+            self.counters.miss("lookup_failed")
+            logger.warning("prompt cache lookup refused (%s): a miss", exc)
+            return tracked
+        self.counters.miss("lookup_failed", self.client.failures.total - before)
+        self.counters.add("lookups")
+        self.counters.add("lookup_tokens", len(request.prompt_tokens))
+        tracked.keys = match.keys
+        tracked.held_groups = groups.whole_groups(match.cached_tokens)
+        tracked.stored_groups = tracked.held_groups
+        return tracked
+
+    def allocated(self, request_id: str, block_ids: list[int], external_tokens: int) -> None:
+        """vLLM allocated `block_ids` (all the request's blocks); load `external_tokens`."""
+        tracked = self._tracked.get(request_id)
+        groups = self.groups
+        if tracked is None or groups is None or external_tokens <= 0:
+            return
+        engine = groups.engine_block_tokens
+        first_block = tracked.offered_from // engine
+        end_block = (tracked.offered_from + external_tokens) // engine
+        first_group = first_block // groups.engine_blocks
+        end_group = end_block // groups.engine_blocks
+        self.counters.add("hit_tokens", external_tokens)
+        self._loads.append(
+            LoadTask(
+                request_id=request_id,
+                namespace=tracked.namespace,
+                first_group=first_group,
+                keys=[tracked.keys[i] for i in groups.service_range(first_group, end_group)],
+                block_ids=list(block_ids[first_block:end_block]),
+                skip=first_block - first_group * groups.engine_blocks,
+            )
+        )
+
+    def plan_step(self, scheduled: Iterable[ScheduledRequest]) -> StepPlan:
+        """The step's loads (from `allocated`) and the stores of groups it completes."""
+        groups = self.groups
+        plan = StepPlan(service_block_tokens=groups.service_block_tokens if groups else 0)
+        plan.loads, self._loads = self._loads, []
+        for step in scheduled:
+            tracked = self._tracked.get(step.request_id)
+            if tracked is None:
+                continue
+            if step.new_block_ids is not None:
+                if step.replaces_blocks:
+                    tracked.block_ids = list(step.new_block_ids)
+                else:
+                    tracked.block_ids.extend(step.new_block_ids)
+            if step.computed_tokens < tracked.computed_tokens:
+                # vLLM recomputes from here (a failed load, a preemption): what was planned
+                # past it was not computed from the tokens it holds now.
+                tracked.stored_groups = min(
+                    tracked.stored_groups, self._whole(step.computed_tokens)
+                )
+            tracked.computed_tokens = step.computed_tokens + step.scheduled_tokens
+            if groups is not None and tracked.store:
+                task = self._store_task(step.request_id, tracked, groups)
+                if task is not None:
+                    plan.stores.append(task)
+        return plan
+
+    def _whole(self, tokens: int) -> int:
+        groups = self.groups
+        return groups.whole_groups(tokens) if groups else 0
+
+    def _store_task(
+        self, request_id: str, tracked: _Tracked, groups: BlockGroups
+    ) -> StoreTask | None:
+        done = groups.whole_groups(min(tracked.computed_tokens, len(tracked.prompt_tokens)))
+        first = tracked.stored_groups
+        blocks = groups.engine_range(first, done)
+        if done <= first or blocks.stop > len(tracked.block_ids):
+            return None
+        tracked.stored_groups = done
+        return StoreTask(
+            request_id=request_id,
+            namespace=tracked.namespace,
+            first_group=first,
+            tokens=tracked.prompt_tokens[: done * groups.group_tokens],
+            block_ids=tracked.block_ids[blocks.start : blocks.stop],
+        )
+
+    def finished(self, request_id: str) -> None:
+        """Forget a finished request."""
+        self._tracked.pop(request_id, None)
+
+    def forget_all(self) -> None:
+        """Forget every request's lookup (vLLM's prefix cache was reset)."""
+        for tracked in self._tracked.values():
+            tracked.keys, tracked.held_groups = [], 0

@@ -1,0 +1,597 @@
+"""The vLLM connector's scheduler half (no vLLM) against a real `cache-service serve`.
+
+One service (default flags, block size 64) serves the whole module; every test uses prompts
+of its own (seeded by the test's id), so no test sees another's blocks. The engine pages KV in
+blocks of 128 tokens, so a group is 128 tokens: one vLLM block, two service blocks. The
+scheduler never reads payloads, so blocks are stored through the client with any bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cache_service.client import CacheClient
+from cache_service.integrations.vllm.counters import Counters
+from cache_service.integrations.vllm.layout import EngineLayout
+from cache_service.integrations.vllm.options import ConnectorOptions
+from cache_service.integrations.vllm.plan import LoadTask, Namespace, StoreTask
+from cache_service.integrations.vllm.scheduler_side import (
+    PromptRequest,
+    ScheduledRequest,
+    SchedulerSide,
+)
+from tests.integration.conftest import ServerProcess, free_port
+
+pytestmark = pytest.mark.integration
+
+SERVICE_BLOCK = 64  # the service's default block size
+GROUP = 128  # lcm(128, 64)
+LAYOUT = EngineLayout(
+    model="m",
+    weights="xxh3:" + "ab" * 16,
+    backend="CPU_ATTN",
+    isa="vec",
+    kv_dtype="bfloat16",
+    layers=2,
+    kv_heads=1,
+    head_size=4,
+    engine_block_tokens=128,
+    block_bytes=2 * 2 * 128 * 1 * 4 * 2,  # K and V, 2 layers, 128 tokens, 1 head of 4, bf16
+)
+PROMPT = 600  # tokens: 4 whole groups and 88 tokens more
+Prompts = Callable[[int], list[int]]
+MakeSide = Callable[..., SchedulerSide]
+
+
+@pytest.fixture(scope="module")
+def cache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A real `cache-service serve` on 127.0.0.1 (default block size 64), stopped after."""
+    folder = tmp_path_factory.mktemp("vllm-scheduler")
+    server = ServerProcess(folder / "data", folder / "server.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def client(cache_server: ServerProcess) -> Iterator[CacheClient]:
+    """A fail-open client of the module's service, as the connector makes one."""
+    with CacheClient(cache_server.url, fail_open=True, timeout=2.0) as made:
+        yield made
+
+
+@pytest.fixture
+def counters() -> Counters:
+    """The connector's counts, fresh for each test."""
+    return Counters()
+
+
+@pytest.fixture
+def make_side(cache_server: ServerProcess, client: CacheClient, counters: Counters) -> MakeSide:
+    """A SchedulerSide on the module's service; keywords change its layout, roles or options."""
+
+    def make(
+        *,
+        layout: EngineLayout = LAYOUT,
+        role_load: bool = True,
+        role_store: bool = True,
+        **options: Any,
+    ) -> SchedulerSide:
+        return SchedulerSide(
+            options=ConnectorOptions(url=cache_server.url, **options),
+            layout=layout,
+            client=client,
+            counters=counters,
+            role_load=role_load,
+            role_store=role_store,
+        )
+
+    return make
+
+
+@pytest.fixture
+def prompts(request: pytest.FixtureRequest) -> Prompts:
+    """Prompts of random token ids no other test uses (seeded by the test's id)."""
+    rng = random.Random(request.node.nodeid)
+    return lambda length: [rng.randrange(50_000) for _ in range(length)]
+
+
+def store(
+    client: CacheClient,
+    tokens: list[int],
+    service_blocks: int,
+    *,
+    layout: EngineLayout = LAYOUT,
+    salt: str = "",
+) -> list[str]:
+    """Store the first `service_blocks` service blocks of `tokens` (any bytes); their keys."""
+    result = client.store(
+        layout.model,
+        tokens[: service_blocks * SERVICE_BLOCK],
+        [b"kv of block %d" % i for i in range(service_blocks)],
+        kv_layout=layout.namespace_name,
+        start_block=0,
+        block_size=SERVICE_BLOCK,
+        salt=salt,
+    )
+    assert result.stored_blocks == service_blocks
+    return result.keys
+
+
+def namespace(salt: str = "", retention: str = "", layout: EngineLayout = LAYOUT) -> Namespace:
+    """The namespace a request's blocks live in."""
+    return Namespace(model="m", kv_layout=layout.namespace_name, salt=salt, retention=retention)
+
+
+def prefill(request_id: str, block_ids: list[int], tokens: int) -> ScheduledRequest:
+    """A new request's first step: all its blocks, and `tokens` computed from the start."""
+    return ScheduledRequest(request_id, block_ids, True, 0, tokens)
+
+
+# -- lookups ------------------------------------------------------------------------------------
+
+
+def test_a_prompt_the_service_never_saw_matches_nothing(
+    make_side: MakeSide, counters: Counters, prompts: Prompts
+) -> None:
+    side = make_side()
+    assert side.matched_tokens(PromptRequest("r", prompts(PROMPT)), 0) == 0
+    assert counters.totals() == {"lookups": 1, "lookup_tokens": PROMPT}
+
+
+def test_the_whole_groups_the_service_holds_match_beyond_vllms_own_tokens(
+    make_side: MakeSide, client: CacheClient, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 6)  # 3 groups
+    side = make_side()
+    assert side.matched_tokens(PromptRequest("r0", tokens), 0) == 3 * GROUP
+    assert side.matched_tokens(PromptRequest("r1", tokens), GROUP) == 2 * GROUP
+    assert side.matched_tokens(PromptRequest("r3", tokens), 3 * GROUP) == 0
+    assert side.matched_tokens(PromptRequest("r4", tokens), 4 * GROUP) == 0
+
+
+def test_a_group_the_service_holds_in_part_does_not_match(
+    make_side: MakeSide, client: CacheClient, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 5)  # 2 groups and half of the third
+    assert make_side().matched_tokens(PromptRequest("r", tokens), 0) == 2 * GROUP
+
+
+def test_the_last_prompt_token_is_never_matched(
+    make_side: MakeSide, client: CacheClient, prompts: Prompts
+) -> None:
+    tokens = prompts(3 * GROUP)  # exactly 3 groups, all stored
+    store(client, tokens, 6)
+    assert make_side().matched_tokens(PromptRequest("r", tokens), 0) == 2 * GROUP
+    assert make_side().matched_tokens(PromptRequest("r", [*tokens, 7]), 0) == 3 * GROUP
+
+
+def test_asking_twice_for_a_request_looks_it_up_once(
+    make_side: MakeSide, client: CacheClient, counters: Counters, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 4)
+    side = make_side()
+    request = PromptRequest("r", tokens)
+    assert side.matched_tokens(request, 0) == 2 * GROUP
+    assert side.matched_tokens(request, 0) == 2 * GROUP
+    assert side.matched_tokens(request, GROUP) == GROUP  # vLLM's own cache grew meanwhile
+    assert counters.totals()["lookups"] == 1
+    side.finished("r")
+    assert side.matched_tokens(request, 0) == 2 * GROUP
+    assert counters.totals()["lookups"] == 2
+
+
+def test_a_prompt_shorter_than_a_group_is_not_looked_up(
+    make_side: MakeSide, counters: Counters, prompts: Prompts
+) -> None:
+    side = make_side()
+    assert side.matched_tokens(PromptRequest("r", prompts(GROUP - 1)), 0) == 0
+    assert side.plan_step([prefill("r", [1], GROUP - 1)]).stores == []
+    assert "lookups" not in counters.totals()
+
+
+# -- loads --------------------------------------------------------------------------------------
+
+
+def test_allocated_blocks_load_the_lookups_keys_of_the_matched_groups(
+    make_side: MakeSide, client: CacheClient, counters: Counters, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    keys = store(client, tokens, 6)  # 3 groups
+    side = make_side()
+    assert side.matched_tokens(PromptRequest("r", tokens), GROUP) == 2 * GROUP
+    side.allocated("r", [7, 8, 9, 10, 11], 2 * GROUP)
+    plan = side.plan_step([])
+    assert plan.service_block_tokens == SERVICE_BLOCK
+    assert plan.loads == [
+        LoadTask(
+            request_id="r",
+            namespace=namespace(),
+            first_group=1,
+            keys=keys[2:6],
+            block_ids=[8, 9],
+            skip=0,
+        )
+    ]
+    assert plan.stores == []
+    assert side.plan_step([]).loads == []  # a load is planned once
+    assert counters.totals()["hit_tokens"] == 2 * GROUP
+
+
+def test_nothing_loads_when_vllm_takes_no_external_tokens(
+    make_side: MakeSide, client: CacheClient, counters: Counters, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 4)
+    side = make_side()
+    side.matched_tokens(PromptRequest("r", tokens), 0)
+    side.allocated("r", [1, 2, 3], 0)
+    assert side.plan_step([]).loads == []
+    assert "hit_tokens" not in counters.totals()
+
+
+def test_a_load_skips_the_blocks_of_its_first_group_vllm_holds(
+    make_side: MakeSide, client: CacheClient, prompts: Prompts
+) -> None:
+    # vLLM blocks of 32 tokens: a group is 64 tokens, two vLLM blocks and one service block.
+    small = dataclasses.replace(LAYOUT, engine_block_tokens=32, block_bytes=LAYOUT.block_bytes // 4)
+    tokens = prompts(300)
+    keys = store(client, tokens, 4, layout=small)
+    side = make_side(layout=small)
+    assert side.matched_tokens(PromptRequest("r1", tokens), 32) == 256 - 32
+    side.allocated("r1", list(range(100, 110)), 256 - 32)
+    assert side.matched_tokens(PromptRequest("r3", tokens), 96) == 256 - 96
+    side.allocated("r3", list(range(200, 210)), 256 - 96)
+    first, second = side.plan_step([]).loads
+    assert (first.first_group, first.keys, first.skip) == (0, keys, 1)
+    assert first.block_ids == list(range(101, 108))
+    assert (second.first_group, second.keys, second.skip) == (1, keys[1:], 1)
+    assert second.block_ids == list(range(203, 208))
+    assert first.namespace.kv_layout == small.namespace_name
+
+
+# -- stores -------------------------------------------------------------------------------------
+
+
+def test_a_chunked_prefill_stores_each_group_once_it_is_whole_from_the_first_one_lacking(
+    make_side: MakeSide, client: CacheClient, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 4)  # the service holds groups 0 and 1
+    side = make_side()
+    assert side.matched_tokens(PromptRequest("r", tokens), 0) == 2 * GROUP
+    side.allocated("r", [10, 11, 12], 2 * GROUP)
+    # Step 1: the two loaded groups and 44 tokens of group 2.
+    plan = side.plan_step([ScheduledRequest("r", [10, 11, 12], True, 2 * GROUP, 44)])
+    assert [load.block_ids for load in plan.loads] == [[10, 11]]
+    assert plan.stores == []
+    # Step 2: group 2 becomes whole (up to token 400).
+    plan = side.plan_step([ScheduledRequest("r", [13], False, 300, 100)])
+    assert plan.stores == [
+        StoreTask(
+            request_id="r",
+            namespace=namespace(),
+            first_group=2,
+            tokens=tokens[: 3 * GROUP],
+            block_ids=[12],
+        )
+    ]
+    # Step 3: the prompt's end: group 3 whole, the last 88 tokens never stored.
+    plan = side.plan_step([ScheduledRequest("r", [14], False, 400, PROMPT - 400)])
+    assert plan.stores == [
+        StoreTask(
+            request_id="r",
+            namespace=namespace(),
+            first_group=3,
+            tokens=tokens[: 4 * GROUP],
+            block_ids=[13],
+        )
+    ]
+    # Decoding: generated tokens are never stored.
+    for computed in range(PROMPT, PROMPT + 2 * GROUP, 8):
+        assert side.plan_step([ScheduledRequest("r", [99], False, computed, 8)]).stores == []
+
+
+def test_a_chunk_that_completes_several_groups_stores_them_in_one_task(
+    make_side: MakeSide, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    side = make_side()
+    assert side.matched_tokens(PromptRequest("r", tokens), 0) == 0
+    assert side.plan_step([prefill("r", [5], 100)]).stores == []
+    (task,) = side.plan_step([ScheduledRequest("r", [6, 7, 8], False, 100, 450)]).stores
+    assert (task.first_group, task.tokens, task.block_ids) == (0, tokens[: 4 * GROUP], [5, 6, 7, 8])
+
+
+def test_a_recompute_plans_the_stores_again_from_where_vllm_went_back_to(
+    make_side: MakeSide, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    side = make_side()
+    side.matched_tokens(PromptRequest("r", tokens), 0)
+    (task,) = side.plan_step([prefill("r", [1, 2, 3, 4, 5], PROMPT)]).stores
+    assert task.first_group == 0 and task.block_ids == [1, 2, 3, 4]
+    # Preempted and resumed in new blocks, computing from the start again.
+    (task,) = side.plan_step([prefill("r", [20, 21, 22], 300)]).stores
+    assert (task.first_group, task.tokens, task.block_ids) == (0, tokens[: 2 * GROUP], [20, 21])
+    (task,) = side.plan_step([ScheduledRequest("r", [23, 24], False, 300, 300)]).stores
+    assert (task.first_group, task.tokens, task.block_ids) == (2, tokens[: 4 * GROUP], [22, 23])
+    # Back to a point mid-prompt: only the groups from there on are planned again.
+    (task,) = side.plan_step([ScheduledRequest("r", [30, 31, 32, 33, 34], True, 300, 300)]).stores
+    assert (task.first_group, task.block_ids) == (2, [32, 33])
+
+
+def test_a_request_not_looked_up_or_finished_is_not_planned(
+    make_side: MakeSide, prompts: Prompts
+) -> None:
+    side = make_side()
+    assert side.plan_step([prefill("never-asked", [1, 2, 3, 4, 5], PROMPT)]).stores == []
+    side.matched_tokens(PromptRequest("r", prompts(PROMPT)), 0)
+    side.finished("r")
+    assert side.plan_step([prefill("r", [1, 2, 3, 4, 5], PROMPT)]).stores == []
+
+
+# -- roles and a request's own options ---------------------------------------------------------
+
+
+def test_without_the_load_role_nothing_matches_but_stores_start_past_what_the_service_holds(
+    make_side: MakeSide, client: CacheClient, counters: Counters, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 4)
+    side = make_side(role_load=False)
+    assert side.matched_tokens(PromptRequest("r", tokens), 0) == 0
+    assert counters.totals()["lookups"] == 1
+    (task,) = side.plan_step([prefill("r", [1, 2, 3, 4, 5], PROMPT)]).stores
+    assert (task.first_group, task.block_ids) == (2, [3, 4])
+
+
+def test_without_the_store_role_nothing_is_ever_stored(
+    make_side: MakeSide, client: CacheClient, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 4)
+    side = make_side(role_store=False)
+    assert side.matched_tokens(PromptRequest("r", tokens), 0) == 2 * GROUP
+    side.allocated("r", [1, 2, 3], 2 * GROUP)
+    plan = side.plan_step([ScheduledRequest("r", [1, 2, 3, 4, 5], True, 2 * GROUP, 344)])
+    assert len(plan.loads) == 1 and plan.stores == []
+    assert side.plan_step([prefill("r", [6, 7, 8, 9, 10], PROMPT)]).stores == []
+
+
+@pytest.mark.parametrize(
+    ("own", "expected"),
+    [
+        ({"load": False}, (0, [2])),  # stores start past the groups the service holds
+        ({"store": False}, (2 * GROUP, [])),
+        ({"load": False, "store": False}, (0, [])),
+    ],
+)
+def test_a_request_may_skip_loading_or_storing(
+    make_side: MakeSide,
+    client: CacheClient,
+    prompts: Prompts,
+    own: dict[str, bool],
+    expected: tuple[int, list[int]],
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 4)
+    side = make_side()
+    request = PromptRequest("r", tokens, kv_transfer_params={"prompt_cache": own})
+    matched = side.matched_tokens(request, 0)
+    stores = side.plan_step([prefill("r", [1, 2, 3, 4, 5], PROMPT)]).stores
+    assert (matched, [task.first_group for task in stores]) == expected
+
+
+@pytest.mark.parametrize("kind", ["multimodal", "prompt_embeds"])
+def test_a_request_whose_token_ids_do_not_say_its_kv_is_passed_over(
+    make_side: MakeSide, client: CacheClient, counters: Counters, prompts: Prompts, kind: str
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 4)
+    side = make_side()
+    request = PromptRequest(
+        "r", tokens, multimodal=kind == "multimodal", prompt_embeds=kind == "prompt_embeds"
+    )
+    assert side.matched_tokens(request, 0) == 0
+    assert side.matched_tokens(request, 0) == 0
+    plan = side.plan_step([prefill("r", [1, 2, 3, 4, 5], PROMPT)])
+    assert plan.loads == [] and plan.stores == []
+    assert counters.totals() == {f"miss_{kind}": 1}
+
+
+def test_a_salt_gives_another_namespace(
+    make_side: MakeSide, client: CacheClient, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 4, salt="a")
+    side = make_side()
+    assert side.matched_tokens(PromptRequest("a", tokens, cache_salt="a"), 0) == 2 * GROUP
+    assert side.matched_tokens(PromptRequest("b", tokens, cache_salt="b"), 0) == 0
+    assert side.matched_tokens(PromptRequest("none", tokens), 0) == 0
+    side.allocated("a", [1, 2, 3], 2 * GROUP)
+    (load,) = side.plan_step([]).loads
+    assert load.namespace == namespace(salt="a")
+    (task,) = side.plan_step([prefill("b", [1, 2, 3, 4, 5], PROMPT)]).stores
+    assert task.namespace == namespace(salt="b") and task.first_group == 0
+
+
+def test_a_lora_adapter_gives_another_namespace(
+    make_side: MakeSide, client: CacheClient, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    adapter = "sql /adapters/sql"
+    store(client, tokens, 4)  # the base model's KV
+    store(client, tokens, 2, layout=LAYOUT.for_lora(adapter))  # the adapter's: one group
+    side = make_side()
+    assert side.matched_tokens(PromptRequest("base", tokens), 0) == 2 * GROUP
+    assert side.matched_tokens(PromptRequest("sql", tokens, lora=adapter), 0) == GROUP
+    assert side.matched_tokens(PromptRequest("chat", tokens, lora="chat /adapters/chat"), 0) == 0
+    (task,) = side.plan_step([prefill("sql", [1, 2, 3, 4, 5], PROMPT)]).stores
+    assert task.namespace == namespace(layout=LAYOUT.for_lora(adapter))
+    assert task.first_group == 1
+
+
+def test_bad_request_options_are_counted_and_the_defaults_used(
+    make_side: MakeSide, client: CacheClient, counters: Counters, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 4)
+    side = make_side(retention="chat")
+    params = {"prompt_cache": {"load": "yes", "retention": "agent"}}
+    request = PromptRequest("r", tokens, kv_transfer_params=params)
+    assert side.matched_tokens(request, 0) == 2 * GROUP
+    assert counters.totals()["miss_bad_request_options"] == 1
+    (task,) = side.plan_step([prefill("r", [1, 2, 3, 4, 5], PROMPT)]).stores
+    assert task.namespace.retention == "chat"  # the connector's, not the refused request's
+
+
+def test_a_requests_retention_goes_with_its_loads_and_stores(
+    make_side: MakeSide, client: CacheClient, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 4)
+    side = make_side(retention="chat")
+    params = {"prompt_cache": {"retention": "agent"}}
+    assert side.matched_tokens(PromptRequest("r", tokens, kv_transfer_params=params), 0) == 256
+    side.allocated("r", [1, 2, 3], 2 * GROUP)
+    plan = side.plan_step([ScheduledRequest("r", [1, 2, 3, 4, 5], True, 2 * GROUP, 344)])
+    assert [load.namespace for load in plan.loads] == [namespace(retention="agent")]
+    assert [task.namespace for task in plan.stores] == [namespace(retention="agent")]
+    # Without its own, a request gets the connector's.
+    side.matched_tokens(PromptRequest("plain", tokens), 0)
+    (task,) = side.plan_step([prefill("plain", [1, 2, 3, 4, 5], PROMPT)]).stores
+    assert task.namespace.retention == "chat"
+
+
+def test_a_retention_the_service_does_not_know_is_a_miss_not_an_error(
+    make_side: MakeSide, client: CacheClient, counters: Counters, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 4)
+    side = make_side()
+    params = {"prompt_cache": {"retention": "no-such-class"}}
+    assert side.matched_tokens(PromptRequest("r", tokens, kv_transfer_params=params), 0) == 0
+    assert counters.totals()["miss_lookup_failed"] == 1
+
+
+# -- a service that is down ---------------------------------------------------------------------
+
+
+def test_a_service_that_is_down_from_the_start_gives_misses_not_errors(
+    prompts: Prompts, counters: Counters
+) -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nobody listens there
+    with CacheClient(url, fail_open=True, timeout=2.0) as down:
+        side = SchedulerSide(
+            options=ConnectorOptions(url=url),
+            layout=LAYOUT,
+            client=down,
+            counters=counters,
+            role_load=True,
+            role_store=True,
+        )
+        assert side.matched_tokens(PromptRequest("r", prompts(PROMPT)), 0) == 0
+        assert side.matched_tokens(PromptRequest("r2", prompts(PROMPT)), 0) == 0
+        plan = side.plan_step([prefill("r", [1, 2, 3, 4, 5], PROMPT)])
+    assert plan.service_block_tokens == 0
+    assert plan.loads == [] and plan.stores == []
+    # The block size is asked for at most every few seconds, each failure counted.
+    assert counters.totals() == {"miss_no_block_size": 1}
+
+
+def test_a_service_that_goes_down_gives_misses_not_errors(
+    tmp_path: Path, prompts: Prompts, counters: Counters
+) -> None:
+    server = ServerProcess(tmp_path / "data", tmp_path / "server.log")
+    server.start()
+    try:
+        with CacheClient(server.url, fail_open=True, timeout=2.0) as own:
+            side = SchedulerSide(
+                options=ConnectorOptions(url=server.url),
+                layout=LAYOUT,
+                client=own,
+                counters=counters,
+                role_load=True,
+                role_store=True,
+            )
+            tokens = prompts(PROMPT)
+            store(own, tokens, 4)
+            assert side.matched_tokens(PromptRequest("up", tokens), 0) == 2 * GROUP
+            server.stop()
+            assert side.matched_tokens(PromptRequest("down", tokens), 0) == 0
+            assert side.matched_tokens(PromptRequest("backing-off", tokens), 0) == 0
+            assert counters.totals()["miss_lookup_failed"] == 2
+            # What vLLM computes itself is still planned for storing (the worker fails open).
+            (task,) = side.plan_step([prefill("down", [1, 2, 3, 4, 5], PROMPT)]).stores
+            assert task.first_group == 0
+    finally:
+        server.stop()
+
+
+# -- block sizes --------------------------------------------------------------------------------
+
+
+def test_block_sizes_making_large_groups_are_warned_about(
+    make_side: MakeSide, caplog: pytest.LogCaptureFixture
+) -> None:
+    odd = dataclasses.replace(LAYOUT, engine_block_tokens=100, block_bytes=100 * 32)
+    with caplog.at_level(logging.WARNING, logger="cache_service.integrations.vllm"):
+        groups = make_side(layout=odd).groups
+    assert groups is not None and groups.group_tokens == 1600
+    assert "--model-block-size 'm=100'" in caplog.text
+
+
+def test_block_sizes_making_small_groups_are_not_warned_about(
+    make_side: MakeSide, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="cache_service.integrations.vllm"):
+        groups = make_side().groups
+    assert groups is not None and groups.group_tokens == GROUP
+    assert caplog.text == ""
+
+
+def test_the_services_own_block_size_for_the_model_is_used(
+    tmp_path: Path, prompts: Prompts, counters: Counters
+) -> None:
+    server = ServerProcess(tmp_path / "data", tmp_path / "server.log", model_block_size="m=128")
+    server.start()
+    try:
+        with CacheClient(server.url, fail_open=True, timeout=2.0) as own:
+            side = SchedulerSide(
+                options=ConnectorOptions(url=server.url),
+                layout=LAYOUT,
+                client=own,
+                counters=counters,
+                role_load=True,
+                role_store=True,
+            )
+            groups = side.groups
+            assert groups is not None
+            assert (groups.service_block_tokens, groups.service_blocks) == (128, 1)
+            tokens = prompts(PROMPT)
+            result = own.store(
+                "m", tokens[:384], [b"a", b"b", b"c"], kv_layout=LAYOUT.namespace_name
+            )
+            assert (result.block_size, result.stored_blocks) == (128, 3)
+            assert side.matched_tokens(PromptRequest("r", tokens), 0) == 3 * 128
+            side.allocated("r", [4, 5, 6, 7], 3 * 128)
+            plan = side.plan_step([])
+            assert plan.service_block_tokens == 128
+            assert [(load.keys, load.block_ids) for load in plan.loads] == [
+                (result.keys, [4, 5, 6])
+            ]
+    finally:
+        server.stop()

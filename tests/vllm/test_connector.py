@@ -1,0 +1,261 @@
+"""vLLM, unpatched, loads its prefix KV from the service and stores what it computes.
+
+One scenario, run once (module fixture `run`), against one real service; each test asserts
+one part of it. Engines, in order, each a fresh process of SmolLM2 (eager, greedy, bf16):
+
+    A  stores: prompts sharing a 900-token system prompt, prefilled in chunks of 512 tokens
+    S  the OpenAI-compatible server: its first request loads what A stored
+    C  another layout (vLLM blocks of 64, float32) with the test-only tampering connector:
+       no hit on A's blocks; its own blocks hit; purged or corrupted between lookup and load
+    B  loads A's blocks: external hits and A's tokens; another cache_salt misses; then the
+       service is killed and every request still completes with A's tokens
+    D  the service down from the start: A's tokens, the misses counted
+
+A's outputs are the reference: the same connector against an empty service computes
+everything, so "equal to A" means equal to the same compute path without the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.vllm_engine import EngineProcess
+from tests.integration.conftest import ServerProcess, free_port
+from tests.vllm.conftest import VLLM_PYTHON, engine
+
+SYSTEM_TOKENS = 900
+TAILS = (150, 230, 310)
+NEW_TOKENS = 12
+CHUNK = "512"  # max_num_batched_tokens in A and B: prompts arrive in chunks
+ENGINE_BLOCK = 128
+
+
+def _prompts() -> list[list[int]]:
+    draw = random.Random(24)
+    system = [draw.randrange(100, 49000) for _ in range(SYSTEM_TOKENS)]
+    return [system + [draw.randrange(100, 49000) for _ in range(tail)] for tail in TAILS]
+
+
+def _server_completion(url: str, model: str, prompt: list[int], **extra: Any) -> dict[str, Any]:
+    body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, **extra}
+    answer = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    answer.raise_for_status()
+    result: dict[str, Any] = answer.json()
+    return result
+
+
+def _metric(url: str, name: str) -> float:
+    """The sum of a metric's samples on a Prometheus page (0 when absent)."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _run_server(model: Path, service_url: str, log_path: Path) -> dict[str, Any]:
+    import subprocess  # noqa: PLC0415
+
+    from tests.integration.conftest import stop_process, wait_until_ready  # noqa: PLC0415
+
+    port = free_port()
+    config = {
+        "kv_connector": "PromptCacheConnector",
+        "kv_connector_module_path": "cache_service.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"url": service_url},
+    }
+    args = [
+        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
+        "--block-size", str(ENGINE_BLOCK), "--max-model-len", "4608", "--seed", "0",
+        "--max-num-batched-tokens", CHUNK, "--gpu-memory-utilization", "0.3",
+        "--kv-transfer-config", json.dumps(config),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_SERVICE_")}
+    env.update(VLLM_USE_V2_MODEL_RUNNER="0", VLLM_CPU_KVCACHE_SPACE="1")
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if not wait_until_ready(proc, url + "/health", log_path, 300):
+            raise RuntimeError(f"vLLM server not ready:\n{log_path.read_text()[-6000:]}")
+        prompts = _prompts()
+        first = _server_completion(url, str(model), prompts[0])
+        return {
+            "text": first["choices"][0]["text"],
+            "external_hits": _metric(url, "vllm:external_prefix_cache_hits_total"),
+            "hit_tokens": _metric(url, "vllm:prompt_cache_connector_hit_tokens_total"),
+            "loaded_blocks": _metric(url, "vllm:prompt_cache_connector_loaded_blocks_total"),
+        }
+    finally:
+        stop_process(proc, seconds=30)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def run(smollm2_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The whole scenario's observations, by engine."""
+    folder = tmp_path_factory.mktemp("vllm")
+    service = ServerProcess(folder / "data", folder / "service.log")
+    service.start()
+    prompts = _prompts()
+    seen: dict[str, Any] = {"service_url": service.url}
+    engines: list[EngineProcess] = []
+
+    def start(name: str, *args: str) -> EngineProcess:
+        started = time.monotonic()
+        made = engine(smollm2_folder, folder / f"engine-{name}.log", *args)
+        seen[f"{name}_start_seconds"] = time.monotonic() - started
+        engines.append(made)
+        return made
+
+    try:
+        a = start("A", "--url", service.url, "--max-num-batched-tokens", CHUNK)
+        seen["A"] = a.generate(prompts, max_tokens=NEW_TOKENS)
+        seen["A_stores_done"] = a.ask("wait_stores", seconds=60)["ok"]
+        seen["A_counters"] = a.counters()
+        a.close()
+
+        seen["S"] = _run_server(smollm2_folder, service.url, folder / "server.log")
+
+        c = start(
+            "C", "--url", service.url, "--block-size", "64", "--dtype", "float32",
+            "--module-path", "tests.vllm.tampering_connector",
+            "--connector-name", "TamperingConnector",
+        )  # fmt: skip
+        seen["C_first"] = c.generate(prompts[:1], max_tokens=NEW_TOKENS)
+        c.ask("wait_stores", seconds=60)
+        c.ask("reset_prefix_cache")
+        seen["C_again"] = c.generate(prompts[:1], max_tokens=NEW_TOKENS)
+        c.ask("reset_prefix_cache")
+        seen["C_purged"] = c.generate(
+            prompts[:1], max_tokens=NEW_TOKENS, kv_transfer_params={"tamper": "purge"}
+        )
+        seen["C_counters_purged"] = c.counters()
+        c.ask("wait_stores", seconds=60)  # the purged prompt is stored again
+        c.ask("reset_prefix_cache")
+        seen["C_corrupt"] = c.generate(
+            prompts[:1], max_tokens=NEW_TOKENS, kv_transfer_params={"tamper": "corrupt"}
+        )
+        c.close()
+
+        b = start("B", "--url", service.url, "--max-num-batched-tokens", CHUNK)
+        seen["B"] = b.generate(prompts, max_tokens=NEW_TOKENS)
+        seen["B_counters"] = b.counters()
+        seen["B_salted"] = b.generate(prompts[:1], max_tokens=NEW_TOKENS, cache_salt="tenant-b")
+        b.ask("reset_prefix_cache")
+        service.stop()  # killed mid-run
+        seen["B_service_gone"] = b.generate(prompts, max_tokens=NEW_TOKENS)
+        seen["B_counters_after"] = b.counters()
+        b.close()
+
+        d = start(
+            "D", "--url", f"http://127.0.0.1:{free_port()}", "--max-num-batched-tokens", CHUNK
+        )
+        seen["D"] = d.generate(prompts, max_tokens=NEW_TOKENS)
+        seen["D_counters"] = d.counters()
+        d.close()
+    finally:
+        for made in engines:
+            made.close()
+        service.stop()
+    return seen
+
+
+def _tokens(outputs: list[dict[str, Any]]) -> list[list[int]]:
+    return [output["tokens"] for output in outputs]
+
+
+def _loadable(prompt: list[int]) -> int:
+    return (len(prompt) - 1) // ENGINE_BLOCK * ENGINE_BLOCK
+
+
+def test_a_stores_every_whole_block_of_its_prompts_through_chunked_prefill(
+    run: dict[str, Any],
+) -> None:
+    counters = run["A_counters"]
+    prompts = _prompts()
+    shared = SYSTEM_TOKENS // ENGINE_BLOCK
+    distinct = len(prompts[0]) // ENGINE_BLOCK + sum(
+        len(prompt) // ENGINE_BLOCK - shared for prompt in prompts[1:]
+    )
+    assert run["A_stores_done"]
+    assert counters["stored_blocks"] == distinct
+    assert "dropped_blocks" not in counters
+    assert not [name for name in counters if name.startswith("miss_")]
+
+
+def test_a_fresh_engine_loads_the_stored_prefix_and_gives_the_same_tokens(
+    run: dict[str, Any],
+) -> None:
+    prompts = _prompts()
+    assert _tokens(run["B"]) == _tokens(run["A"])
+    # The first prompt in a fresh process: every whole block but the last token's came from us
+    assert run["B"][0]["cached_tokens"] == _loadable(prompts[0])
+    counters = run["B_counters"]
+    assert counters["loaded_blocks"] >= _loadable(prompts[0]) // ENGINE_BLOCK
+    assert counters["hit_tokens"] >= _loadable(prompts[0])
+    assert not [name for name in counters if name.startswith("miss_")]
+
+
+def test_the_openai_server_loads_from_the_service_and_counts_it_in_prometheus(
+    run: dict[str, Any], smollm2_folder: Path
+) -> None:
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder)
+    server = run["S"]
+    assert server["text"] == tokenizer.decode(run["A"][0]["tokens"])
+    assert server["external_hits"] == _loadable(_prompts()[0])
+    assert server["hit_tokens"] == _loadable(_prompts()[0])
+    assert server["loaded_blocks"] == _loadable(_prompts()[0]) // ENGINE_BLOCK
+
+
+def test_another_layout_finds_nothing_of_a_first_then_its_own_blocks(run: dict[str, Any]) -> None:
+    assert run["C_first"][0]["cached_tokens"] == 0  # A's bf16 blocks of 128: not C's
+    again = run["C_again"][0]
+    assert again["cached_tokens"] == (len(_prompts()[0]) - 1) // 64 * 64
+    assert again["tokens"] == run["C_first"][0]["tokens"]
+
+
+def test_blocks_purged_between_lookup_and_load_are_recomputed(run: dict[str, Any]) -> None:
+    assert run["C_purged"][0]["tokens"] == run["C_first"][0]["tokens"]
+    assert run["C_counters_purged"]["miss_load_failed"] >= 1
+
+
+def test_loaded_kv_is_really_used_wrong_kv_changes_the_output(run: dict[str, Any]) -> None:
+    assert run["C_corrupt"][0]["cached_tokens"] > 0
+    assert run["C_corrupt"][0]["tokens"] != run["C_first"][0]["tokens"]
+
+
+def test_another_cache_salt_gets_no_hit(run: dict[str, Any]) -> None:
+    salted = run["B_salted"][0]
+    assert salted["cached_tokens"] == 0
+    assert salted["tokens"] == run["A"][0]["tokens"]
+
+
+def test_a_service_killed_mid_run_is_a_miss_and_every_request_completes(
+    run: dict[str, Any],
+) -> None:
+    assert _tokens(run["B_service_gone"]) == _tokens(run["A"])
+    assert run["B_service_gone"][0]["cached_tokens"] == 0
+    after, before = run["B_counters_after"], run["B_counters"]
+    assert after.get("miss_lookup_failed", 0) > before.get("miss_lookup_failed", 0)
+
+
+def test_a_service_down_from_the_start_is_a_miss_and_every_request_completes(
+    run: dict[str, Any],
+) -> None:
+    assert _tokens(run["D"]) == _tokens(run["A"])
+    assert run["D"][0]["cached_tokens"] == 0
+    assert run["D_counters"].get("miss_no_block_size", 0) >= 1
+    assert "loaded_blocks" not in run["D_counters"]
