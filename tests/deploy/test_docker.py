@@ -141,6 +141,18 @@ def test_dockerfile_passes_hadolint() -> None:
             assert re.search(r"hadolint ignore=\S+\s+\S", line), f"no reason: {line}"
 
 
+def test_the_vllm_image_with_the_connector_passes_hadolint() -> None:
+    dockerfile = DOCKERFILE.with_name("Dockerfile.vllm")
+    done = subprocess.run(
+        [str(require_tool("hadolint")), "--no-color", str(dockerfile)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_image_installs_the_lock_then_the_package_as_readme_versions_says() -> None:
     readme = readme_versions_commands()
     installs = [command for command in readme if "serve" not in command]

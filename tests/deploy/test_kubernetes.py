@@ -28,6 +28,7 @@ from cache_service.service.settings import Settings
 from cache_service.service.usage import DEFAULT_KEEP
 from tests.deploy.conftest import require_module
 from tests.deploy.kit import (
+    DEPLOY,
     DOCKERFILE,
     KUBERNETES,
     LOCAL_VALUES,
@@ -239,7 +240,7 @@ def test_each_overlay_renders_its_layout(rendered: dict[str, list[dict[str, Any]
     assert [c["name"] for c in pod["containers"]] == ["vllm"]
     assert [c["name"] for c in pod["initContainers"]] == [CACHE_CONTAINER]
     (vllm,) = pod["containers"]
-    assert vllm["image"].startswith("vllm/vllm-openai:")
+    assert vllm["image"].startswith("vllm-openai-prompt-cache:")  # Dockerfile.vllm's
 
     (shared,) = of_kind(rendered["overlays/shared"], "StatefulSet")
     claims = [claim["metadata"]["name"] for claim in shared["spec"]["volumeClaimTemplates"]]
@@ -363,6 +364,24 @@ def test_vllm_hashes_its_blocks_the_way_the_sidecar_cache_recomputes_them(
     assert engine.flags["--prefix-caching-hash-algo"] == algorithm
     assert int(engine.flags["--block-size"]) == followed.block_size
     assert followed.model == engine.served_model_name
+
+
+def test_vllm_loads_and_stores_its_prefix_kv_through_the_cache_beside_it(
+    sidecar: tuple[Workload, Engine],
+) -> None:
+    workload, engine = sidecar
+    config = json.loads(engine.flags["--kv-transfer-config"])
+    assert config["kv_connector"] == "PromptCacheConnector"
+    assert config["kv_connector_module_path"] == "cache_service.integrations.vllm"
+    assert config["kv_role"] == "kv_both"
+    assert config["kv_load_failure_policy"] == "recompute"  # a cache problem is a miss
+    url = urlsplit(config["kv_connector_extra_config"]["url"])
+    assert (url.scheme, url.hostname, url.port) == ("http", "127.0.0.1", workload.settings.port)
+    # The key comes from a Secret through the variable the connector reads, not argv.
+    (variable,) = [v for v in engine.container["env"] if v["name"] == "CACHE_SERVICE_API_KEY"]
+    assert set(variable["valueFrom"]) == {"secretKeyRef"}
+    dockerfile = (DEPLOY / "docker" / "Dockerfile.vllm").read_text()
+    assert "ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0" in dockerfile
 
 
 def test_pythonhashseed_and_the_cache_seed_come_from_one_configmap_key(
