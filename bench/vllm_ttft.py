@@ -126,6 +126,9 @@ def _run(model: Path, work: Path, url: str, lengths: list[int], rounds: int) -> 
             engines[name] = EngineProcess(
                 VLLM_PYTHON, model, work / f"engine-{name}.log", *flags[name], env=env
             )
+        for engine in engines.values():  # a first request pays one-time costs: not timed
+            engine.generate([_prompt(1, 256, 0, tail_seed=1)], max_tokens=1)
+            engine.ask("reset_prefix_cache")
         case = 0
         for round_index in range(rounds):
             for length in lengths:

@@ -18,29 +18,20 @@ from cache_service.integrations.vllm.options import (
     OptionError,
     RequestOptions,
 )
+from tests.vllm_layout import TEST_LAYOUT
 
-LAYOUT = EngineLayout(
-    model="m",
-    weights="xxh3:" + "ab" * 16,
-    backend="CPU_ATTN",
-    isa="vec",
-    kv_dtype="bfloat16",
-    layers=2,
-    kv_heads=1,
-    head_size=4,
-    engine_block_tokens=128,
-    block_bytes=2 * 2 * 128 * 1 * 4 * 2,  # K and V, 2 layers, 128 tokens, 1 head of 4, bf16
-)
+LAYOUT = TEST_LAYOUT
 GROUPS = BlockGroups(LAYOUT.engine_block_tokens, 64)
 PIECES = GROUPS.service_blocks
 PIECE_BYTES = GROUPS.piece_bytes(LAYOUT.block_bytes)
+NAMESPACE = LAYOUT.namespace_name  # the request's namespace layout, carried in each header
 
 
 def piece(
     layout: EngineLayout, *, index: int = 0, pieces: int = PIECES, kv: int = PIECE_BYTES
 ) -> bytes:
     """A stored piece: `layout`'s header for place `index` of `pieces`, then `kv` bytes of KV."""
-    return layout.header(piece=index, pieces=pieces) + b"\x5a" * kv
+    return layout.header(piece=index, pieces=pieces, kv_layout=NAMESPACE) + b"\x5a" * kv
 
 
 # -- the namespace ------------------------------------------------------------------------------
@@ -48,6 +39,7 @@ def piece(
 # One other value for every field but the model; each must give another namespace.
 OTHER_VALUES: list[Any] = [
     pytest.param("weights", "xxh3:" + "cd" * 16, id="weights"),
+    pytest.param("engine_version", "0.33.0", id="engine_version"),
     pytest.param("backend", "TORCH_SDPA", id="backend"),
     pytest.param("isa", "amx", id="isa"),
     pytest.param("isa", "", id="isa-none"),
@@ -120,11 +112,19 @@ def test_a_namespace_too_long_for_the_service_is_refused() -> None:
 def test_a_piece_of_this_layout_and_place_is_accepted_at_its_kv_offset() -> None:
     for index in range(PIECES):
         stored = piece(LAYOUT, index=index)
-        offset = LAYOUT.check_piece(stored, piece=index, pieces=PIECES, kv_bytes=PIECE_BYTES)
-        assert offset == len(LAYOUT.header(piece=index, pieces=PIECES))
+        offset = LAYOUT.check_piece(
+            stored, piece=index, pieces=PIECES, kv_bytes=PIECE_BYTES, kv_layout=NAMESPACE
+        )
+        assert offset == len(LAYOUT.header(piece=index, pieces=PIECES, kv_layout=NAMESPACE))
         assert len(stored) - offset == PIECE_BYTES
         assert (
-            LAYOUT.check_piece(memoryview(stored), piece=index, pieces=PIECES, kv_bytes=PIECE_BYTES)
+            LAYOUT.check_piece(
+                memoryview(stored),
+                piece=index,
+                pieces=PIECES,
+                kv_bytes=PIECE_BYTES,
+                kv_layout=NAMESPACE,
+            )
             == offset
         )
 
@@ -146,20 +146,32 @@ def test_a_piece_of_this_layout_and_place_is_accepted_at_its_kv_offset() -> None
 def test_a_piece_of_another_layout_is_refused_naming_the_field(field: str, other: Any) -> None:
     stored = piece(dataclasses.replace(LAYOUT, **{field: other}))
     with pytest.raises(BlockRefused) as refused:
-        LAYOUT.check_piece(stored, piece=0, pieces=PIECES, kv_bytes=PIECE_BYTES)
+        LAYOUT.check_piece(
+            stored, piece=0, pieces=PIECES, kv_bytes=PIECE_BYTES, kv_layout=NAMESPACE
+        )
     assert refused.value.field == field
 
 
 def test_a_piece_of_another_place_in_its_group_is_refused_as_piece() -> None:
     with pytest.raises(BlockRefused) as refused:
-        LAYOUT.check_piece(piece(LAYOUT, index=1), piece=0, pieces=PIECES, kv_bytes=PIECE_BYTES)
+        LAYOUT.check_piece(
+            piece(LAYOUT, index=1),
+            piece=0,
+            pieces=PIECES,
+            kv_bytes=PIECE_BYTES,
+            kv_layout=NAMESPACE,
+        )
     assert refused.value.field == "piece"
 
 
 def test_a_piece_of_a_group_of_another_size_is_refused_as_pieces() -> None:
     with pytest.raises(BlockRefused) as refused:
         LAYOUT.check_piece(
-            piece(LAYOUT, pieces=PIECES + 1), piece=0, pieces=PIECES, kv_bytes=PIECE_BYTES
+            piece(LAYOUT, pieces=PIECES + 1),
+            piece=0,
+            pieces=PIECES,
+            kv_bytes=PIECE_BYTES,
+            kv_layout=NAMESPACE,
         )
     assert refused.value.field == "pieces"
 
@@ -181,13 +193,26 @@ def test_a_piece_of_a_group_of_another_size_is_refused_as_pieces() -> None:
 )
 def test_a_damaged_or_foreign_piece_is_refused_as_format(stored: bytes) -> None:
     with pytest.raises(BlockRefused) as refused:
-        LAYOUT.check_piece(stored, piece=0, pieces=PIECES, kv_bytes=PIECE_BYTES)
+        LAYOUT.check_piece(
+            stored, piece=0, pieces=PIECES, kv_bytes=PIECE_BYTES, kv_layout=NAMESPACE
+        )
     assert refused.value.field == "format"
 
 
+def test_a_piece_stored_under_another_namespace_layout_is_refused_as_kv_layout() -> None:
+    lora = LAYOUT.for_lora("adapter@/path").namespace_name
+    stored = LAYOUT.header(piece=0, pieces=PIECES, kv_layout=lora) + b"\x5a" * PIECE_BYTES
+    with pytest.raises(BlockRefused) as refused:
+        LAYOUT.check_piece(
+            stored, piece=0, pieces=PIECES, kv_bytes=PIECE_BYTES, kv_layout=NAMESPACE
+        )
+    assert refused.value.field == "kv_layout"
+
+
 def test_the_header_says_the_engine_and_every_layout_field() -> None:
-    fields = LAYOUT.header_fields(piece=1, pieces=2)
+    fields = LAYOUT.header_fields(piece=1, pieces=2, kv_layout=NAMESPACE)
     assert fields["engine"] == "vllm"
+    assert fields["kv_layout"] == NAMESPACE
     assert (fields["piece"], fields["pieces"]) == (1, 2)
     for field in dataclasses.fields(EngineLayout):
         assert fields[field.name] == getattr(LAYOUT, field.name)
@@ -217,6 +242,7 @@ def test_extra_config_sets_every_option() -> None:
         "model": "llama",
         "weights_id": "llama-3-8b-v2",
         "retention": "agent",
+        "lookup_wait_seconds": 0.0,
         "lookup_timeout_seconds": 0.25,
         "transfer_timeout_seconds": 3.5,
         "store_queue_bytes": 1 << 20,

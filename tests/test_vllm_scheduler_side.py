@@ -28,24 +28,16 @@ from cache_service.integrations.vllm.scheduler_side import (
     SchedulerSide,
 )
 from tests.integration.conftest import ServerProcess, free_port
+from tests.vllm_layout import TEST_LAYOUT
 
 pytestmark = pytest.mark.integration
 
 SERVICE_BLOCK = 64  # the service's default block size
 GROUP = 128  # lcm(128, 64)
-LAYOUT = EngineLayout(
-    model="m",
-    weights="xxh3:" + "ab" * 16,
-    backend="CPU_ATTN",
-    isa="vec",
-    kv_dtype="bfloat16",
-    layers=2,
-    kv_heads=1,
-    head_size=4,
-    engine_block_tokens=128,
-    block_bytes=2 * 2 * 128 * 1 * 4 * 2,  # K and V, 2 layers, 128 tokens, 1 head of 4, bf16
-)
+LAYOUT = TEST_LAYOUT
 PROMPT = 600  # tokens: 4 whole groups and 88 tokens more
+# The scheduler waits for a lookup this long before "ask again later": here, always its answer
+SYNCHRONOUS = {"lookup_wait_seconds": 30.0}
 Prompts = Callable[[int], list[int]]
 MakeSide = Callable[..., SchedulerSide]
 
@@ -87,7 +79,7 @@ def make_side(cache_server: ServerProcess, client: CacheClient, counters: Counte
         **options: Any,
     ) -> SchedulerSide:
         return SchedulerSide(
-            options=ConnectorOptions(url=cache_server.url, **options),
+            options=ConnectorOptions(url=cache_server.url, **{**SYNCHRONOUS, **options}),
             layout=layout,
             client=client,
             counters=counters,
@@ -496,7 +488,7 @@ def test_a_service_that_is_down_from_the_start_gives_misses_not_errors(
     url = f"http://127.0.0.1:{free_port()}"  # nobody listens there
     with CacheClient(url, fail_open=True, timeout=2.0) as down:
         side = SchedulerSide(
-            options=ConnectorOptions(url=url),
+            options=ConnectorOptions(url=url, **SYNCHRONOUS),
             layout=LAYOUT,
             client=down,
             counters=counters,
@@ -520,7 +512,7 @@ def test_a_service_that_goes_down_gives_misses_not_errors(
     try:
         with CacheClient(server.url, fail_open=True, timeout=2.0) as own:
             side = SchedulerSide(
-                options=ConnectorOptions(url=server.url),
+                options=ConnectorOptions(url=server.url, **SYNCHRONOUS),
                 layout=LAYOUT,
                 client=own,
                 counters=counters,
@@ -571,7 +563,7 @@ def test_the_services_own_block_size_for_the_model_is_used(
     try:
         with CacheClient(server.url, fail_open=True, timeout=2.0) as own:
             side = SchedulerSide(
-                options=ConnectorOptions(url=server.url),
+                options=ConnectorOptions(url=server.url, **SYNCHRONOUS),
                 layout=LAYOUT,
                 client=own,
                 counters=counters,

@@ -47,7 +47,12 @@ class TamperingConnector(PromptCacheConnector):  # type: ignore[misc]
         piece_bytes = groups.piece_bytes(layout.block_bytes)
         wrong = bytes([0x3F]) * piece_bytes  # bf16 0x3F3F: about 0.75 everywhere
         payloads = [
-            layout.header(piece=index % groups.service_blocks, pieces=groups.service_blocks) + wrong
+            layout.header(
+                piece=index % groups.service_blocks,
+                pieces=groups.service_blocks,
+                kv_layout=layout.namespace_name,
+            )
+            + wrong
             for index in range(whole * groups.service_blocks)
         ]
         with CacheClient(self.options.url, timeout=60) as client:

@@ -36,12 +36,18 @@ TAILS = (150, 230, 310)
 NEW_TOKENS = 12
 CHUNK = "512"  # max_num_batched_tokens in A and B: prompts arrive in chunks
 ENGINE_BLOCK = 128
+AGENT_TOKENS = 300  # a prompt sent with kv_transfer_params naming the retention class "agent"
 
 
 def _prompts() -> list[list[int]]:
     draw = random.Random(24)
     system = [draw.randrange(100, 49000) for _ in range(SYSTEM_TOKENS)]
     return [system + [draw.randrange(100, 49000) for _ in range(tail)] for tail in TAILS]
+
+
+def _agent_prompt() -> list[int]:
+    draw = random.Random(25)
+    return [draw.randrange(100, 49000) for _ in range(AGENT_TOKENS)]
 
 
 def _server_completion(url: str, model: str, prompt: list[int], **extra: Any) -> dict[str, Any]:
@@ -121,8 +127,11 @@ def run(smollm2_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     try:
         a = start("A", "--url", service.url, "--max-num-batched-tokens", CHUNK)
         seen["A"] = a.generate(prompts, max_tokens=NEW_TOKENS)
+        agent = {"prompt_cache": {"retention": "agent"}}
+        a.generate([_agent_prompt()], max_tokens=2, kv_transfer_params=agent)
         seen["A_stores_done"] = a.ask("wait_stores", seconds=60)["ok"]
         seen["A_counters"] = a.counters()
+        seen["A_retention"] = httpx.get(service.url + "/v1/stats", timeout=30).json()["retention"]
         a.close()
 
         seen["S"] = _run_server(smollm2_folder, service.url, folder / "server.log")
@@ -188,10 +197,20 @@ def test_a_stores_every_whole_block_of_its_prompts_through_chunked_prefill(
     distinct = len(prompts[0]) // ENGINE_BLOCK + sum(
         len(prompt) // ENGINE_BLOCK - shared for prompt in prompts[1:]
     )
+    distinct += AGENT_TOKENS // ENGINE_BLOCK
     assert run["A_stores_done"]
     assert counters["stored_blocks"] == distinct
     assert "dropped_blocks" not in counters
     assert not [name for name in counters if name.startswith("miss_")]
+
+
+def test_a_request_names_its_retention_class_in_its_kv_transfer_params(
+    run: dict[str, Any],
+) -> None:
+    by_class = run["A_retention"]
+    # Only the agent prompt was looked up (and stored) under "agent"; it was new: all missed.
+    assert by_class["agent"] == {"hit_tokens": 0, "miss_tokens": AGENT_TOKENS}
+    assert sum(counts["miss_tokens"] for counts in by_class.values()) > AGENT_TOKENS
 
 
 def test_a_fresh_engine_loads_the_stored_prefix_and_gives_the_same_tokens(

@@ -21,11 +21,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.version import __version__ as vllm_version
 
 from cache_service.client import CacheClient
 from cache_service.integrations.vllm.counters import Counters, merged
 from cache_service.integrations.vllm.layout import EngineLayout
+from cache_service.integrations.vllm.notes import RateLimitedLog
 from cache_service.integrations.vllm.options import ConnectorOptions, OptionError
 from cache_service.integrations.vllm.plan import StepPlan
 from cache_service.integrations.vllm.scheduler_side import (
@@ -42,9 +46,11 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+NOTES = RateLimitedLog(logger)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
@@ -53,6 +59,17 @@ class PromptCacheMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
+
+
+class WorkerStopped(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """A worker's word to the scheduler that it refused vLLM's KV cache layout, and why."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Either worker's refusal stops the connector."""
+        return self
 
 
 class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -76,14 +93,19 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         except OptionError as exc:
             raise ValueError(str(exc)) from None
         self.counters = Counters()
-        self._disabled = _unsupported(vllm_config, kv_cache_config)
-        self.layout = engine_layout(vllm_config, kv_cache_config, self.options)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        self._failed_requests: set[str] = set()
-        if self._disabled:
-            logger.error("PromptCacheConnector disabled: %s", self._disabled)
-        elif role == KVConnectorRole.SCHEDULER:
+        self._load_failed = False
+        self._worker_stopped = False
+        disabled = _unsupported(vllm_config, kv_cache_config)
+        if disabled:
+            logger.error(
+                "PromptCacheConnector disabled (it loads and stores nothing): %s", disabled
+            )
+            return
+        self.layout = engine_layout(vllm_config, kv_cache_config, self.options)
+        self.layout.for_lora("any adapter").namespace_name  # noqa: B018 (too long: fail at start)
+        if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 options=self.options,
                 layout=self.layout,
@@ -110,6 +132,11 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         PromptCacheConnector._live.add(self)
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """No: a store that does not happen is a later miss, never a lost result."""
+        return False
+
     def _client(self, timeout_seconds: float) -> CacheClient:
         return CacheClient(
             self.options.url,
@@ -132,10 +159,17 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens beyond vLLM's own hit that the service holds (loaded synchronously)."""
+        """Tokens beyond vLLM's own hit that the service holds (loaded synchronously), or None
+        while the lookup is under way."""
         if self._scheduler is None:
             return 0, False
-        return self._scheduler.matched_tokens(prompt_request(request), num_computed_tokens), False
+        try:
+            matched = self._scheduler.matched_tokens(prompt_request(request), num_computed_tokens)
+        except Exception as exc:  # a cache problem is a miss, never a failed request
+            self.counters.miss("lookup_error")
+            NOTES.warn(f"prompt cache lookup failed: {exc!r:.300}")
+            return 0, False
+        return matched, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -151,6 +185,13 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return PromptCacheMetadata(StepPlan())
         return PromptCacheMetadata(self._scheduler.plan_step(scheduled_requests(scheduler_output)))
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Stop offering hits when a worker could not take vLLM's KV cache layout."""
+        meta = connector_output.kv_connector_worker_meta
+        if self._scheduler is not None and isinstance(meta, WorkerStopped):
+            self._scheduler.stop(f"a worker refused vLLM's KV cache: {meta.reason}")
+            self._scheduler = None
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -160,10 +201,13 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return False, None
 
     def reset_cache(self) -> bool:
-        """Forget the lookups of requests in flight. The shared store is not purged: it
+        """Stop loading and storing until restart. vLLM resets its connector's cache when its
+        weights may change (a weight sync pauses the scheduler with clear_cache): KV stored
+        under this namespace would then no longer match. The shared store is not purged: it
         serves every engine, and purging is an operator's call (POST /v1/purge)."""
         if self._scheduler is not None:
-            self._scheduler.forget_all()
+            self._scheduler.stop("vLLM reset the connector's cache (weights may have changed)")
+            self._scheduler = None
         return True
 
     # Worker side -------------------------------------------------------------------------
@@ -176,7 +220,7 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Load this step's hits before the forward (synchronously)."""
         if self._worker is not None:
-            self._failed_requests = self._worker.load(self._plan())
+            self._load_failed = bool(self._worker.load(self._plan()))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: every layer was loaded in start_load_kv."""
@@ -189,17 +233,26 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         """Copy the step's completed groups out and queue their stores."""
         if self._worker is not None:
-            self._worker.save(self._plan(), skip_requests=self._failed_requests)
-            self._failed_requests = set()
+            self._worker.save(self._plan(), skip=self._load_failed)
+            self._load_failed = False
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks vLLM must recompute: their load failed (missing, refused, unreadable)."""
         return self._worker.take_failed_blocks() if self._worker is not None else set()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Once, if this worker refused vLLM's KV cache: the scheduler then stops offering hits."""
+        if self._worker is None or self._worker.enabled or self._worker_stopped:
+            return None
+        self._worker_stopped = True
+        return WorkerStopped(self._worker.refusal)
+
     def shutdown(self) -> None:
         """Let queued stores finish."""
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
 
     def _plan(self) -> StepPlan:
         metadata = self._get_connector_metadata()
@@ -277,11 +330,27 @@ def scheduled_requests(output: SchedulerOutput) -> list[ScheduledRequest]:
 
 def _unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
     """Why this connector cannot serve the engine exactly, or ""."""
+    from vllm.platforms import current_platform  # noqa: PLC0415 (picks the platform)
+
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        return "tensor or pipeline parallelism above 1 is not supported yet"
-    if len(kv_cache_config.kv_cache_groups) != 1:
-        return "hybrid models (more than one KV cache group) are not supported"
+    if not current_platform.is_cpu():
+        return "only vLLM's CPU backend is supported yet (the one tested)"
+    sizes = (
+        parallel.tensor_parallel_size,
+        parallel.pipeline_parallel_size,
+        getattr(parallel, "prefill_context_parallel_size", 1),
+        getattr(parallel, "decode_context_parallel_size", 1),
+    )
+    if any(size != 1 for size in sizes):
+        return "tensor, pipeline or context parallelism above 1 is not supported yet"
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        return "async scheduling is not supported (a failed load's next step runs before it)"
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        return "models with other than one KV cache group (hybrid models) are not supported"
+    if type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+        kind = type(groups[0].kv_cache_spec).__name__
+        return f"only full attention is supported, not {kind}"
     return ""
 
 
@@ -295,12 +364,18 @@ def engine_layout(
     served = model_config.served_model_name
     name = options.model or (served[0] if isinstance(served, list) else served)
     backend, isa = attention_backend(vllm_config, spec)
+    weights = options.weights_id or weights_digest(model_config.model, model_config.revision)
+    if model_config.quantization:  # quantised on load: the files' digest is the same
+        weights += f";q={model_config.quantization}"
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
     return EngineLayout(
         model=str(name),
-        weights=options.weights_id or weights_digest(model_config.model, model_config.revision),
+        weights=weights,
+        engine_version=vllm_version,
         backend=backend,
         isa=isa,
-        kv_dtype=str(spec.dtype).removeprefix("torch."),
+        # fp8_e4m3 and fp8_e5m2 are both uint8 tensors: the cache dtype's name tells them apart
+        kv_dtype=str(spec.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype,
         layers=len(group.layer_names),
         kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
@@ -325,8 +400,7 @@ def attention_backend(vllm_config: VllmConfig, spec: Any) -> tuple[str, str]:
             vllm_config.model_config.dtype, spec.block_size, spec.head_size, cache_dtype
         )
         return "CPU_ATTN", str(isa)
-    backend = vllm_config.attention_config.backend
-    return (backend.name if backend is not None else f"{current_platform.device_type}-auto"), ""
+    raise ValueError(f"no attention backend name known for {current_platform.device_type}")
 
 
 def weights_digest(model: str, revision: str | None) -> str:

@@ -28,9 +28,10 @@ class EngineLayout:
 
     model: str  # the namespace's model name
     weights: str  # digest of the weights ("xxh3:<hex>") or the name the operator gave them
+    engine_version: str  # vLLM's release: a kernel's packing may change between releases
     backend: str  # vLLM's attention backend, e.g. "CPU_ATTN"
     isa: str  # the CPU kernel's instruction set (amx, vec, vec16, neon, ...), "" on GPUs
-    kv_dtype: str  # torch's name without "torch.", e.g. "bfloat16"
+    kv_dtype: str  # vLLM's cache dtype: the model's ("bfloat16") or a quantised one ("fp8_e4m3")
     layers: int
     kv_heads: int  # per tensor-parallel rank
     head_size: int
@@ -48,7 +49,8 @@ class EngineLayout:
     def namespace_name(self) -> str:
         """The namespace's kv_layout: every field but the model name (the namespace has it)."""
         text = (
-            f"vllm1;{self.backend};isa={self.isa or '-'};{self.kv_dtype};layers={self.layers};"
+            f"vllm-{self.engine_version};{self.backend};isa={self.isa or '-'};{self.kv_dtype};"
+            f"layers={self.layers};"
             f"kv_heads={self.kv_heads};head_size={self.head_size};"
             f"block={self.engine_block_tokens};bytes={self.block_bytes};"
             f"tp={self.tp_rank}/{self.tp_size};{self.weights}"
@@ -59,18 +61,26 @@ class EngineLayout:
             raise ValueError(f"kv_layout is {len(text)} characters: name the weights shorter")
         return text
 
-    def header_fields(self, *, piece: int, pieces: int) -> dict[str, Any]:
-        """The fields a piece's header carries: the layout and the piece's place in its group."""
-        return {**asdict(self), "engine": "vllm", "piece": piece, "pieces": pieces}
+    def header_fields(self, *, piece: int, pieces: int, kv_layout: str) -> dict[str, Any]:
+        """The fields a piece's header carries: the layout, the request's namespace layout
+        (with its LoRA adapter) and the piece's place in its group."""
+        fields = {**asdict(self), "engine": "vllm", "kv_layout": kv_layout}
+        return {**fields, "piece": piece, "pieces": pieces}
 
-    def header(self, *, piece: int, pieces: int) -> bytes:
-        """The header of piece `piece` of a group of `pieces`."""
-        return pack_header(self.header_fields(piece=piece, pieces=pieces))
+    def header(self, *, piece: int, pieces: int, kv_layout: str) -> bytes:
+        """The header of piece `piece` of a group of `pieces`, stored under `kv_layout`."""
+        return pack_header(self.header_fields(piece=piece, pieces=pieces, kv_layout=kv_layout))
 
     def check_piece(
-        self, payload: bytes | memoryview, *, piece: int, pieces: int, kv_bytes: int
+        self,
+        payload: bytes | memoryview,
+        *,
+        piece: int,
+        pieces: int,
+        kv_bytes: int,
+        kv_layout: str,
     ) -> int:
-        """The offset of a piece's KV; kv_layout.BlockRefused unless it is this layout's and
-        this place's piece with `kv_bytes` of KV."""
-        expected = self.header_fields(piece=piece, pieces=pieces)
+        """The offset of a piece's KV; kv_layout.BlockRefused unless it is this layout's, for
+        the namespace layout `kv_layout`, this place's piece, with `kv_bytes` of KV."""
+        expected = self.header_fields(piece=piece, pieces=pieces, kv_layout=kv_layout)
         return check_header(payload, expected, kv_bytes=kv_bytes)

@@ -33,8 +33,11 @@ class ConnectorOptions:
     model: str = ""  # the namespace's model name; "" = vLLM's served model name
     weights_id: str = ""  # names the weights; "" = a digest of the model folder's files
     retention: str = ""  # the retention class of stored blocks; "" = the service's default
-    # The lookup runs inside vLLM's scheduler loop: a slow service must not stall it.
-    lookup_timeout_seconds: float = 0.5
+    # The lookup runs beside vLLM's scheduler loop, which waits for it this long when it first
+    # asks, then schedules other requests until the answer is in: a slow service never stalls
+    # the loop for more than this per new request.
+    lookup_wait_seconds: float = 0.05
+    lookup_timeout_seconds: float = 0.5  # a lookup not answered by then is a miss
     transfer_timeout_seconds: float = 10.0  # fetching and storing payloads
     store_queue_bytes: int = 1 << 30  # KV copied out and waiting to be stored, at most
     store_request_bytes: int = 64 << 20  # payload bytes in one store request, at most
@@ -57,6 +60,8 @@ class ConnectorOptions:
         for key in ("lookup_timeout_seconds", "transfer_timeout_seconds", "backoff_max_seconds"):
             if getattr(options, key) <= 0:
                 raise OptionError(f"kv_connector_extra_config: {key} must be above 0")
+        if options.lookup_wait_seconds < 0:
+            raise OptionError("kv_connector_extra_config: lookup_wait_seconds must be 0 or more")
         for key in ("store_queue_bytes", "store_request_bytes"):
             if getattr(options, key) < 1:
                 raise OptionError(f"kv_connector_extra_config: {key} must be at least 1")
@@ -88,6 +93,8 @@ class RequestOptions:
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> RequestOptions:
         """The options a request's kv_transfer_params give; OptionError naming a bad one."""
+        if params is not None and not isinstance(params, Mapping):
+            raise OptionError("kv_transfer_params must be an object")
         own = (params or {}).get(REQUEST_PARAMS_KEY)
         if own is None:
             return cls()

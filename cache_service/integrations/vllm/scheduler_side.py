@@ -8,9 +8,13 @@ computes, into the step's loads and stores. Only whole groups (see `groups`) of 
 are loaded or stored, and only prompt tokens are stored: the blocks a chunked prefill has
 completed, from the first group the service lacks.
 
-Nothing here fails a request: a lookup that fails is a miss (counted by the client's reason
-under `lookup_failed`), and a request the service cannot serve exactly (multimodal inputs,
-prompt embeddings, whose token ids are placeholders) is passed over and counted.
+The lookup runs on a thread of its own: vLLM's scheduler waits for it at most
+`lookup_wait_seconds` when it first asks (a lookup takes a millisecond or two), and otherwise
+hears "ask again later" (None) and schedules other requests meanwhile, so a slow service
+never stalls the requests already running. Nothing here fails a request: a lookup that fails
+is a miss (counted under `lookup_failed`), and a request the service cannot serve exactly
+(multimodal inputs, prompt embeddings, whose token ids are placeholders) is passed over and
+counted.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,10 +32,12 @@ from cache_service.core.errors import ServiceError
 from cache_service.integrations.vllm.counters import Counters
 from cache_service.integrations.vllm.groups import BlockGroups
 from cache_service.integrations.vllm.layout import EngineLayout
+from cache_service.integrations.vllm.notes import RateLimitedLog
 from cache_service.integrations.vllm.options import ConnectorOptions, OptionError, RequestOptions
 from cache_service.integrations.vllm.plan import LoadTask, Namespace, StepPlan, StoreTask
 
 logger = logging.getLogger(__name__)
+NOTES = RateLimitedLog(logger)
 # A group larger than this many times the larger block size makes short prompts miss.
 LARGE_GROUP_FACTOR = 4
 INFO_RETRY_SECONDS = 5.0  # while the service's block size is unknown, ask at most this often
@@ -98,6 +106,8 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[LoadTask] = []
         self._info_retry_at = 0.0
+        self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prompt-cache-lookup")
+        self._pending: dict[str, Future[_Tracked]] = {}
 
     @property
     def groups(self) -> BlockGroups | None:
@@ -114,7 +124,10 @@ class SchedulerSide:
         """The service's block size for the model, or 0 while it cannot be learnt."""
         try:
             sizes = self.client.info()["block_size"]
-            return int(sizes["models"].get(self.layout.model, sizes["default"]))
+            size = int(sizes["models"].get(self.layout.model, sizes["default"]))
+            if size < 1:
+                raise ValueError(f"block size {size}")
+            return size
         except ServiceError as exc:
             logger.warning("prompt cache at %s: no block size yet (%s)", self.options.url, exc)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -137,13 +150,25 @@ class SchedulerSide:
                 groups.engine_block_tokens,
             )
 
-    def matched_tokens(self, request: PromptRequest, computed_tokens: int) -> int:
-        """Tokens beyond vLLM's own `computed_tokens` that it can load from the service."""
+    def matched_tokens(self, request: PromptRequest, computed_tokens: int) -> int | None:
+        """Tokens beyond vLLM's own `computed_tokens` that it can load from the service, or
+        None while the request's lookup is still running (vLLM asks again next step)."""
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
-            tracked = self._tracked[request.request_id] = self._look_up(request)
+            pending = self._pending.get(request.request_id)
+            wait = 0.0 if pending else self.options.lookup_wait_seconds
+            if pending is None:
+                pending = self._pending[request.request_id] = self._lookups.submit(
+                    self._look_up, request
+                )
+            try:
+                tracked = pending.result(timeout=wait)
+            except FutureTimeout:
+                return None
+            del self._pending[request.request_id]
+            self._tracked[request.request_id] = tracked
         groups = self.groups
-        if groups is None or not tracked.load:
+        if groups is None or not (tracked.load and self.role_load):
             return 0
         loadable = groups.loadable_tokens(
             tracked.held_groups * groups.group_tokens, len(tracked.prompt_tokens)
@@ -152,11 +177,25 @@ class SchedulerSide:
         return max(0, loadable - computed_tokens)
 
     def _look_up(self, request: PromptRequest) -> _Tracked:
+        """The request's namespace and what the service holds of it (never raises)."""
+        try:
+            return self._try_look_up(request)
+        except Exception as exc:  # an answer of another shape, a bug: a miss, never a failure
+            self.counters.miss("lookup_error")
+            NOTES.warn(f"prompt cache lookup failed: {exc!r:.300}")
+            return _Tracked(
+                Namespace(self.layout.model, self.layout.namespace_name, "", ""),
+                request.prompt_tokens,
+                load=False,
+                store=False,
+            )
+
+    def _try_look_up(self, request: PromptRequest) -> _Tracked:
         try:
             own = RequestOptions.from_params(request.kv_transfer_params)
         except OptionError as exc:
             self.counters.miss("bad_request_options")
-            logger.warning("request %s: %s; using the defaults", request.request_id, exc)
+            NOTES.warn(f"request {request.request_id}: {exc}; using the defaults")
             own = RequestOptions()
         namespace = Namespace(
             model=self.layout.model,
@@ -191,18 +230,24 @@ class SchedulerSide:
             )
         except ServiceError as exc:  # a 4xx: the service is up but refuses this lookup
             self.counters.miss("lookup_failed")
-            logger.warning("prompt cache lookup refused (%s): a miss", exc)
+            NOTES.warn(f"prompt cache lookup refused ({exc}): a miss")
             return tracked
-        self.counters.miss("lookup_failed", self.client.failures.total - before)
+        if self.client.failures.total > before:  # failed open: down, slow, another service
+            self.counters.miss("lookup_failed")
+            return tracked
         self.counters.add("lookups")
         self.counters.add("lookup_tokens", len(request.prompt_tokens))
+        # Whole groups whose every key the answer carries (an answer short of keys holds less)
+        held = min(match.cached_tokens // groups.service_block_tokens, len(match.keys))
         tracked.keys = match.keys
-        tracked.held_groups = groups.whole_groups(match.cached_tokens)
+        tracked.held_groups = held // groups.service_blocks
         tracked.stored_groups = tracked.held_groups
         return tracked
 
     def allocated(self, request_id: str, block_ids: list[int], external_tokens: int) -> None:
-        """vLLM allocated `block_ids` (all the request's blocks); load `external_tokens`."""
+        """vLLM allocated `block_ids` (all the request's blocks); load `external_tokens`.
+        A load is always planned for them: without keys it fails in the worker, and vLLM
+        recomputes those blocks, rather than computing on blocks nobody wrote."""
         tracked = self._tracked.get(request_id)
         groups = self.groups
         if tracked is None or groups is None or external_tokens <= 0:
@@ -212,13 +257,14 @@ class SchedulerSide:
         end_block = (tracked.offered_from + external_tokens) // engine
         first_group = first_block // groups.engine_blocks
         end_group = end_block // groups.engine_blocks
+        keys = [tracked.keys[i] for i in groups.service_range(first_group, end_group)]
         self.counters.add("hit_tokens", external_tokens)
         self._loads.append(
             LoadTask(
                 request_id=request_id,
                 namespace=tracked.namespace,
                 first_group=first_group,
-                keys=[tracked.keys[i] for i in groups.service_range(first_group, end_group)],
+                keys=keys,
                 block_ids=list(block_ids[first_block:end_block]),
                 skip=first_block - first_group * groups.engine_blocks,
             )
@@ -245,8 +291,13 @@ class SchedulerSide:
                     tracked.stored_groups, self._whole(step.computed_tokens)
                 )
             tracked.computed_tokens = step.computed_tokens + step.scheduled_tokens
-            if groups is not None and tracked.store:
-                task = self._store_task(step.request_id, tracked, groups)
+            if groups is not None and tracked.store and self.role_store:
+                try:
+                    task = self._store_task(step.request_id, tracked, groups)
+                except Exception as exc:  # a miss: these blocks are just not stored
+                    self.counters.miss("store_error")
+                    NOTES.warn(f"prompt cache store not planned: {exc!r:.300}")
+                    continue
                 if task is not None:
                     plan.stores.append(task)
         return plan
@@ -275,8 +326,18 @@ class SchedulerSide:
     def finished(self, request_id: str) -> None:
         """Forget a finished request."""
         self._tracked.pop(request_id, None)
+        self._pending.pop(request_id, None)
 
-    def forget_all(self) -> None:
-        """Forget every request's lookup (vLLM's prefix cache was reset)."""
+    def stop(self, reason: str) -> None:
+        """Load and store nothing from now on (requests in flight included), saying why."""
+        logger.error("PromptCacheConnector stops loading and storing: %s", reason)
+        self.role_load = self.role_store = False
         for tracked in self._tracked.values():
-            tracked.keys, tracked.held_groups = [], 0
+            tracked.load = tracked.store = False
+        for pending in self._pending.values():
+            pending.cancel()
+        self._pending.clear()
+
+    def shutdown(self) -> None:
+        """Stop the lookup threads."""
+        self._lookups.shutdown(wait=False, cancel_futures=True)

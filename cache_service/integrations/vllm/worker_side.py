@@ -34,10 +34,15 @@ from cache_service.integrations.kv_layout import BlockRefused
 from cache_service.integrations.vllm.counters import Counters
 from cache_service.integrations.vllm.groups import BlockGroups
 from cache_service.integrations.vllm.layout import EngineLayout
+from cache_service.integrations.vllm.notes import RateLimitedLog
 from cache_service.integrations.vllm.plan import LoadTask, StepPlan, StoreTask
 
 logger = logging.getLogger(__name__)
+NOTES = RateLimitedLog(logger)
 DRAIN_SECONDS = 30.0  # at shutdown, queued stores get this long to finish
+# Keys in one fetch: under the service's default max_blocks_per_request (8,192), so a long
+# prompt over small service blocks is fetched in several requests rather than refused.
+FETCH_KEYS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +72,7 @@ class WorkerSide:
         self.store_queue_bytes = store_queue_bytes
         self.store_request_bytes = store_request_bytes
         self._layers: list[torch.Tensor] = []  # each layer's cache as [blocks, block bytes]
+        self.refusal = "vLLM registered no KV cache"  # why the caches were not taken, or ""
         self._failed_blocks: set[int] = set()
         self._queue: queue.Queue[_QueuedStore | None] = queue.Queue()
         self._queued_bytes = 0
@@ -93,6 +99,7 @@ class WorkerSide:
                 f"a block is {block_bytes * len(layers)} bytes across the layers, the "
                 f"layout says {self.layout.block_bytes} (blocks are not on the first dimension)"
             )
+        self.refusal = problem
         if problem:
             logger.error("prompt cache connector disabled: vLLM's KV cache: %s", problem)
             return
@@ -113,41 +120,55 @@ class WorkerSide:
         groups = BlockGroups(self.layout.engine_block_tokens, plan.service_block_tokens)
         for task in plan.loads:
             started = time.perf_counter()
-            written = self._load_task(task, groups) if self.enabled else 0
+            written = [0]  # vLLM blocks written so far, kept when the task fails part way
+            reason = "load_failed"
+            if self.enabled:
+                try:
+                    self._load_task(task, groups, written)
+                except Exception as exc:  # a cache problem is a miss, never a failed step
+                    reason = "load_error"
+                    NOTES.warn(f"prompt cache load failed: {exc!r:.300}")
             wanted = len(task.block_ids)
-            if written < wanted:
+            if written[0] < wanted:
                 failed.add(task.request_id)
-                self._failed_blocks.update(task.block_ids[written:])
-                self.counters.miss("load_failed", wanted - written)
-            self.counters.add("loaded_blocks", written)
-            self.counters.add("loaded_bytes", written * self.layout.block_bytes)
+                self._failed_blocks.update(task.block_ids[written[0] :])
+                self.counters.miss(reason, wanted - written[0])
+            self.counters.add("loaded_blocks", written[0])
+            self.counters.add("loaded_bytes", written[0] * self.layout.block_bytes)
             self.counters.add("load_seconds", time.perf_counter() - started)
         return failed
 
-    def _load_task(self, task: LoadTask, groups: BlockGroups) -> int:
-        """The vLLM blocks written, in order, up to the first group that could not be."""
+    def _load_task(self, task: LoadTask, groups: BlockGroups, written: list[int]) -> None:
+        """Write the task's vLLM blocks in order, up to the first group that cannot be."""
         ns = task.namespace
-        payloads = self.client.get_blocks(
-            ns.model, task.keys, kv_layout=ns.kv_layout, salt=ns.salt, copy=False
-        )
         piece_bytes = groups.piece_bytes(self.layout.block_bytes)
-        written = 0
-        for index in range(len(task.keys) // groups.service_blocks):
-            pieces = payloads[index * groups.service_blocks : (index + 1) * groups.service_blocks]
-            kv = self._checked_group(pieces, groups, piece_bytes)
-            if kv is None:
-                break
-            blocks = kv.view(groups.engine_blocks, len(self._layers), -1)
-            skip = task.skip if index == 0 else 0
-            for position in range(skip, groups.engine_blocks):
-                block_id = task.block_ids[written]
-                for layer, cache in enumerate(self._layers):
-                    cache[block_id].copy_(blocks[position, layer])
-                written += 1
-        return written
+        per_fetch = max(1, FETCH_KEYS // groups.service_blocks) * groups.service_blocks
+        for start in range(0, len(task.keys), per_fetch):
+            keys = task.keys[start : start + per_fetch]
+            payloads = self.client.get_blocks(
+                ns.model, keys, kv_layout=ns.kv_layout, salt=ns.salt, copy=False
+            )
+            for index in range(len(keys) // groups.service_blocks):
+                pieces = payloads[
+                    index * groups.service_blocks : (index + 1) * groups.service_blocks
+                ]
+                kv = self._checked_group(pieces, groups, piece_bytes, ns.kv_layout)
+                if kv is None:
+                    return
+                blocks = kv.view(groups.engine_blocks, len(self._layers), -1)
+                skip = task.skip if start == index == 0 else 0
+                for position in range(skip, groups.engine_blocks):
+                    block_id = task.block_ids[written[0]]
+                    for layer, cache in enumerate(self._layers):
+                        cache[block_id].copy_(blocks[position, layer])
+                    written[0] += 1
 
     def _checked_group(
-        self, pieces: Sequence[bytes | memoryview | None], groups: BlockGroups, piece_bytes: int
+        self,
+        pieces: Sequence[bytes | memoryview | None],
+        groups: BlockGroups,
+        piece_bytes: int,
+        kv_layout: str,
     ) -> torch.Tensor | None:
         """A group's KV as one uint8 tensor, or None (counted) unless every piece checks out."""
         kv = bytearray()
@@ -156,11 +177,15 @@ class WorkerSide:
                 return None
             try:
                 offset = self.layout.check_piece(
-                    payload, piece=piece, pieces=groups.service_blocks, kv_bytes=piece_bytes
+                    payload,
+                    piece=piece,
+                    pieces=groups.service_blocks,
+                    kv_bytes=piece_bytes,
+                    kv_layout=kv_layout,
                 )
             except BlockRefused as refusal:
                 self.counters.miss(f"refused_{refusal.field}")
-                logger.warning("prompt cache block refused (%s): %s", refusal.field, refusal)
+                NOTES.warn(f"prompt cache block refused ({refusal.field}): {refusal}")
                 return None
             kv += memoryview(payload)[offset:]
         return torch.frombuffer(kv, dtype=torch.uint8)
@@ -172,14 +197,17 @@ class WorkerSide:
 
     # Stores ------------------------------------------------------------------------------
 
-    def save(self, plan: StepPlan, *, skip_requests: set[str]) -> None:
-        """Copy the plan's completed groups out of the paged cache and queue their stores."""
+    def save(self, plan: StepPlan, *, skip: bool) -> None:
+        """Copy the plan's completed groups out of the paged cache and queue their stores;
+        with `skip` (a load failed in this step) store nothing: vLLM recomputes every request
+        that read a block that was not loaded, and the step's KV of those is not theirs."""
+        if skip:
+            self.counters.miss("store_skipped", sum(len(task.block_ids) for task in plan.stores))
+            return
         if not plan.stores or not self.enabled:
             return
         groups = BlockGroups(self.layout.engine_block_tokens, plan.service_block_tokens)
         for task in plan.stores:
-            if task.request_id in skip_requests:
-                continue
             started = time.perf_counter()
             size = len(task.block_ids) * self.layout.block_bytes
             with self._queued_lock:
@@ -190,13 +218,24 @@ class WorkerSide:
             if not fits:
                 self.counters.add("dropped_blocks", len(task.block_ids))
                 continue
-            index = torch.tensor(task.block_ids, dtype=torch.long)
-            # [blocks, layers, block bytes]: each block's layers end to end, copied out now
-            kv = torch.stack([cache.index_select(0, index) for cache in self._layers], dim=1)
-            self._queue.put(
-                _QueuedStore(task, groups, kv.view(-1, groups.engine_blocks * kv[0].numel()))
-            )
+            try:
+                index = torch.tensor(task.block_ids, dtype=torch.long)
+                # [blocks, layers, block bytes]: each block's layers end to end, copied out now
+                kv = torch.stack([cache.index_select(0, index) for cache in self._layers], dim=1)
+                self._queue.put(
+                    _QueuedStore(task, groups, kv.view(-1, groups.engine_blocks * kv[0].numel()))
+                )
+            except Exception as exc:  # never fail the step: these blocks are just not stored
+                self._release(size)
+                self.counters.miss("store_error", len(task.block_ids))
+                NOTES.warn(f"prompt cache store not queued: {exc!r:.300}")
             self.counters.add("store_seconds", time.perf_counter() - started)
+
+    def _release(self, size: int) -> None:
+        with self._queued_lock:
+            self._queued_bytes -= size
+            if self._queue.empty() and self._queued_bytes <= 0:
+                self._idle.set()
 
     def _send_loop(self) -> None:
         while True:
@@ -206,14 +245,11 @@ class WorkerSide:
             started = time.perf_counter()
             try:
                 self._send(item)
-            except Exception:  # a store that fails only loses blocks; never the engine
-                self.counters.miss("store_failed", len(item.task.block_ids))
-                logger.exception("prompt cache store failed")
+            except Exception as exc:  # a store that fails only loses blocks; never the engine
+                self.counters.miss("store_error", len(item.task.block_ids))
+                NOTES.warn(f"prompt cache store failed: {exc!r:.300}")
             finally:
-                with self._queued_lock:
-                    self._queued_bytes -= len(item.task.block_ids) * self.layout.block_bytes
-                    if self._queue.empty() and self._queued_bytes <= 0:
-                        self._idle.set()
+                self._release(len(item.task.block_ids) * self.layout.block_bytes)
                 self.counters.add("store_seconds", time.perf_counter() - started)
 
     def _send(self, item: _QueuedStore) -> None:
@@ -227,7 +263,10 @@ class WorkerSide:
             for row in range(start, end):
                 pieces = groups.cut(item.kv[row].numpy().data)
                 payloads += [
-                    self.layout.header(piece=i, pieces=groups.service_blocks) + piece
+                    self.layout.header(
+                        piece=i, pieces=groups.service_blocks, kv_layout=ns.kv_layout
+                    )
+                    + piece
                     for i, piece in enumerate(pieces)
                 ]
             first_group = task.first_group + start
@@ -246,7 +285,7 @@ class WorkerSide:
                 )
             except ServiceError as exc:  # a 4xx: e.g. the prefix was evicted since the lookup
                 self.counters.miss("store_failed", (total - start) * groups.engine_blocks)
-                logger.warning("prompt cache store refused (%s); blocks not stored", exc)
+                NOTES.warn(f"prompt cache store refused ({exc}); blocks not stored")
                 return
             if self.store_client.failures.total > failures:  # down, slow: failed open
                 self.counters.miss("store_failed", (total - start) * groups.engine_blocks)
