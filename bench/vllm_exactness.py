@@ -3,8 +3,8 @@
 Three fresh engines (SmolLM2-135M, bf16, eager, chunks of 512 tokens), the same prompts:
 `none` (no connector), `stores` (ours against an empty service: it computes everything and
 stores) and `loads` (ours, after `stores`: it loads every whole block it can). Prints, per
-prompt, the tokens each loaded and the first of `--tokens` greedy tokens where `stores` and
-`loads` differ from `none` ("same" when none does).
+prompt, the tokens each had cached (vLLM's own hits and ours) and the first of `--tokens`
+greedy tokens where `stores` and `loads` differ from `none` ("same" when none does).
 
     python -m bench.vllm_exactness [--tokens 64]
 """
@@ -78,7 +78,7 @@ def main() -> None:
                 (i for i, (a, b) in enumerate(zip(reference, tokens, strict=False)) if a != b), None
             )
             where = "same" if first is None else f"differs from token {first}"
-            cells.append(f"{name}: {output['cached_tokens']} tokens loaded, {where}")
+            cells.append(f"{name}: {output['cached_tokens']} tokens cached, {where}")
         print(f"prompt {index} ({len(prompt):,} tokens): " + "; ".join(cells))
 
 
