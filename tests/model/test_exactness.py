@@ -104,11 +104,16 @@ def test_a_cached_prefill_is_bitwise_the_model_on_the_same_prefix(
 
 
 @pytest.mark.parametrize("model_name", ["tiny", "smollm2"])
-def test_a_prefix_computed_at_its_own_aligned_length_gives_bitwise_logits(
+def test_a_prefix_computed_at_its_own_aligned_length_gives_the_scratch_logits(
     model_name: str, request: pytest.FixtureRequest, cache_server: ServerProcess
 ) -> None:
-    """A system prompt of two whole blocks prefilled alone, then a prompt extending it: here
-    the computation order is the same as from scratch, and the logits are equal bit for bit."""
+    """A system prompt of two whole blocks prefilled alone, then a prompt extending it: within
+    the tolerance of a prefill from scratch, and bit for bit for the tiny model. Whether it is
+    bitwise for SmolLM2 depends on the machine's kernels, not on the cache: on one kind of
+    machine it was; on an AVX-512 Xeon with MKL 2024.2 (2026-12-02) the logits differ by
+    5e-7 of their scale, because a forward of 128 tokens sums in another order than one of
+    256. What the cache guarantees bit for bit is tested above: the reloaded prefix is the
+    stored one, and a prefill on it equals the model run on that prefix kept in memory."""
     model: CausalLM = request.getfixturevalue(model_name)
     rng = random.Random(3)
     prompt = [rng.randrange(1, 500) for _ in range(256)]
@@ -118,7 +123,9 @@ def test_a_prefix_computed_at_its_own_aligned_length_gives_bitwise_logits(
         prefill, continuation = worker.generate(prompt, NEW_TOKENS)
     logits, expected = scratch(model, prompt, NEW_TOKENS)
     assert prefill.cached_tokens == 128
-    assert torch.equal(prefill.logits, logits)
+    assert_close_logits(prefill.logits, logits)
+    if model_name == "tiny":
+        assert torch.equal(prefill.logits, logits)
     assert continuation == expected
 
 
