@@ -188,3 +188,44 @@ def test_a_store_off_disk_without_capacity_shows_dashes() -> None:
     assert "disk:" not in html
     assert "no capacity set" in html
     assert 'data-stat="capacity_bytes" data-value=""' in html
+
+
+def engine_figures(**changes: Any) -> dict[str, Any]:
+    figures = {"live": True, "down_since": None, "down_reason": None, "routable": True}
+    figures.update(blocks=17, batches=9, gaps=1, stale_ranks=0, mismatches=0)
+    figures.update(changes)
+    return figures
+
+
+def engines_page(engines: dict[str, dict[str, Any]], now: float) -> str:
+    view = StatusView(
+        stats={**stats(), "kv_events": engines},
+        info=INFO,
+        history=StatusHistory(clock=Clock()),
+        refresh_seconds=15,
+        generated_at=now,
+    )
+    return render_status_page(view)
+
+
+def test_engines_show_whether_they_are_live_and_how_long_one_has_been_down() -> None:
+    html = engines_page(
+        {
+            "vllm-a": engine_figures(),
+            "vllm-b": engine_figures(
+                live=False, down_since=1000.0, down_reason="disconnected", routable=False
+            ),
+            HOSTILE: engine_figures(),
+        },
+        now=1090.0,
+    )
+    assert "<h2>Engines</h2>" in html and "<script" not in html
+    stats_of = dict(re.findall(r'data-stat="([^"]+)" data-value="([^"]*)"', html))
+    assert stats_of["kv_events.vllm-a.live"] == "True"
+    assert stats_of["kv_events.vllm-b.live"] == "False"
+    assert stats_of["kv_events.vllm-a.blocks"] == "17"
+    assert "down (disconnected) for 90s, out of routing" in html
+
+
+def test_without_kv_events_no_engine_section() -> None:
+    assert "<h2>Engines</h2>" not in page()

@@ -28,6 +28,7 @@ class InstanceHold:
     block_size: int
     data_parallel_rank: int | None
     stale: bool  # the engine lost events: its view may be wrong
+    live: bool = True  # False: the engine's publisher went away (never best)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +121,8 @@ def _hold(value: object) -> InstanceHold:
         block_size=_field(row, "block_size", int),
         data_parallel_rank=_optional(row, "data_parallel_rank", int),
         stale=_field(row, "stale", bool),
+        # Absent from services before liveness: taken as live.
+        live=row.get("live") is not False,
     )
 
 

@@ -21,7 +21,11 @@ from cache_service.core.store.registry import parse_store_url
 from cache_service.core.units import parse_size
 from cache_service.service.api_keys import KeyFileError, KeyRing, load_key_ring
 from cache_service.service.kv_events.config import EngineConfig
-from cache_service.service.kv_events.hub import DEFAULT_MAX_BLOCKS_PER_ENGINE, resolve_engines
+from cache_service.service.kv_events.hub import (
+    DEFAULT_GRACE_SECONDS,
+    DEFAULT_MAX_BLOCKS_PER_ENGINE,
+    resolve_engines,
+)
 
 ENV_PREFIX = "CACHE_SERVICE_"
 AUTH_MODES = ("none", "keys")
@@ -193,14 +197,34 @@ class Settings(BaseSettings):
     )
     kv_events_seed: str | None = Field(
         None,
-        description="The engines' PYTHONHASHSEED, as set in their environment (vLLM "
-        "schemes need it: without it vLLM's hashes are random per process).",
+        description="The engines' PYTHONHASHSEED, as set in their environment. Unset, "
+        "vllm-sha256 and vllm-sha256-cbor take vLLM 0.32's fixed default, vllm-none-hash; "
+        "the xxhash schemes need it (vLLM 0.32 roots them at random bytes per process).",
+    )
+    kv_events_extra_keys_form: str | None = Field(
+        None,
+        description="How the engines hash a block's extra keys (LoRA, cache_salt, "
+        "multimodal): tagged (vLLM 0.32, the default) or untagged (older vLLM releases).",
     )
     kv_events_max_blocks: int = Field(
         DEFAULT_MAX_BLOCKS_PER_ENGINE,
         ge=1,
         description="Most entries (rank, group, block, medium) kept per engine's view; the "
         "least recently stored go first.",
+    )
+    kv_events_grace: float = Field(
+        DEFAULT_GRACE_SECONDS,
+        ge=0,
+        description="Seconds an engine whose publisher went away (disconnected, or silent "
+        "past the timeout) stays in routing answers, ranked after live engines and never "
+        "best; then it is left out until it publishes again.",
+    )
+    kv_events_silence_timeout: float = Field(
+        0.0,
+        ge=0,
+        description="Seconds without a message after which an engine's rank counts as down; "
+        "0 (the default) never, since an idle engine publishes nothing (a vanished host is "
+        "caught by ZMQ heartbeats instead).",
     )
     log_level: str = Field("info", description="uvicorn log level.")
     access_log: bool = Field(
@@ -299,6 +323,7 @@ class Settings(BaseSettings):
             block_size=self.kv_events_block_size,
             hash_scheme=self.kv_events_hash_scheme,
             seed=self.kv_events_seed,
+            extra_keys_form=self.kv_events_extra_keys_form,
         )
 
     def retention_policy(self) -> RetentionPolicy:

@@ -5,9 +5,11 @@ has stored a block that starts a prompt: only such an event shows a wrong seed),
 diagnoses the stored events it saw with every registered scheme and common seeds, and
 prints per engine what it saw and the likely cause: `ok`, `wrong-scheme` (naming the
 scheme that matches), `wrong-seed` (naming the PYTHONHASHSEED that matches),
-`wrong-block-size`, `unknown` (nothing matches: most likely PYTHONHASHSEED unset in the
-engine), `unverifiable` (no event could tell), or `no events`. Exits 0 only if every engine
-is ok. The same flags (and CACHE_SERVICE_KV_EVENTS* variables) as `serve`.
+`wrong-block-size`, `wrong-extra-keys-form` (the scheme and seed match with the other vLLM
+release's extra_keys_form), `unknown` (nothing matches: most likely PYTHONHASHSEED unset
+in an xxhash engine, or any engine before vLLM 0.32), `unverifiable` (no event could tell),
+or `no events`. Exits 0 only if every engine is ok. The same flags (and
+CACHE_SERVICE_KV_EVENTS* variables) as `serve`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,15 @@ EVENTS_PER_ENGINE = 8  # stored events kept per engine for the diagnosis
 POLL_SECONDS = 0.05
 # Worst first: an engine is reported with the worst cause its events show (events that
 # cannot tell count only when none can).
-SEVERITY = ("unknown", "wrong-seed", "wrong-scheme", "wrong-block-size", "ok", "unverifiable")
+SEVERITY = (
+    "unknown",
+    "wrong-seed",
+    "wrong-scheme",
+    "wrong-block-size",
+    "wrong-extra-keys-form",
+    "ok",
+    "unverifiable",
+)
 _ENV = "CACHE_SERVICE_"
 UNVERIFIABLE = (
     "no event that starts a prompt arrived, and the others cannot tell: send the engine a "
@@ -56,7 +66,17 @@ def add_doctor_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
         ("--kv-events-model", str, "the engines' model (over the file's)"),
         ("--kv-events-block-size", int, "tokens per block (over the file's; default 16)"),
         ("--kv-events-hash-scheme", str, "the engines' hash scheme (default vllm-sha256)"),
-        ("--kv-events-seed", str, "the engines' PYTHONHASHSEED"),
+        (
+            "--kv-events-seed",
+            str,
+            "the engines' PYTHONHASHSEED (unset: vllm-none-hash for vllm-sha256 and "
+            "vllm-sha256-cbor, as vLLM 0.32 uses; tried among common seeds)",
+        ),
+        (
+            "--kv-events-extra-keys-form",
+            str,
+            "tagged (vLLM 0.32, the default) or untagged (older vLLM releases)",
+        ),
     )
     for flag, kind, help_text in flags:
         name = flag.removeprefix("--").replace("-", "_")
@@ -121,6 +141,7 @@ def run_doctor_command(parsed: argparse.Namespace) -> int:
             block_size=_int_option(parsed, "kv_events_block_size"),
             hash_scheme=_option(parsed, "kv_events_hash_scheme"),
             seed=_option(parsed, "kv_events_seed"),
+            extra_keys_form=_option(parsed, "kv_events_extra_keys_form"),
             require_seed=False,
         )
     except ValueError as exc:
@@ -207,6 +228,8 @@ def _diagnose_event(engine: EngineConfig, event: BlockStored) -> tuple[str, str]
         block_size=engine.block_size,
         extra_keys=event.extra_keys,
         lora_name=event.lora_name,
+        lora_path=engine.lora_path(event.lora_name),
+        extra_keys_form=engine.extra_keys_form,
     )
     detail = diagnosis.detail
     if diagnosis.cause == "wrong-seed" and engine.seed is None:

@@ -135,5 +135,5 @@ def _line(row: InstanceHold) -> str:
     return (
         f"{(row.instance or '')[:24]:24} {row.medium[:6]:6} {row.matched_blocks:>7} "
         f"{row.cached_tokens:>8} {row.tokens_to_prefill:>8} {row.block_size:>5} {rank:>4}  "
-        f"{'STALE' if row.stale else 'no'}"
+        f"{'STALE' if row.stale else 'no'}{'' if row.live else '  DOWN'}"
     )

@@ -5,7 +5,10 @@ the engines' sources (the versions are cited in each scheme's module docstring):
 
 - vLLM (vllm/v1/core/kv_cache_utils.py `init_none_hash`, `hash_block_tokens`,
   `generate_block_hash_extra_keys`; vllm/utils/hashing.py; snapshot 001cabc1be16): root =
-  H(seed string), block = H((parent digest, tuple(tokens), extra keys or None)). The CBOR
+  H(seed string), block = H((parent digest, tuple(tokens), extra keys or None)), with the
+  extra keys in the older releases' UNTAGGED form (the bare LoRA name, the bare salt):
+  the schemes' extra_keys_form "untagged". vLLM 0.32 tags them (and hashes the LoRA's
+  path); its vectors, made by vLLM itself, are in tests/engines/vllm_vectors.py. The CBOR
   here is encoded by hand per RFC 8949's canonical rules (what cbor2.dumps(canonical=True)
   writes for these shapes, and what Mooncake's conductor re-implements in C++), so the
   vectors do not rest on the cbor2 the package uses; pickle is vLLM's definition itself.

@@ -47,6 +47,7 @@ def tokens_of(n: int, start: int = 0) -> list[int]:
 names = st.sampled_from(SCHEMES)
 prompts = st.lists(st.integers(0, 2**32 - 1), max_size=200)
 extras = st.sampled_from([None, "lora-a"]), st.sampled_from([None, "", "salt"])
+PATHS = {"lora-a": "/adapters/a"}  # the engine's lora_modules: vLLM 0.32 hashes the path
 
 
 @settings(max_examples=60, deadline=None)
@@ -56,10 +57,9 @@ def test_the_walk_without_memo_is_the_whole_prompts_hashes(
 ) -> None:
     block_size, seg = sizes
     s = scheme(name)
-    expected = s.normalized(tokens, block_size=block_size, lora_name=lora, cache_salt=salt)
-    got = prompt_chain(
-        s, tokens, block_size=block_size, lora_name=lora, cache_salt=salt, segment_blocks=seg
-    )
+    keys = {"lora_name": lora, "lora_path": PATHS.get(lora or ""), "cache_salt": salt}
+    expected = s.normalized(tokens, block_size=block_size, **keys)
+    got = prompt_chain(s, tokens, block_size=block_size, segment_blocks=seg, **keys)
     assert got == expected
 
 
@@ -87,10 +87,9 @@ def test_a_memo_shared_by_prompts_with_common_prefixes_never_changes_a_hash(
     memo = ChainMemo(max_blocks=max_blocks, segment_blocks=3)
     for keep, tail, lora, salt in requests:
         tokens = base[:keep] + tail
-        expected = s.normalized(tokens, block_size=block_size, lora_name=lora, cache_salt=salt)
-        got = prompt_chain(
-            s, tokens, block_size=block_size, lora_name=lora, cache_salt=salt, memo=memo
-        )
+        keys = {"lora_name": lora, "lora_path": PATHS.get(lora or ""), "cache_salt": salt}
+        expected = s.normalized(tokens, block_size=block_size, **keys)
+        got = prompt_chain(s, tokens, block_size=block_size, memo=memo, **keys)
         assert got == expected
         assert memo.blocks <= max_blocks
 
@@ -160,13 +159,26 @@ def test_the_lora_name_and_salt_key_the_memo_only_for_schemes_that_hash_them() -
     prompt = tokens_of(64)
     vllm, sglang = Counted("vllm-sha256"), Counted("sglang")
     memo = ChainMemo(segment_blocks=2)
-    for lora in (None, "a", "b"):
+    loras = [(None, None), ("a", "/adapters/a"), ("b", "/adapters/b"), ("a", "/elsewhere/a")]
+    for lora, path in loras:
         for counted in (vllm, sglang):
-            expected = scheme(counted.scheme.name).normalized(prompt, block_size=16, lora_name=lora)
-            got = prompt_chain(counted.scheme, prompt, block_size=16, lora_name=lora, memo=memo)
+            keys = {"lora_name": lora, "lora_path": path}
+            expected = scheme(counted.scheme.name).normalized(prompt, block_size=16, **keys)
+            got = prompt_chain(counted.scheme, prompt, block_size=16, memo=memo, **keys)
             assert got == expected
-    assert vllm.steps == 3 * 4  # each LoRA its own chain
-    assert sglang.steps == 4  # SGLang does not hash the LoRA: one chain for all three
+    assert vllm.steps == 4 * 4  # each LoRA its own chain, and each path of one (vLLM 0.32)
+    assert sglang.steps == 4  # SGLang does not hash the LoRA: one chain for all four
+
+
+def test_the_extra_keys_form_keys_the_memo() -> None:
+    """A tagged and an untagged engine of one scheme and seed hash a salted prompt apart."""
+    prompt = tokens_of(64)
+    memo = ChainMemo(segment_blocks=2)
+    for form in ("tagged", "untagged", "tagged"):
+        s = scheme_named("vllm-sha256", seed="0", extra_keys_form=form)
+        expected = s.normalized(prompt, block_size=16, cache_salt="tenant")
+        assert prompt_chain(s, prompt, block_size=16, cache_salt="tenant", memo=memo) == expected
+    assert memo.hits == 2 and memo.misses == 4  # the second tagged walk: both segments hit
 
 
 def test_a_token_outside_u32_is_hashed_without_the_memo() -> None:

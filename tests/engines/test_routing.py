@@ -39,8 +39,18 @@ PROMPT = list(range(1000, 1000 + 16 * 10))  # ten blocks of 16
 SHA = "vllm-sha256-cbor"
 
 
-def spec(name: str, scheme: str = SHA, seed: str | None = "0", block_size: int = 16) -> EngineSpec:
-    return EngineSpec(name, scheme, seed, block_size)
+LORAS = (("l", "/adapters/l"),)  # the engines' lora_modules
+
+
+def spec(
+    name: str,
+    scheme: str = SHA,
+    seed: str | None = "0",
+    block_size: int = 16,
+    **keys: object,
+) -> EngineSpec:
+    keys.setdefault("lora_modules", LORAS)
+    return EngineSpec(name, scheme, seed, block_size, **keys)  # type: ignore[arg-type]
 
 
 def chain_of(
@@ -51,11 +61,17 @@ def chain_of(
     cache_salt: str | None = None,
 ) -> list[EngineBlockHash]:
     """The hashes the engine publishes for `tokens` (schemes are checked against golden
-    vectors in test_schemes.py)."""
+    vectors in test_schemes.py and tests/engines/test_vllm_vectors.py)."""
     assert engine.hash_scheme is not None
-    scheme = scheme_named(engine.hash_scheme, seed=engine.seed)
+    scheme = scheme_named(
+        engine.hash_scheme, seed=engine.seed, extra_keys_form=engine.extra_keys_form
+    )
     return scheme.normalized(
-        tokens, block_size=engine.block_size, lora_name=lora_name, cache_salt=cache_salt
+        tokens,
+        block_size=engine.block_size,
+        lora_name=lora_name,
+        lora_path=engine.lora_path(lora_name),
+        cache_salt=cache_salt,
     )
 
 
@@ -69,11 +85,11 @@ class CountingFactory:
 
     def __init__(self) -> None:
         self.steps = 0
-        self.built: list[tuple[str, str | None]] = []
+        self.built: list[tuple[str, str | None, str]] = []
 
-    def __call__(self, name: str, seed: str | None) -> EngineHashScheme:
-        self.built.append((name, seed))
-        scheme = scheme_named(name, seed=seed)
+    def __call__(self, name: str, seed: str | None, form: str) -> EngineHashScheme:
+        self.built.append((name, seed, form))
+        scheme = scheme_named(name, seed=seed, extra_keys_form=form)
         inner = scheme.step
 
         def counted(parent: bytes | int | None, tokens: Sequence[int], extra: ExtraKeys) -> object:
@@ -96,7 +112,8 @@ def test_sixteen_engines_on_two_configurations_hash_the_prompt_twice() -> None:
     assert factory.steps == 2 * 10  # each configuration's chain once: 10 blocks each
     assert len({row.instance for row in scores.instances}) == 16
     scorer.score(PROMPT, engines)
-    assert sorted(factory.built) == [(SHA, "0"), ("xxh3-64-1337", None)]  # schemes are kept
+    # Schemes are kept, one per (scheme, seed, extra-keys form).
+    assert sorted(factory.built) == [(SHA, "0", "tagged"), ("xxh3-64-1337", None, "tagged")]
 
 
 def test_different_seeds_or_block_sizes_are_different_chains() -> None:
@@ -189,14 +206,14 @@ def test_a_stale_engine_holding_nothing_is_flagged() -> None:
 def test_the_lora_name_and_cache_salt_are_hashed_as_the_engine_does() -> None:
     views = EngineViews(max_blocks_per_engine=1000)
     a = spec("a")
-    hold(views, a, chain_of(a, PROMPT, lora_name="sql", cache_salt="s1"))
+    hold(views, a, chain_of(a, PROMPT, lora_name="l", cache_salt="s1"))
     scorer = RouteScorer(views)
 
     def held(**extra: str) -> int:
         return scorer.score(PROMPT, [a], **extra).instances[0].matched_blocks
 
-    assert held(lora_name="sql", cache_salt="s1") == 10
-    assert held(lora_name="sql") == 0
+    assert held(lora_name="l", cache_salt="s1") == 10
+    assert held(lora_name="l") == 0
     assert held(cache_salt="s1") == 0
 
 
@@ -212,16 +229,68 @@ def test_a_prompt_shorter_than_a_block_holds_nothing_anywhere() -> None:
 
 def test_engines_that_cannot_be_hashed_are_listed_with_the_reason() -> None:
     views = EngineViews(max_blocks_per_engine=1000)
-    engines = [spec("a"), spec("none", scheme=None), spec("unseeded", seed=None),  # type: ignore[arg-type]
-               spec("odd", scheme="md5")]  # fmt: skip
+    engines = [spec("a"), spec("none", scheme=None), spec("unseeded", "vllm-xxhash", None),  # type: ignore[arg-type]
+               spec("odd", scheme="md5"), spec("form", extra_keys_form="v2")]  # fmt: skip
     scores = RouteScorer(views).score(PROMPT, engines)
     assert [row.instance for row in scores.instances] == ["a"]
     reasons = {item.instance: item.reason for item in scores.unscored}
-    assert set(reasons) == {"none", "unseeded", "odd"}
+    assert set(reasons) == {"none", "unseeded", "odd", "form"}
     assert "no hash_scheme" in reasons["none"]
-    assert "PYTHONHASHSEED" in reasons["unseeded"]
+    assert "PYTHONHASHSEED" in reasons["unseeded"] and "random" in reasons["unseeded"]
     assert "unknown engine hash scheme" in reasons["odd"]
+    assert "unknown extra_keys_form 'v2'" in reasons["form"]
     assert all(isinstance(item, Unscored) for item in scores.unscored)
+
+
+def test_a_sha256_engine_without_a_seed_is_scored_with_vllms_fixed_default() -> None:
+    """vLLM 0.32 roots sha256 and sha256_cbor at "vllm-none-hash" when PYTHONHASHSEED is
+    unset: such an engine is scored, and shares its chain with one configured so."""
+    views = EngineViews(max_blocks_per_engine=1000)
+    unset, named = spec("unset", seed=None), spec("named", seed="vllm-none-hash")
+    hold(views, unset, chain_of(named, PROMPT)[:4])
+    scores = RouteScorer(views).score(PROMPT, [unset, named])
+    assert scores.chains_hashed == 1 and not scores.unscored
+    assert {row.instance: row.matched_blocks for row in scores.instances} == {
+        "unset": 4,
+        "named": 0,
+    }
+
+
+def test_salted_and_lora_prompts_route_by_vllm_032s_tagged_keys() -> None:
+    """A salted or LoRA prompt is hashed as vLLM 0.32 hashes it: tagged keys, the LoRA's
+    configured path. The untagged (older) form gives other hashes, so an engine of each
+    form is matched only by its own."""
+    views = EngineViews(max_blocks_per_engine=1000)
+    new, old = spec("new"), spec("old", extra_keys_form="untagged")
+    for engine in (new, old):
+        hold(views, engine, chain_of(engine, PROMPT, cache_salt="tenant-x"))
+        hold(views, engine, chain_of(engine, PROMPT, lora_name="l"))
+    scorer = RouteScorer(views)
+    for keys in ({"cache_salt": "tenant-x"}, {"lora_name": "l"}):
+        scores = scorer.score(PROMPT, [new, old], **keys)  # type: ignore[arg-type]
+        assert scores.chains_hashed == 2
+        assert {row.instance: row.matched_blocks for row in scores.instances} == {
+            "new": 10,
+            "old": 10,
+        }
+    # The tagged chain is vLLM 0.32's own (tests/engines/vllm_vectors.py pins it).
+    tagged = scheme_named(SHA, seed="0").normalized(
+        PROMPT, block_size=16, lora_name="l", lora_path="/adapters/l"
+    )
+    assert chain_of(new, PROMPT, lora_name="l") == tagged != chain_of(old, PROMPT, lora_name="l")
+
+
+def test_a_lora_whose_path_an_engine_does_not_know_leaves_it_unscored() -> None:
+    views = EngineViews(max_blocks_per_engine=1000)
+    known, unknown = spec("known"), spec("unknown", lora_modules=())
+    old = spec("old", extra_keys_form="untagged", lora_modules=())  # hashes the name only
+    sglang = spec("s", "sglang", None, lora_modules=())  # hashes tokens only
+    hold(views, known, chain_of(known, PROMPT, lora_name="l"))
+    scores = RouteScorer(views).score(PROMPT, [known, unknown, old, sglang], lora_name="l")
+    assert {row.instance for row in scores.instances} == {"known", "old", "s"}
+    (missing,) = scores.unscored
+    assert missing.instance == "unknown"
+    assert "'l' is not in the engine's lora_modules" in missing.reason
 
 
 def test_the_instances_filter_keeps_the_named_in_order_and_refuses_unknown_names() -> None:
@@ -266,7 +335,7 @@ def test_each_engine_scores_the_prefix_it_holds(held: list[int], cut: int) -> No
 
 _FLEET = [
     spec("v0"),
-    spec("v1"),
+    spec("v1", extra_keys_form="untagged"),
     spec("v2", "vllm-sha256"),
     spec("s0", "sglang", None),
     spec("d0", "xxh3-64-1337", None, block_size=8),

@@ -1,5 +1,7 @@
 """Engine hash schemes: golden vectors, vectors published by other projects, chain
-properties, and that a wrong seed or scheme never verifies."""
+properties, and that a wrong seed or scheme never verifies. vLLM 0.32's own vectors (tagged
+extra keys, its default seed) are held in test_vllm_vectors.py; golden_vectors.py's are the
+older, untagged form's."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from hypothesis import strategies as st
 
 from cache_service.core.engines.block_hashes import normalize_block_hash
 from cache_service.core.engines.schemes import (
+    COMMON_SEEDS,
+    DEFAULT_SEED,
     SCHEMES,
     EngineHashScheme,
     diagnose_stored_event,
@@ -33,17 +37,38 @@ def test_registry_names_every_scheme() -> None:
         scheme_named("sha256_cbor", seed="0")
 
 
-@pytest.mark.parametrize("name", VLLM)
-def test_vllm_scheme_refuses_to_run_without_a_seed(name: str) -> None:
-    with pytest.raises(ValueError, match="PYTHONHASHSEED"):
+@pytest.mark.parametrize("name", ["vllm-xxhash", "vllm-xxhash-cbor"])
+def test_an_xxhash_scheme_refuses_to_run_without_a_seed(name: str) -> None:
+    """vLLM 0.32 roots xxhash and xxhash_cbor at random bytes when PYTHONHASHSEED is unset."""
+    with pytest.raises(ValueError, match=r"PYTHONHASHSEED.*random bytes"):
         scheme_named(name, seed=None)
+    assert SCHEMES[name].default_seed is None
+
+
+@pytest.mark.parametrize("name", ["vllm-sha256", "vllm-sha256-cbor"])
+def test_a_sha256_scheme_without_a_seed_takes_vllms_fixed_default(name: str) -> None:
+    """vLLM 0.32 roots sha256 and sha256_cbor at "vllm-none-hash" when PYTHONHASHSEED is unset."""
+    unset = scheme_named(name, seed=None)
+    assert unset.seed == DEFAULT_SEED == SCHEMES[name].default_seed == "vllm-none-hash"
+    assert unset.root == scheme_named(name, seed="vllm-none-hash").root
+    assert "vllm-none-hash" in SCHEMES[name].engine_settings
+
+
+def test_doctors_candidate_seeds_start_with_vllms_default() -> None:
+    assert COMMON_SEEDS[0] == "vllm-none-hash" and "0" in COMMON_SEEDS
+
+
+def test_an_unknown_extra_keys_form_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown extra_keys_form 'v2'; known: tagged, untagged"):
+        scheme_named("vllm-sha256", seed="0", extra_keys_form="v2")
+    assert scheme_named("sglang", extra_keys_form="v2").extra_keys_form is None  # no keys
 
 
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("prompt", list(PROMPTS))
 def test_scheme_reproduces_its_pinned_golden_vectors(name: str, prompt: str) -> None:
     tokens, lora, salt = PROMPTS[prompt]
-    scheme = scheme_named(name, seed=SEED)
+    scheme = scheme_named(name, seed=SEED, extra_keys_form="untagged")
     got = scheme.block_hashes(tokens, block_size=BLOCK_SIZE, lora_name=lora, cache_salt=salt)
     assert [_hex(value) for value in got] == GOLDEN[name][prompt]
 
@@ -65,7 +90,7 @@ def test_vllm_sha256_matches_mooncake_conductors_published_vectors() -> None:
     }
     for seed, root in roots.items():
         assert _hex(scheme_named("vllm-sha256", seed=seed).root or b"") == root
-    scheme = scheme_named("vllm-sha256", seed="0")
+    scheme = scheme_named("vllm-sha256", seed="0", extra_keys_form="untagged")  # vLLM 0.22
     utf8 = scheme.block_hashes(
         [1, 2, 3, 4], block_size=4, lora_name="模型-适配器", cache_salt="盐值-🚀"
     )
@@ -103,9 +128,13 @@ def test_vllm_digests_are_published_whole_and_fold_to_their_last_eight_bytes() -
 def test_cache_salt_changes_only_vllms_first_block_key_and_lora_every_block() -> None:
     scheme = scheme_named("vllm-sha256-cbor", seed="0")
     tokens = list(range(12))
-    assert scheme.extra_keys_rule(0, "lora", "salt") == ("lora", "salt")
-    assert scheme.extra_keys_rule(1, "lora", "salt") == ("lora",)
-    assert scheme.extra_keys_rule(1, None, "salt") is None
+    rule = scheme.extra_keys_rule
+    assert rule(0, "a", "/p", "salt") == (("lora", "a", "/p"), ("cache_salt", "salt"))
+    assert rule(1, "a", "/p", "salt") == (("lora", "a", "/p"),)
+    assert rule(1, None, None, "salt") is None and rule(0, None, None, "") is None
+    old = scheme_named("vllm-sha256-cbor", seed="0", extra_keys_form="untagged").extra_keys_rule
+    assert old(0, "a", "/p", "salt") == ("a", "salt")  # older vLLM: no tags, no path
+    assert old(1, "a", None, "salt") == ("a",)
     plain = scheme.block_hashes(tokens, block_size=4)
     salted = scheme.block_hashes(tokens, block_size=4, cache_salt="s")
     assert all(a != b for a, b in zip(plain, salted, strict=True))  # the chain carries it on
@@ -139,10 +168,10 @@ def test_extend_chained_over_blocks_equals_block_hashes(
     chained = []
     for index in range(len(tokens) // block_size):
         block = tokens[index * block_size : (index + 1) * block_size]
-        state = scheme.extend(state, block, scheme.extra_keys_rule(index, lora, salt))
+        state = scheme.extend(state, block, scheme.extra_keys_rule(index, lora, "/p", salt))
         chained.append(scheme.publish(state))
     assert chained == scheme.block_hashes(
-        tokens, block_size=block_size, lora_name=lora, cache_salt=salt
+        tokens, block_size=block_size, lora_name=lora, lora_path="/p", cache_salt=salt
     )
 
 
@@ -152,8 +181,9 @@ def test_a_prefixs_hashes_are_a_prefix_of_the_longer_prompts(
     name: str, tokens: list[int], cut: int, size: int
 ) -> None:
     scheme = scheme_named(name, seed="7")
-    longer = scheme.block_hashes(tokens, block_size=size, lora_name="l", cache_salt="s")
-    shorter = scheme.block_hashes(tokens[:cut], block_size=size, lora_name="l", cache_salt="s")
+    keys = {"lora_name": "l", "lora_path": "/p", "cache_salt": "s"}
+    longer = scheme.block_hashes(tokens, block_size=size, **keys)
+    shorter = scheme.block_hashes(tokens[:cut], block_size=size, **keys)
     assert longer[: len(shorter)] == shorter
     assert len(shorter) == min(cut, len(tokens)) // size
 
@@ -188,10 +218,16 @@ def test_an_engines_event_verifies_against_its_own_scheme(
 ) -> None:
     tokens = tokens[: len(tokens) // 4 * 4]
     engine = scheme_named(name, seed="1234")
-    hashes = engine.block_hashes(tokens, block_size=4, lora_name=lora)
+    hashes = engine.block_hashes(tokens, block_size=4, lora_name=lora, lora_path="/p")
     ours = scheme_named(name, seed="1234")
     result = verify_stored_event(
-        ours, parent=None, token_ids=tokens, block_hashes=hashes, block_size=4, lora_name=lora
+        ours,
+        parent=None,
+        token_ids=tokens,
+        block_hashes=hashes,
+        block_size=4,
+        lora_name=lora,
+        lora_path="/p",
     )
     assert result.ok and result.reproduced == len(hashes) == len(result.states)
 
@@ -281,13 +317,14 @@ def test_a_later_event_verifies_from_the_states_of_its_parents_event(name: str) 
 def test_events_extra_keys_override_the_lora_rule() -> None:
     scheme = scheme_named("vllm-sha256-cbor", seed="0")
     tokens = list(range(8))
-    hashes = scheme.block_hashes(tokens, block_size=4, lora_name="a", cache_salt="salt")
+    lora = {"lora_name": "a", "lora_path": "/p"}
+    hashes = scheme.block_hashes(tokens, block_size=4, cache_salt="salt", **lora)
     common = {"parent": None, "token_ids": tokens, "block_hashes": hashes, "block_size": 4}
     # An older event carries the LoRA name only: a salted prompt cannot tell from it.
-    older = verify_stored_event(scheme, **common, lora_name="a")  # type: ignore[arg-type]
+    older = verify_stored_event(scheme, **common, **lora)  # type: ignore[arg-type]
     assert older.outcome == "unverifiable" and older.keys_unknown
-    keys = [["a", "salt"], ["a"]]
-    assert verify_stored_event(scheme, **common, extra_keys=keys).ok  # type: ignore[arg-type]
+    keys = [["a", "salt"], ["a"]]  # as vLLM 0.32 publishes them: untagged, no path
+    assert verify_stored_event(scheme, **common, extra_keys=keys, **lora).ok  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -314,11 +351,12 @@ def test_malformed_events_are_unverifiable_not_mismatches(
 
 
 def _diagnose(engine: str, engine_seed: str, configured: str, seed: str | None) -> str:
-    event = _event(scheme_named(engine, seed=engine_seed), list(range(8)), lora_name="x")
+    lora = {"lora_name": "x", "lora_path": "/p"}
+    event = _event(scheme_named(engine, seed=engine_seed), list(range(8)), **lora)
     return diagnose_stored_event(
         scheme_name=configured,
         seed=seed,
-        lora_name="x",
+        **lora,
         **event,  # type: ignore[arg-type]
     ).cause
 
@@ -329,6 +367,8 @@ def test_diagnosis_names_a_wrong_scheme_a_wrong_seed_and_an_unknown_root() -> No
     assert _diagnose("sglang", "0", "vllm-sha256-cbor", "0") == "wrong-scheme"
     assert _diagnose("vllm-sha256-cbor", "42", "vllm-sha256-cbor", "0") == "wrong-seed"
     assert _diagnose("vllm-sha256-cbor", "42", "vllm-sha256-cbor", None) == "wrong-seed"
+    # vLLM 0.32 with PYTHONHASHSEED unset: its fixed default is among the seeds tried.
+    assert _diagnose("vllm-sha256", "vllm-none-hash", "vllm-sha256", "0") == "wrong-seed"
     # An unset PYTHONHASHSEED roots vLLM at random bytes: no seed reproduces it.
     assert _diagnose("vllm-sha256-cbor", "not-a-common-seed", "vllm-sha256", "0") == "unknown"
 
@@ -357,8 +397,9 @@ def test_diagnosis_says_which_scheme_reproduces_and_why() -> None:
 def test_without_a_seed_an_event_that_continues_a_prompt_cannot_tell() -> None:
     """The XXH3 chain always extends its parent, so it fails on a vLLM event that continues a
     prompt; that says nothing about the configured, seedless vLLM scheme."""
-    first = scheme_named("vllm-sha256", seed="0").block_hashes(list(range(8)), block_size=4)
-    event = _event(scheme_named("vllm-sha256", seed="0"), list(range(8)))
+    # (xxhash: a scheme that has no seed unless one is configured, unlike sha256)
+    first = scheme_named("vllm-xxhash", seed="0").block_hashes(list(range(8)), block_size=4)
+    event = _event(scheme_named("vllm-xxhash", seed="0"), list(range(8)))
     later = {**event, "parent": first[0]}
-    diagnosis = diagnose_stored_event(scheme_name="vllm-sha256", seed=None, **later)  # type: ignore[arg-type]
+    diagnosis = diagnose_stored_event(scheme_name="vllm-xxhash", seed=None, **later)  # type: ignore[arg-type]
     assert diagnosis.cause == "unverifiable"

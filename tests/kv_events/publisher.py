@@ -13,8 +13,11 @@ The wire is restated here from the engines' definitions, sharing no code with th
   `attn_dp_rank` third in the batch, `medium` (PR #18205), and `BlockStoredWithMetadata`
   (PR #30827) appending a `{"cache_salt": ...}` map after `medium`.
 - Framing (both): `[topic, seq as 8 bytes big-endian, payload]`; the replay ROUTER takes
-  `[identity, b"", start seq]` and answers `[identity, b"", seq, payload]` per buffered batch
-  with seq >= start, then `[identity, b"", (-1 as 8 signed bytes), b""]`.
+  `[identity, b"", start seq]` and answers per buffered batch with seq >= start, then an
+  end marker of seq -1 (8 signed bytes). SGLang (and vLLM before the topic was added):
+  `[identity, b"", seq, payload]`, end `[identity, b"", -1, b""]`; vLLM 0.32
+  (`_service_replay` read in the installed wheel): `[identity, b"", topic, seq, payload]`,
+  end `[identity, b"", b"", -1, b""]`.
 
 The PUB side is an XPUB, which is a PUB on the wire but lets a test wait until the
 subscriber's subscription has arrived instead of sleeping through ZMQ's slow-joiner window.
@@ -165,8 +168,10 @@ class TestPublisher:
         port: int | None = None,
         replay_port: int | None = None,
         rebind_wait_seconds: float = 0.0,
+        replay_topic: bool = False,
     ) -> None:
         self.wire = wire
+        self.replay_topic = replay_topic  # vLLM 0.32's replay layout
         self.topic = topic
         self.next_seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -193,6 +198,14 @@ class TestPublisher:
         if not self._pub.poll(int(timeout_seconds * 1000)):
             raise TimeoutError("no subscriber subscribed")
         self._pub.recv()
+
+    def wait_for_replay_requests(self, count: int, timeout_seconds: float = 5.0) -> None:
+        """Block until `count` replay requests have been answered or are being answered."""
+        deadline = time.monotonic() + timeout_seconds
+        while len(self.replay_requests) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self.replay_requests)} replay requests, not {count}")
+            time.sleep(0.005)
 
     def publish(
         self,
@@ -221,6 +234,14 @@ class TestPublisher:
         """Send arbitrary frames on the stream (garbage, wrong framing)."""
         self._pub.send_multipart(frames)
 
+    def drop_connections(self) -> None:
+        """A network blip: the PUB socket closed and bound again on its port, with the same
+        numbering and replay buffer (the same process, still running)."""
+        self._pub.close(linger=0)
+        self._pub = self._pub.context.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        _bind(self._pub, self.port, wait_seconds=2.0)
+
     def close(self) -> None:
         """Stop the replay thread and close both sockets."""
         self._stop.set()
@@ -243,9 +264,11 @@ class TestPublisher:
                 self.replay_requests.append(start_seq)
                 with self._lock:
                     buffered = [item for item in self._buffer if item[0] >= start_seq]
+                topic = [self.topic] if self.replay_topic else []
                 for seq, payload in buffered:
-                    router.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
-                router.send_multipart([identity, b"", END_SEQ, b""])
+                    router.send_multipart([identity, b"", *topic, seq.to_bytes(8, "big"), payload])
+                end_topic = [b""] if self.replay_topic else []
+                router.send_multipart([identity, b"", *end_topic, END_SEQ, b""])
         finally:
             router.close(linger=0)
 

@@ -75,6 +75,7 @@ def test_flags_can_override_a_configured_engine() -> None:
 
 
 TWICE = '[[engine]]\nname="a"\nendpoint="tcp://h:1"\n[[engine]]\nname="a"\nendpoint="tcp://h:2"\n'
+ONE = '[[engine]]\nname = "a"\nendpoint = "tcp://h:1"\n'
 
 
 @pytest.mark.parametrize(
@@ -92,6 +93,12 @@ TWICE = '[[engine]]\nname="a"\nendpoint="tcp://h:1"\n[[engine]]\nname="a"\nendpo
         ("[engines]\n", "unknown tables"),
         ("[defaults]\n", "one or more [[engine]]"),
         ("not toml = = \n", "engines.toml"),
+        (f'{ONE}extra_keys_form = "v2"\n', "engine a: extra_keys_form must be one of tagged, "),
+        (f"{ONE}extra_keys_form = 1\n", "engine a: extra_keys_form must be a str"),
+        (f'{ONE}lora_modules = "a=/p"\n', "engine a: lora_modules must be a table"),
+        (f"{ONE}lora_modules = {{ a = 1 }}\n", "engine a: lora_modules must be a table"),
+        (f'{ONE}lora_modules = {{ a = "" }}\n', "'a' = '' is not"),
+        (f'{ONE}lora_modules = [["a", "/p"]]\n', "engine a: lora_modules must be a table"),
     ],
 )
 def test_mistakes_are_refused_with_the_engine_and_key(
@@ -109,3 +116,32 @@ def test_the_short_form_refuses_an_empty_list_and_a_bad_endpoint() -> None:
         parse_endpoints(" , ")
     with pytest.raises(KvEventsConfigError):
         parse_endpoints("tcp://h:notaport")
+
+
+def test_the_extra_keys_form_defaults_to_vllm_032s_and_older_releases_say_untagged(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "engines.toml"
+    path.write_text(
+        '[defaults]\nextra_keys_form = "untagged"\n\n'
+        f'{ONE}\n[[engine]]\nname = "b"\nendpoint = "tcp://h:2"\nextra_keys_form = "tagged"\n'
+    )
+    old, new = load_engines(path)
+    assert (old.extra_keys_form, new.extra_keys_form) == ("untagged", "tagged")
+    (engine,) = parse_endpoints("tcp://h:1")
+    assert engine.extra_keys_form == "tagged"  # vLLM 0.32's
+
+
+def test_lora_modules_map_each_adapter_to_the_path_vllm_serves_it_from(tmp_path: Path) -> None:
+    path = tmp_path / "engines.toml"
+    path.write_text(
+        '[defaults]\nlora_modules = { sql = "/adapters/sql" }\n\n'
+        f"{ONE}\n"
+        '[[engine]]\nname = "b"\nendpoint = "tcp://h:2"\n'
+        '[engine.lora_modules]\n"tenant-x/chat" = "/a/chat"\nsql = "/b/sql"\n'
+    )
+    a, b = load_engines(path)
+    assert a.lora_modules == (("sql", "/adapters/sql"),)
+    assert b.lora_modules == (("sql", "/b/sql"), ("tenant-x/chat", "/a/chat"))  # its own table
+    assert (b.lora_path("sql"), b.lora_path("other"), b.lora_path(None)) == ("/b/sql", None, None)
+    assert with_defaults(b, seed="1").lora_modules == b.lora_modules  # kept through the flags

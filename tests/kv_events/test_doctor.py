@@ -23,13 +23,6 @@ PROMPT = list(range(500, 548))  # three blocks of 16
 
 
 @pytest.fixture
-def context() -> Iterator[zmq.Context[Any]]:
-    ctx: zmq.Context[Any] = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
-@pytest.fixture
 def publisher(context: zmq.Context[Any]) -> Iterator[TestPublisher]:
     publisher = TestPublisher(context, wire=WIRES["vllm-map-batch"])
     yield publisher
@@ -162,6 +155,58 @@ def test_salted_prompts_without_extra_keys_are_not_called_a_wrong_setup(
     assert ": unverifiable\n" in out, out
     assert "may have a cache_salt" in out and "send the engine an unsalted" in out
     assert status == 1  # not ok either: nothing it saw could confirm the seed
+
+
+def test_vllm_032s_default_seed_is_among_those_tried(
+    publisher: TestPublisher, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM 0.32 with PYTHONHASHSEED unset roots sha256 at "vllm-none-hash"."""
+    feed = publish_prompts(publisher, "vllm-sha256", "vllm-none-hash")
+    status, _ = doctor(feed, "--kv-events", publisher.endpoint, "--kv-events-seed", "0")
+    out = capsys.readouterr().out
+    assert status == 1, out
+    assert ": wrong-seed\n" in out and "vllm-sha256 with PYTHONHASHSEED=vllm-none-hash" in out
+
+
+def test_a_sha256_engine_without_a_configured_seed_is_checked_with_vllm_032s_default(
+    publisher: TestPublisher, capsys: pytest.CaptureFixture[str]
+) -> None:
+    feed = publish_prompts(publisher, "vllm-sha256", "vllm-none-hash")
+    status, _ = doctor(feed, "--kv-events", publisher.endpoint)
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "(vllm-sha256, seed 'vllm-none-hash', blocks of 16): ok" in out
+
+
+def test_the_seed_flag_says_what_an_unset_pythonhashseed_means() -> None:
+    parser = argparse.ArgumentParser(prog="cache-service")
+    commands = parser.add_subparsers(dest="command")
+    add_doctor_parser(commands)
+    help_text = " ".join(commands.choices["doctor"].format_help().split())
+    assert "unset: vllm-none-hash for vllm-sha256 and vllm-sha256-cbor" in help_text
+
+
+def test_an_engine_of_the_other_vllm_releases_extra_keys_form_is_named(
+    publisher: TestPublisher, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An older vLLM (untagged keys) checked as 0.32's (the default): the seed is right, so
+    the doctor names extra_keys_form, not PYTHONHASHSEED."""
+
+    def feed() -> None:
+        publisher.wait_for_subscriber()
+        events = prompt_events("vllm-sha256", PROMPT, seed="0", extra_keys_form="untagged")
+        events[0]["block_hashes"] = published_hashes(
+            "vllm-sha256", PROMPT, seed="0", cache_salt="tenant-7", extra_keys_form="untagged"
+        )
+        events[0]["extra_keys"] = [["tenant-7"], None, None]
+        publisher.publish(events)
+
+    status, _ = doctor(feed, "--kv-events", publisher.endpoint, "--kv-events-seed", "0")
+    out = capsys.readouterr().out
+    assert status == 1, out
+    assert ": wrong-extra-keys-form\n" in out
+    assert "extra_keys_form = 'untagged', not the configured 'tagged'" in out
+    assert "PYTHONHASHSEED" not in out
 
 
 def test_another_block_size_is_named(

@@ -59,7 +59,10 @@ def test_flags_that_are_given_set_every_engine_of_a_file(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        ({"endpoints": "tcp://h:1"}, "vllm-sha256 needs the engine's PYTHONHASHSEED"),
+        (
+            {"endpoints": "tcp://h:1", "hash_scheme": "vllm-xxhash"},
+            "vllm-xxhash needs the engine's PYTHONHASHSEED",
+        ),
         ({"endpoints": "tcp://h:1", "hash_scheme": "sha256"}, "unknown hash scheme 'sha256'"),
         ({"endpoints": "tcp://h:1", "config_file": "x.toml"}, "not both"),
         ({"endpoints": "tcp://*:5557", "seed": "0"}, "the engine's bind address"),
@@ -73,9 +76,23 @@ def test_engines_that_could_only_fail_silently_are_refused(
 
 
 def test_the_doctor_may_go_without_a_seed_and_neither_source_means_none() -> None:
-    (engine,) = resolve_engines(endpoints="tcp://h:1", require_seed=False)
+    (engine,) = resolve_engines(
+        endpoints="tcp://h:1", hash_scheme="vllm-xxhash", require_seed=False
+    )
     assert engine.seed is None
     assert resolve_engines() == ()
+
+
+@pytest.mark.parametrize("scheme", [None, "vllm-sha256", "vllm-sha256-cbor"])
+def test_a_sha256_engine_without_a_seed_gets_vllm_032s_fixed_default(scheme: str | None) -> None:
+    """vLLM 0.32 roots sha256 and sha256_cbor at "vllm-none-hash" when PYTHONHASHSEED is
+    unset (xxhash ones at random bytes: refused above)."""
+    (engine,) = resolve_engines(endpoints="tcp://h:1", hash_scheme=scheme)
+    assert engine.seed == "vllm-none-hash"
+    (given,) = resolve_engines(endpoints="tcp://h:1", hash_scheme=scheme, seed="7")
+    assert given.seed == "7"
+    (sglang,) = resolve_engines(endpoints="tcp://h:1", hash_scheme="sglang")
+    assert sglang.seed is None  # seedless: nothing to fill in
 
 
 def test_serve_flags_reach_the_settings_and_survive_the_workers_environment(
@@ -102,9 +119,11 @@ def test_serve_flags_reach_the_settings_and_survive_the_workers_environment(
     assert worker.kv_events_max_blocks == 1000
 
 
-def test_a_vllm_scheme_without_a_seed_is_a_configuration_error() -> None:
+def test_an_xxhash_scheme_without_a_seed_is_a_configuration_error() -> None:
     with pytest.raises(ValueError, match="needs the engine's PYTHONHASHSEED"):
-        Settings(kv_events="tcp://10.0.0.5:5557")
+        Settings(kv_events="tcp://10.0.0.5:5557", kv_events_hash_scheme="vllm-xxhash-cbor")
+    (engine,) = Settings(kv_events="tcp://10.0.0.5:5557").kv_event_engines()
+    assert (engine.hash_scheme, engine.seed) == ("vllm-sha256", "vllm-none-hash")
     assert Settings().kv_event_engines() == ()  # ingestion off by default
 
 
@@ -135,3 +154,14 @@ def test_every_subscriber_counter_is_exported_by_engine() -> None:
     assert registry.get_sample_value("prompt_cache_kv_events_view_blocks", {"engine": "a"}) == 0
     report = hub.report()["a"]
     assert (report["blocks"], report["mismatches"], report["last_mismatch"]) == (0, 0, None)
+
+
+def test_the_extra_keys_form_flag_sets_every_engine_and_refuses_other_values() -> None:
+    (engine,) = Settings(
+        kv_events="tcp://10.0.0.5:5557", kv_events_extra_keys_form="untagged"
+    ).kv_event_engines()
+    assert engine.extra_keys_form == "untagged"
+    (default,) = Settings(kv_events="tcp://10.0.0.5:5557").kv_event_engines()
+    assert default.extra_keys_form == "tagged"  # vLLM 0.32's
+    with pytest.raises(ValueError, match="extra_keys_form"):
+        resolve_engines(endpoints="tcp://10.0.0.5:5557", extra_keys_form="bracketed")

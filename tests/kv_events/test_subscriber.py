@@ -22,18 +22,6 @@ from tests.kv_events.publisher import WIRES, TestPublisher, Wire, cleared, remov
 WAIT_SECONDS = 5.0
 
 
-@pytest.fixture
-def context() -> Iterator[zmq.Context[Any]]:
-    ctx: zmq.Context[Any] = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
-@pytest.fixture
-def views() -> EngineViews:
-    return EngineViews(max_blocks_per_engine=10_000)
-
-
 def wait_until(predicate: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + WAIT_SECONDS
     while not predicate():
@@ -183,13 +171,17 @@ def test_a_gap_without_replay_marks_the_engine_stale_until_a_clear(
         publisher.close()
 
 
+@pytest.mark.parametrize("replay_topic", [False, True], ids=["sglang-layout", "vllm-0.32-layout"])
 def test_a_gap_is_filled_from_the_replay_socket(
-    context: zmq.Context[Any], views: EngineViews
+    context: zmq.Context[Any], views: EngineViews, replay_topic: bool
 ) -> None:
-    publisher = TestPublisher(context, wire=WIRES["vllm-map-events"], replay=True)
+    publisher = TestPublisher(
+        context, wire=WIRES["vllm-map-events"], replay=True, replay_topic=replay_topic
+    )
     try:
         with subscribed(views, engine(publisher)) as subscriber:
             publisher.wait_for_subscriber()
+            publisher.wait_for_replay_requests(1)  # the (empty) history, asked at connection
             publisher.publish([stored([1])])
             publisher.publish([stored([2], parent_block_hash=1)], drop=True)
             publisher.publish([removed([1])], drop=True)
@@ -199,8 +191,9 @@ def test_a_gap_is_filled_from_the_replay_socket(
             assert not views.holds("e", 0, 0, EngineBlockHash(1))
             counters = subscriber.stats()["e"]
             # The buffer also held the live batch 3: applied from replay, then skipped live.
-            assert (counters.gaps, counters.replays, counters.replayed_batches) == (1, 1, 3)
-            assert publisher.replay_requests == [1]
+            assert (counters.gaps, counters.replays, counters.replayed_batches) == (1, 2, 3)
+            assert publisher.replay_requests == [0, 1]
+            assert counters.malformed == 0
             assert not subscriber.stale_engines()
             publisher.publish([stored([4])])
             wait_until(lambda: views.holds("e", 0, 0, EngineBlockHash(4)), "the next store")
@@ -216,13 +209,39 @@ def test_a_gap_the_replay_buffer_no_longer_holds_marks_the_engine_stale(
     try:
         with subscribed(views, engine(publisher)) as subscriber:
             publisher.wait_for_subscriber()
+            publisher.wait_for_replay_requests(1)
             publisher.publish([stored([1])])
             publisher.publish([stored([2])], drop=True)
             publisher.publish([stored([3])], drop=True)
             publisher.publish([stored([4])])
             wait_until(lambda: subscriber.stale_engines() == ["e"], "the stale mark")
             assert views.holds("e", 0, 0, EngineBlockHash(4))
-            assert subscriber.stats()["e"].replays == 1
+            assert subscriber.stats()["e"].replays == 2
+    finally:
+        publisher.close()
+
+
+@pytest.mark.parametrize("replay_topic", [False, True], ids=["sglang-layout", "vllm-0.32-layout"])
+def test_a_late_subscriber_asks_for_the_history_at_once(
+    context: zmq.Context[Any], views: EngineViews, replay_topic: bool
+) -> None:
+    """An idle engine: no live message comes, and the view is filled all the same."""
+    publisher = TestPublisher(
+        context, wire=WIRES["vllm-map-batch"], replay=True, replay_topic=replay_topic
+    )
+    try:
+        for block in (1, 2, 3):
+            publisher.publish([stored([block])], drop=True)  # before anyone listened
+        with subscribed(views, engine(publisher)) as subscriber:
+            wait_until(lambda: held(views, 1, 2, 3) == 3, "the history")
+            counters = subscriber.stats()["e"]
+            assert (counters.replays, counters.replayed_batches, counters.malformed) == (1, 3, 0)
+            assert subscriber.liveness()["e"].live
+            publisher.wait_for_subscriber()
+            publisher.publish([stored([4])])  # seq 3: next in order
+            wait_until(lambda: held(views, 1, 2, 3, 4) == 4, "the live store")
+            counters = subscriber.stats()["e"]
+            assert (counters.gaps, counters.replays, counters.duplicates) == (0, 1, 0)
     finally:
         publisher.close()
 
@@ -403,10 +422,11 @@ def test_a_replay_socket_that_never_answers_times_out_and_marks_the_engine_stale
             publisher.publish([stored([3])])
             wait_until(lambda: subscriber.stale_engines() == ["e"], "the stale mark")
             counters = subscriber.stats()["e"]
-            assert (counters.replays, counters.replay_failures) == (1, 1)
+            # The history asked at connection, then the gap: neither answered.
+            assert (counters.replays, counters.replay_failures) == (2, 2)
             assert views.holds("e", 0, 0, EngineBlockHash(3))
-            assert silent.poll(1000)
-            assert silent.recv_multipart()[1:] == [b"", (1).to_bytes(8, "big")]
+            requests = [silent.recv_multipart()[1:] for _ in range(2) if silent.poll(1000)]
+            assert requests == [[b"", (0).to_bytes(8, "big")], [b"", (1).to_bytes(8, "big")]]
     finally:
         silent.close(linger=0)
         publisher.close()

@@ -17,25 +17,40 @@ from cache_service.core.engines.schemes import (
     ExtraKeys,
     scheme_named,
     scheme_names,
-    vllm_extra_keys,
+    untagged_extra_keys,
 )
 from cache_service.core.engines.views import EngineViews
 from cache_service.service.kv_events.config import EngineConfig
 from cache_service.service.kv_events.verifier import UNVERIFIABLE_STARTS_WARNING, SchemeVerifier
-from tests.kv_events.prompts import decoded, prompt_events, published_hashes
+from tests.kv_events.prompts import (
+    LORA_PATH,
+    decoded,
+    lora_modules,
+    prompt_events,
+    published_hashes,
+)
 from tests.kv_events.publisher import stored
 
 VLLM = ("vllm-sha256-cbor", "vllm-xxhash-cbor", "vllm-sha256", "vllm-xxhash")
 TOKENS = list(range(100, 164))  # four blocks of 16
 
 
-def engine(scheme: str | None, seed: str | None = "0", block_size: int = 16) -> EngineConfig:
+def engine(
+    scheme: str | None,
+    seed: str | None = "0",
+    block_size: int = 16,
+    *,
+    loras: tuple[str | None, ...] = (),
+    extra_keys_form: str = "tagged",
+) -> EngineConfig:
     return EngineConfig(
         name="e",
         endpoint="tcp://127.0.0.1:5557",
         hash_scheme=scheme,
         seed=seed,
         block_size=block_size,
+        extra_keys_form=extra_keys_form,
+        lora_modules=lora_modules(*loras),
     )
 
 
@@ -112,7 +127,7 @@ def test_an_engine_storing_other_block_sizes_is_a_mismatch() -> None:
 
 
 def test_lora_names_and_extra_keys_are_hashed_as_vllm_does() -> None:
-    config = engine("vllm-sha256-cbor")
+    config = engine("vllm-sha256-cbor", loras=("adapter-A",))
     verifier = SchemeVerifier([config])
     lora = decoded(prompt_events("vllm-sha256-cbor", TOKENS, seed="0", lora_name="adapter-A"))
     assert verifier(config, lora[0]) is True
@@ -231,17 +246,83 @@ def test_any_prompt_split_any_way_verifies_with_the_engines_own_seed(
     splits: list[int] = []
     while sum(splits) < blocks:
         splits.append(data.draw(st.integers(1, blocks - sum(splits))))
-    config = engine(scheme, seed=seed)
+    config = engine(scheme, seed=seed, loras=(lora,))
     verifier = SchemeVerifier([config])
     raw = prompt_events(scheme, tokens, seed=seed, splits=splits, lora_name=lora)
     events = decoded(raw)
     assert all(verifier(config, event) is True for event in events)
     if scheme in VLLM:  # a wrong seed shows on the event that starts the prompt...
-        wrong = engine(scheme, seed=seed + "x")
+        wrong = engine(scheme, seed=seed + "x", loras=(lora,))
         # ...when it shows block 0's extra keys; without them a salt could explain it.
         assert SchemeVerifier([wrong])(wrong, events[0]) is None
         raw[0]["extra_keys"] = [[lora] if lora else None] * splits[0]
         assert SchemeVerifier([wrong])(wrong, decoded(raw)[0]) is False
+
+
+def test_a_salted_vllm_032_event_verifies_with_no_alarm(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM 0.32 hashes ("cache_salt", salt) and publishes the bare salt: reproduced, never
+    the false alarm that the hash algorithm or PYTHONHASHSEED differs."""
+    config = engine("vllm-sha256")
+    verifier = SchemeVerifier([config])
+    events = prompt_events("vllm-sha256", TOKENS, seed="0", splits=[2, 2])
+    events[0]["block_hashes"] = published_hashes("vllm-sha256", TOKENS, seed="0", cache_salt="t")[
+        :2
+    ]
+    events[1]["block_hashes"] = published_hashes("vllm-sha256", TOKENS, seed="0", cache_salt="t")[
+        2:
+    ]
+    events[1]["parent_block_hash"] = events[0]["block_hashes"][-1]
+    events[0]["extra_keys"] = [["t"], None]
+    events[1]["extra_keys"] = [None, None]
+    with caplog.at_level(logging.WARNING, logger="cache_service.kv_events"):
+        assert [verifier(config, event) for event in decoded(events)] == [True, True]
+    assert verifier.last_mismatch("e") is None and not caplog.text
+
+
+def test_a_lora_event_whose_path_is_not_configured_cannot_tell_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = engine("vllm-sha256-cbor")  # no lora_modules
+    verifier = SchemeVerifier([config])
+    events = prompt_events("vllm-sha256-cbor", TOKENS, seed="0", lora_name="adapter-A")
+    events[0]["extra_keys"] = [["adapter-A"]] * 4
+    with caplog.at_level(logging.WARNING, logger="cache_service.kv_events"):
+        for _ in range(3):
+            assert verifier(config, decoded(events)[0]) is None
+    assert verifier.last_mismatch("e") is None
+    assert caplog.text.count("'adapter-A' is not in the engine's lora_modules") == 1
+    served = engine("vllm-sha256-cbor", loras=("adapter-A",))
+    assert SchemeVerifier([served])(served, decoded(events)[0]) is True
+
+
+@pytest.mark.parametrize(
+    ("engine_form", "configured"), [("tagged", "untagged"), ("untagged", "tagged")]
+)
+def test_an_engine_of_the_other_extra_keys_form_is_named_not_alarmed(
+    engine_form: str, configured: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = engine("vllm-sha256", loras=("l",), extra_keys_form=configured)
+    verifier = SchemeVerifier([config])
+    with caplog.at_level(logging.WARNING, logger="cache_service.kv_events"):
+        for salt in ("a", "b"):
+            events = prompt_events(
+                "vllm-sha256", TOKENS, seed="0", lora_name="l", extra_keys_form=engine_form
+            )
+            events[0]["block_hashes"] = published_hashes(
+                "vllm-sha256",
+                TOKENS,
+                seed="0",
+                lora_name="l",
+                cache_salt=salt,
+                extra_keys_form=engine_form,
+            )
+            events[0]["extra_keys"] = [["l", salt], ["l"], ["l"], ["l"]]
+            assert verifier(config, decoded(events)[0]) is None  # no mismatch: seed is right
+    assert verifier.last_mismatch("e") is None
+    assert verifier.wrong_form_events("e") == 2
+    assert f"extra_keys_form = {engine_form!r}" in (verifier.last_wrong_form("e") or "")
+    assert caplog.text.count("reproduced only with the other extra-keys form") == 1
+    assert "PYTHONHASHSEED" not in caplog.text
 
 
 # --- feeding the route memo -------------------------------------------------------------
@@ -293,11 +374,12 @@ def test_an_event_whose_parent_was_never_seen_feeds_nothing() -> None:
 
 def test_a_salted_prompt_is_memoized_under_its_salt_only() -> None:
     scheme = "vllm-sha256"
-    config = engine(scheme)
+    config = engine(scheme, loras=("l",))
     memo = ChainMemo()
     verifier = SchemeVerifier([config], chain_memo=memo)
     hashes = published_hashes(scheme, LONG, seed="0", cache_salt="s1", lora_name="l")
-    keys = [vllm_extra_keys(i, "l", "s1") for i in range(40)]
+    # vLLM 0.32's events carry the keys untagged: the bare LoRA name and salt.
+    keys = [untagged_extra_keys(i, "l", None, "s1") for i in range(40)]
     events = [
         stored(
             hashes[start:end],
@@ -310,9 +392,11 @@ def test_a_salted_prompt_is_memoized_under_its_salt_only() -> None:
     ]
     assert [verifier(config, event) for event in decoded(events)] == [True, True]
     assert len(memo) == 2
-    _, salted_steps = counted_chain(scheme, LONG, memo, lora_name="l", cache_salt="s1")
-    _, unsalted_steps = counted_chain(scheme, LONG, memo, lora_name="l")
-    assert (salted_steps, unsalted_steps) == (8, 40)
+    lora = {"lora_name": "l", "lora_path": LORA_PATH}
+    _, salted_steps = counted_chain(scheme, LONG, memo, cache_salt="s1", **lora)
+    _, unsalted_steps = counted_chain(scheme, LONG, memo, **lora)
+    _, elsewhere_steps = counted_chain(scheme, LONG, memo, lora_name="l", lora_path="/b")
+    assert (salted_steps, unsalted_steps, elsewhere_steps) == (8, 40, 40)
 
 
 def test_blocks_with_multimodal_extra_keys_are_never_memoized() -> None:
@@ -320,13 +404,14 @@ def test_blocks_with_multimodal_extra_keys_are_never_memoized() -> None:
     config = engine(scheme)
     memo = ChainMemo()
     verifier = SchemeVerifier([config], chain_memo=memo)
-    keys: list[ExtraKeys] = [(("img-hash", 0),) if i == 3 else None for i in range(40)]
+    # vLLM 0.32 hashes ("mm", identifier, offset) and publishes (identifier, offset).
+    keys: list[ExtraKeys] = [(("mm", "img-hash", 0),) if i == 3 else None for i in range(40)]
     raw = scheme_named(scheme, seed="0").block_hashes(LONG, block_size=16, extra_keys_by_block=keys)
     hashes = [int(normalize_block_hash(value)) for value in raw]
     event = stored(
         hashes,
         token_ids=LONG,
-        extra_keys=[[list(k[0])] if k else None for k in keys],
+        extra_keys=[[["img-hash", 0]] if k else None for k in keys],
     )
     assert verifier(config, decoded([event])[0]) is True
     assert len(memo) == 0

@@ -7,14 +7,15 @@ Hashing dominates a routing score (vLLM's sha256 pickles and SHA-256s every 16-t
 - **A memo of chain segments.** The prompt is cut into segments of `segment_blocks` full
   blocks. A running XXH3-128 over the prompt's token bytes (u32 little-endian) gives, at
   each segment's end, a 128-bit digest of the whole prefix; keyed with the scheme context
-  (scheme name, seed, block size and, when the scheme hashes them, the LoRA name and cache
-  salt) and the prefix's block count, it names the segment's blocks' hashes and the chain
-  state of its last block. The chain state depends on exactly those inputs, so a hit is the
-  same answer hashing would give (a 2**-128 digest collision would make one score wrong,
-  never a payload: scores only order candidates). A repeated prompt costs one pass of
-  XXH3 and a dict look-up per segment; a prompt extending an earlier one hashes only past
-  the last shared segment. A memo is bounded by the blocks it holds, least recently used
-  dropped first; one lock makes it safe to share between the threadpool's routes.
+  (scheme name, seed, block size and, when the scheme hashes them, its extra-keys form, the
+  LoRA name and adapter path and the cache salt) and the prefix's block count, it names the
+  segment's blocks' hashes and the chain state of its last block. The chain state depends
+  on exactly those inputs, so a hit is the same answer hashing would give (a 2**-128 digest
+  collision would make one score wrong, never a payload: scores only order candidates). A
+  repeated prompt costs one pass of XXH3 and a dict look-up per segment; a prompt
+  extending an earlier one hashes only past the last shared segment. A memo is bounded by
+  the blocks it holds, least recently used dropped first; one lock makes it safe to share
+  between the threadpool's routes.
 - **Stopping early.** Before hashing each segment, the last block so far is checked with
   `held_prefix` (whether any engine holds it, at all): no engine's prefix can reach past a
   block nobody holds, so the chain is cut before it and the rest of the prompt is never
@@ -22,7 +23,8 @@ Hashing dominates a routing score (vLLM's sha256 pickles and SHA-256s every 16-t
   not per block: probing all 2,048 blocks of a full hit in an index of a million blocks
   cost 0.2 ms of cache misses; the price is hashing up to a segment past the held prefix.
 
-A scheme's (name, seed) is taken to determine it, as `scheme_named` builds them. Ingestion
+A scheme's (name, seed, extra-keys form) is taken to determine it, as `scheme_named` builds
+them. Ingestion
 fills the memo too (memo_feed.py): the segments of prompts an engine stored, keyed the same.
 """
 
@@ -132,13 +134,34 @@ class ChainMemo:
 
 
 def scheme_context(
-    scheme: EngineHashScheme, block_size: int, lora_name: str | None, cache_salt: str | None
+    scheme: EngineHashScheme,
+    block_size: int,
+    lora_name: str | None,
+    lora_path: str | None,
+    cache_salt: str | None,
 ) -> tuple[object, ...]:
-    """What besides the tokens a chain depends on (LoRA and salt only if the scheme hashes
-    them, so SGLang's and Dynamo's chains are shared across namespaces)."""
+    """What besides the tokens a chain depends on (the extra keys' form, LoRA and salt only
+    if the scheme hashes them, so SGLang's and Dynamo's chains are shared across
+    namespaces). `context_extras` reads (LoRA name, path, salt) back."""
     if scheme.covers_extra_keys:
-        return (scheme.name, scheme.seed, block_size, lora_name, cache_salt)
+        return (
+            scheme.name,
+            scheme.seed,
+            block_size,
+            scheme.extra_keys_form,
+            lora_name,
+            lora_path,
+            cache_salt,
+        )
     return (scheme.name, scheme.seed, block_size)
+
+
+def context_extras(context: tuple[object, ...]) -> tuple[str | None, str | None, str | None]:
+    """The (LoRA name, LoRA path, cache salt) a `scheme_context` was made with."""
+    if len(context) < 7:
+        return None, None, None
+    name, path, salt = (value if isinstance(value, str) else None for value in context[4:7])
+    return name, path, salt
 
 
 def prompt_chain(
@@ -147,6 +170,7 @@ def prompt_chain(
     *,
     block_size: int,
     lora_name: str | None = None,
+    lora_path: str | None = None,
     cache_salt: str | None = None,
     memo: ChainMemo | None = None,
     held_prefix: HeldPrefix | None = None,
@@ -168,7 +192,7 @@ def prompt_chain(
             prefix = memoryview(data)
         except ValueError:  # an id outside u32 has no byte form: hash without the memo
             memo = None
-    context = scheme_context(scheme, block_size, lora_name, cache_salt)
+    context = scheme_context(scheme, block_size, lora_name, lora_path, cache_salt)
     running = xxhash.xxh3_128()
     # Bound once: a per-block attribute look-up is measurable at 2,048 blocks.
     step, root, rule, publish = scheme.step, scheme.root, scheme.extra_keys_rule, scheme.publish
@@ -200,7 +224,9 @@ def prompt_chain(
             block = tokens[index * block_size : (index + 1) * block_size]
             # `scheme.extend` and `scheme.normal_form`, inlined
             state = step(
-                root if state is None else state, block, rule(index, lora_name, cache_salt)
+                root if state is None else state,
+                block,
+                rule(index, lora_name, lora_path, cache_salt),
             )
             hashes.append(normalize_block_hash(publish(state)))
         assert state is not None

@@ -13,7 +13,8 @@ completes with the segment's hashes and its last block's chain state.
 
 Never a wrong entry: an event is fed only with the chain states the verifier reproduced; a
 parent not seen (or no longer kept) ends the feed for that event; and under a scheme that
-hashes extra keys every block's must be what the scheme's rule gives for one (LoRA, salt),
+hashes extra keys every block's keys, as the engine hashed them (the scheme's `event_keys`
+of the event's), must be what the scheme's rule gives for one (LoRA and its path, salt),
 which then names the context (multimodal or prompt-embeds keys are never memoized). Links
 are bounded per engine, least recently used dropped: about 275 bytes a block at 16 tokens
 (a 64-byte bytes object, the link and its dict entry, a stream state per segment).
@@ -31,12 +32,17 @@ from typing import Any
 import xxhash
 
 from cache_service.core.engines.block_hashes import EngineBlockHash
-from cache_service.core.engines.chain_memo import ChainMemo, Segment, scheme_context
+from cache_service.core.engines.chain_memo import (
+    ChainMemo,
+    Segment,
+    context_extras,
+    scheme_context,
+)
 from cache_service.core.engines.schemes import (
     ChainState,
     EngineHashScheme,
+    EventExtraKeys,
     ExtraKeys,
-    canonical_extra_keys,
 )
 from cache_service.core.hashing import tokens_to_bytes
 
@@ -84,22 +90,30 @@ class MemoFeed:
         hashes: Sequence[EngineBlockHash],
         states: Sequence[ChainState],
         token_ids: Sequence[int],
-        extra_keys: Sequence[Sequence[object] | None] | None = None,
+        extra_keys: Sequence[EventExtraKeys] | None = None,
         lora_name: str | None = None,
+        lora_path: str | None = None,
     ) -> int:
         """Record the segments a stored event completes (its blocks' 64-bit `hashes` and the
-        verified chain `states` of its leading blocks); how many were recorded."""
+        verified chain `states` of its leading blocks); how many were recorded. `lora_path`
+        is the event's LoRA adapter's path, for a scheme that hashes it."""
         blocks = min(len(hashes), len(states))
         if blocks == 0 or block_size <= 0 or len(token_ids) < blocks * block_size:
             return 0
         links = self._links.setdefault(engine, OrderedDict())
+        try:
+            hashed = _hashed_keys(scheme, extra_keys, lora_name, lora_path)
+        except ValueError:  # a LoRA path not given, a key of no known kind
+            self.skipped += 1
+            return 0
         start = self._resume(
             links,
             scheme,
             block_size=block_size,
             parent=parent,
             lora_name=lora_name,
-            extra_keys=extra_keys,
+            lora_path=lora_path,
+            extra_keys=hashed,
         )
         if start is None:
             self.skipped += 1
@@ -115,8 +129,9 @@ class MemoFeed:
             context,
             first_index=first_index,
             blocks=blocks,
-            extra_keys=extra_keys,
+            extra_keys=hashed,
             lora_name=lora_name,
+            lora_path=lora_path,
         ):
             self.skipped += 1
             return 0
@@ -155,15 +170,16 @@ class MemoFeed:
         block_size: int,
         parent: EngineBlockHash | None,
         lora_name: str | None,
-        extra_keys: Sequence[Sequence[object] | None] | None,
+        lora_path: str | None,
+        extra_keys: Sequence[ExtraKeys] | None,
     ) -> tuple[Context, int, Any, list[EngineBlockHash]] | None:
         """(context, index of the event's first block, the stream resumed just before it,
         the hashes of its segment's blocks before it), or None if it cannot be resumed."""
         if parent is None:
-            fits, salt = _salt_of(scheme, lora_name, extra_keys)
+            fits, salt = _salt_of(scheme, lora_name, lora_path, extra_keys)
             if not fits:
                 return None
-            context = scheme_context(scheme, block_size, lora_name, salt)
+            context = scheme_context(scheme, block_size, lora_name, lora_path, salt)
             return context, 0, xxhash.xxh3_128(), []
         link = links.get(parent)
         if link is None:
@@ -188,21 +204,40 @@ class MemoFeed:
         return link.context, link.index + 1, stream, [walked_key for walked_key, _ in walked]
 
 
+def _hashed_keys(
+    scheme: EngineHashScheme,
+    extra_keys: Sequence[EventExtraKeys] | None,
+    lora_name: str | None,
+    lora_path: str | None,
+) -> list[ExtraKeys] | None:
+    """The event's per-block keys as the engine hashed them (None when it shows none);
+    ValueError when they cannot be had."""
+    if extra_keys is None or not scheme.covers_extra_keys:
+        return None
+    return [scheme.event_keys(keys, lora_name, lora_path) for keys in extra_keys]
+
+
 def _salt_of(
     scheme: EngineHashScheme,
     lora_name: str | None,
-    extra_keys: Sequence[Sequence[object] | None] | None,
+    lora_path: str | None,
+    extra_keys: Sequence[ExtraKeys] | None,
 ) -> tuple[bool, str | None]:
-    """(whether the prompt's first block's extra keys are the rule's for some cache salt,
+    """(whether the prompt's first block's hashed keys are the rule's for some cache salt,
     that salt or None)."""
     if not scheme.covers_extra_keys or not extra_keys:
         return True, None
-    first: ExtraKeys = canonical_extra_keys(extra_keys[0])
-    if first == scheme.extra_keys_rule(0, lora_name, None):
-        return True, None
-    salt = first[-1] if first else None
-    if isinstance(salt, str) and salt and first == scheme.extra_keys_rule(0, lora_name, salt):
-        return True, salt
+    first = extra_keys[0]
+    try:
+        if first == scheme.extra_keys_rule(0, lora_name, lora_path, None):
+            return True, None
+        # The salt is the last key: bare (untagged) or ("cache_salt", salt) (tagged).
+        last = first[-1] if first else None
+        salt = last[-1] if isinstance(last, tuple) and len(last) == 2 else last
+        if isinstance(salt, str) and salt:
+            return first == scheme.extra_keys_rule(0, lora_name, lora_path, salt), salt
+    except ValueError:  # the rule needs a LoRA path that is not given
+        pass
     return False, None
 
 
@@ -212,23 +247,27 @@ def _extras_fit(
     *,
     first_index: int,
     blocks: int,
-    extra_keys: Sequence[Sequence[object] | None] | None,
+    extra_keys: Sequence[ExtraKeys] | None,
     lora_name: str | None,
+    lora_path: str | None,
 ) -> bool:
     """Whether every block was hashed with the extra keys `prompt_chain` gives the context."""
     if not scheme.covers_extra_keys:
         return True
-    context_lora, context_salt = context[3], context[4]
-    assert context_lora is None or isinstance(context_lora, str)
-    assert context_salt is None or isinstance(context_salt, str)
+    context_lora, context_path, context_salt = context_extras(context)
     if extra_keys is None:
         # Verified with the rule for the event's LoRA and no salt: the context's only if
         # the LoRA is the same and the prompt has no salt.
-        return lora_name == context_lora and context_salt is None
+        return (lora_name, lora_path) == (context_lora, context_path) and context_salt is None
     if len(extra_keys) < blocks:
         return False
-    return all(
-        canonical_extra_keys(extra_keys[offset])
-        == scheme.extra_keys_rule(first_index + offset, context_lora, context_salt)
-        for offset in range(blocks)
-    )
+    try:
+        return all(
+            extra_keys[offset]
+            == scheme.extra_keys_rule(
+                first_index + offset, context_lora, context_path, context_salt
+            )
+            for offset in range(blocks)
+        )
+    except ValueError:  # the rule needs a LoRA path that is not given
+        return False

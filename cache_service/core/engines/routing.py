@@ -1,8 +1,10 @@
 """Routing scores: for one prompt, how much of it each engine already holds, best first.
 
-An engine is known by its spec (name, hash scheme, seed, block size). The prompt is hashed
-once per distinct (scheme, seed, block size) among the engines asked about (the LoRA name
-and cache salt are the request's, so the same for all), and each chain is then matched
+An engine is known by its spec (name, hash scheme, seed, block size, the form its vLLM
+release hashes extra keys in, its LoRA adapters' paths). The prompt is hashed once per
+distinct (scheme, seed, extra-keys form, block size, and the path of the request's LoRA
+adapter where the scheme hashes it) among the engines asked about (the LoRA name and cache
+salt are the request's, so the same for all), and each chain is then matched
 against the views of the engines that share it in one `EngineViews.match_prefix` call: with
 16 engines on one vLLM configuration a prompt is hashed once, not 16 times. Even that once
 is cut short (chain_memo.py): hashing stops at the first block no engine holds at all, and
@@ -13,12 +15,15 @@ tests and the benchmark's baseline).
 Every scored engine gets at least one row: one per medium it holds a leading block in, or a
 single GPU row of 0 blocks when it holds none (a candidate that must prefill everything is
 still a candidate). An engine whose blocks cannot be matched to a prompt (no hash scheme
-configured, or a vLLM scheme without its PYTHONHASHSEED) is listed as unscored with the
-reason, never silently scored as holding nothing.
+configured, a vLLM xxhash scheme without its PYTHONHASHSEED, a LoRA adapter whose path the
+engine hashes and its lora_modules do not give) is listed as unscored with the reason,
+never silently scored as holding nothing.
 
-Rows are ordered best first: most cached tokens (blocks x that engine's block size, so
-engines with different block sizes compare fairly), then a sound view before a stale one,
-then the faster medium (GPU, CPU, disk), then by name so the order is deterministic.
+Rows are ordered best first: live engines before engines whose publisher went away (within
+the grace the caller allows them), then most cached tokens (blocks x that engine's block
+size, so engines with different block sizes compare fairly), then a sound view before a
+stale one, then the faster medium (GPU, CPU, disk), then by name so the order is
+deterministic. An engine that is not live is never `best`: a request sent there may fail.
 """
 
 from __future__ import annotations
@@ -31,12 +36,18 @@ from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache, TokenInput
 from cache_service.core.engines.block_hashes import EngineBlockHash
 from cache_service.core.engines.chain_memo import ChainMemo, prompt_chain
-from cache_service.core.engines.schemes import EngineHashScheme, scheme_named
+from cache_service.core.engines.schemes import (
+    DEFAULT_EXTRA_KEYS_FORM,
+    EngineHashScheme,
+    LoraPathUnknown,
+    scheme_named,
+)
 from cache_service.core.engines.views import CPU, DISK, GPU, EngineViews
 from cache_service.core.errors import UnknownInstance
 from cache_service.core.hashing import tokens_to_bytes
 
-SchemeFactory = Callable[[str, str | None], EngineHashScheme]
+SchemeFactory = Callable[[str, str | None, str], EngineHashScheme]  # name, seed, form
+GroupKey = tuple[str, str | None, str | None, int, str | None]  # + block size, LoRA path
 _MEDIUM_RANK = {GPU: 0, CPU: 1, DISK: 2}
 
 
@@ -48,6 +59,13 @@ class EngineSpec:
     hash_scheme: str | None
     seed: str | None
     block_size: int
+    live: bool = True  # False: its publisher went away (disconnected, or silent)
+    extra_keys_form: str = DEFAULT_EXTRA_KEYS_FORM  # how its vLLM release hashes extra keys
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (LoRA name, adapter path), as served
+
+    def lora_path(self, lora_name: str | None) -> str | None:
+        """The configured path of the engine's LoRA adapter `lora_name`, or None."""
+        return None if lora_name is None else dict(self.lora_modules).get(lora_name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +80,7 @@ class InstanceScore:
     block_size: int
     data_parallel_rank: int | None  # the rank holding the most; None when none holds any
     stale: bool  # the engine's view may miss events (a gap that was not replayed)
+    live: bool = True  # False: its publisher went away (ranked after live engines)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +104,7 @@ class EngineScores:
     def best(self) -> InstanceScore | None:
         """The row to route to: the most tokens among sound views (a stale view may claim
         blocks its engine dropped), a stale one only when no sound view holds any."""
-        holding = [row for row in self.instances if row.matched_blocks]
+        holding = [row for row in self.instances if row.matched_blocks and row.live]
         sound = [row for row in holding if not row.stale]
         chosen = sound or holding
         return chosen[0] if chosen else None
@@ -140,7 +159,7 @@ def select_engines(engines: Sequence[EngineSpec], names: Sequence[str] | None) -
 
 
 class RouteScorer:
-    """Scores prompts against engines' views; keeps each (scheme, seed)'s hasher.
+    """Scores prompts against engines' views; keeps each (scheme, seed, form)'s hasher.
 
     `memo` is meant to outlive the scorer (one per service, shared by every request);
     `full_hash` hashes every block of the prompt with no memo and no early stop."""
@@ -157,7 +176,7 @@ class RouteScorer:
         self.memo = None if full_hash else memo
         self.full_hash = full_hash
         self._factory = scheme_factory or _named_scheme
-        self._schemes: dict[tuple[str, str | None], EngineHashScheme | str] = {}
+        self._schemes: dict[tuple[str, str | None, str], EngineHashScheme | str] = {}
 
     def score(
         self,
@@ -172,16 +191,24 @@ class RouteScorer:
         the engines hash them), best first. `token_bytes`, the prompt's `tokens_to_bytes`
         when the caller has it (the store's score encodes it too), saves encoding it again."""
         prompt_tokens = len(tokens)
-        groups: dict[tuple[str, str | None, int], list[EngineSpec]] = {}
+        # (scheme, seed, form, block size, LoRA path) -> its scheme and engines
+        groups: dict[GroupKey, tuple[EngineHashScheme, list[EngineSpec]]] = {}
         unscored: list[Unscored] = []
         for engine in engines:
-            problem = self._problem(engine)
-            if problem is not None:
-                unscored.append(Unscored(engine.name, problem))
+            scheme = self._scheme_of(engine)
+            lora_path = engine.lora_path(lora_name)
+            if isinstance(scheme, EngineHashScheme):
+                try:  # does the rule need a path this engine does not give?
+                    scheme.extra_keys_rule(0, lora_name, lora_path, cache_salt)
+                except LoraPathUnknown as exc:
+                    scheme = str(exc)
+            if isinstance(scheme, str):
+                unscored.append(Unscored(engine.name, scheme))
                 continue
-            assert engine.hash_scheme is not None
-            key = (engine.hash_scheme, engine.seed, engine.block_size)
-            groups.setdefault(key, []).append(engine)
+            if not scheme.covers_extra_keys:
+                lora_path = None  # tokens only: one chain whatever the LoRA
+            key = (scheme.name, scheme.seed, scheme.extra_keys_form, engine.block_size, lora_path)
+            groups.setdefault(key, (scheme, []))[1].append(engine)
         rows: list[InstanceScore] = []
         memo = self.memo
         if memo is not None and groups and token_bytes is None:
@@ -189,12 +216,14 @@ class RouteScorer:
                 token_bytes = tokens_to_bytes(tokens)
             except ValueError:  # an id outside u32: hashed without the memo
                 memo = None
-        for (scheme_name, seed, block_size), members in groups.items():
-            scheme = self._schemes[(scheme_name, seed)]
-            assert isinstance(scheme, EngineHashScheme)
+        for (_, _, _, block_size, lora_path), (scheme, members) in groups.items():
             if self.full_hash:
                 chain = scheme.normalized(
-                    tokens, block_size=block_size, lora_name=lora_name, cache_salt=cache_salt
+                    tokens,
+                    block_size=block_size,
+                    lora_name=lora_name,
+                    lora_path=lora_path,
+                    cache_salt=cache_salt,
                 )
             else:
                 chain = prompt_chain(
@@ -202,6 +231,7 @@ class RouteScorer:
                     tokens,
                     block_size=block_size,
                     lora_name=lora_name,
+                    lora_path=lora_path,
                     cache_salt=cache_salt,
                     memo=memo,
                     held_prefix=self.views.held_prefix,
@@ -211,19 +241,19 @@ class RouteScorer:
         rows.sort(key=_rank)
         return EngineScores(prompt_tokens, rows, unscored, len(groups))
 
-    def _problem(self, engine: EngineSpec) -> str | None:
-        """Why an engine cannot be scored (its scheme is built once and kept), or None."""
+    def _scheme_of(self, engine: EngineSpec) -> EngineHashScheme | str:
+        """The engine's scheme (built once and kept), or why it cannot be scored."""
         if engine.hash_scheme is None:
             return "no hash_scheme configured: its block hashes cannot be matched to a prompt"
-        key = (engine.hash_scheme, engine.seed)
+        key = (engine.hash_scheme, engine.seed, engine.extra_keys_form)
         scheme = self._schemes.get(key)
         if scheme is None:
             try:
                 scheme = self._factory(*key)
-            except ValueError as exc:  # an unknown scheme, or vLLM's without a seed
+            except ValueError as exc:  # an unknown scheme or form, xxhash without a seed
                 scheme = str(exc)
             self._schemes[key] = scheme
-        return scheme if isinstance(scheme, str) else None
+        return scheme
 
     def _rows(
         self,
@@ -233,6 +263,7 @@ class RouteScorer:
         prompt_tokens: int,
     ) -> list[InstanceScore]:
         names = [engine.name for engine in members]
+        live = {engine.name: engine.live for engine in members}
         holds = self.views.match_prefix(chain, engines=names) if chain else []
         rows = []
         holding = set()
@@ -249,22 +280,28 @@ class RouteScorer:
                     block_size,
                     hold.data_parallel_rank,
                     hold.stale,
+                    live[hold.engine],
                 )
             )
         for name in names:
             if name not in holding:
                 stale = self.views.is_stale(name)
-                rows.append(InstanceScore(name, GPU, 0, 0, prompt_tokens, block_size, None, stale))
+                rows.append(
+                    InstanceScore(
+                        name, GPU, 0, 0, prompt_tokens, block_size, None, stale, live[name]
+                    )
+                )
         return rows
 
 
 @lru_cache(maxsize=256)  # a scheme is immutable; its root digest is worth computing once
-def _named_scheme(name: str, seed: str | None) -> EngineHashScheme:
-    return scheme_named(name, seed=seed)
+def _named_scheme(name: str, seed: str | None, extra_keys_form: str) -> EngineHashScheme:
+    return scheme_named(name, seed=seed, extra_keys_form=extra_keys_form)
 
 
-def _rank(row: InstanceScore) -> tuple[int, bool, int, str, str]:
+def _rank(row: InstanceScore) -> tuple[bool, int, bool, int, str, str]:
     return (
+        not row.live,
         -row.cached_tokens,
         row.stale,
         _MEDIUM_RANK.get(row.medium, len(_MEDIUM_RANK)),

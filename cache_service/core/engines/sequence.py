@@ -13,6 +13,10 @@ A restart is: the number 0 after any other; a number far below the last seen (mo
 The missing range of a gap is for replay; what a restart or the first message missed (the
 publisher's history before we joined) can be replayed too but never makes a view stale:
 missing those only under-reports, while a gap mid-stream can hide removals.
+
+A subscriber that asks for the publisher's history as soon as it connects (`on_history`)
+may then read the same numbers live, published while the replay ran: up to the last
+number the history held they are duplicates, even 0, which is otherwise a restart.
 """
 
 from __future__ import annotations
@@ -58,10 +62,30 @@ class SequenceTracker:
         self.last_live: int | None = None
         self.last_applied: int | None = None  # None: nothing applied in this incarnation
         self._reconnect_window = 0  # forward steps left in which a step back is a restart
+        self._history_through = -1  # the last number `on_history` applied
 
     def note_reconnect(self) -> None:
         """The connection to the publisher was re-established (it may have restarted)."""
         self._reconnect_window = RECONNECT_WINDOW
+
+    def note_same_publisher(self) -> None:
+        """The reconnected publisher proved to be the one before (no restart to expect)."""
+        self._reconnect_window = 0
+
+    def start_over(self) -> None:
+        """Forget every number: the publisher restarted and its history comes next."""
+        self.last_live = self.last_applied = None
+        self._reconnect_window = 0
+        self._history_through = -1
+
+    def on_history(self, seq: int) -> Decision:
+        """Classify a number of the history asked for at connection (as `on_replayed`);
+        the live stream then resumes after it."""
+        decision = self.on_replayed(seq)
+        if self.last_live is None or seq > self.last_live:
+            self.last_live = seq
+        self._history_through = max(self._history_through, seq)
+        return decision
 
     def on_live(self, seq: int) -> Decision:
         """Classify a number read from the live stream."""
@@ -75,8 +99,11 @@ class SequenceTracker:
                 return Decision(Verdict.FIRST, seq, range(0, seq))
             return self._classify(seq)
         self._reconnect_window = 0
+        if not reconnected and seq <= self._history_through:
+            return self._classify(seq)  # published while the history was replayed
         if reconnected or seq == 0 or last_live - seq > self.duplicate_window:
             self.last_live, self.last_applied = seq, None
+            self._history_through = -1
             return Decision(Verdict.RESTART, seq, range(0, seq))
         return self._classify(seq)  # a duplicate the live stream repeated
 

@@ -3,6 +3,7 @@ payload store could fill in. A thin translation: the scoring is core/engines/rou
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any
 
 import orjson
@@ -20,6 +21,7 @@ from cache_service.core.engines.routing import (
     InstanceScore,
     RouteScorer,
     StoreScore,
+    Unscored,
     score_store,
     select_engines,
 )
@@ -29,6 +31,7 @@ from cache_service.service.api.openapi import problem_answer
 from cache_service.service.api.schemas import Name, PromptOptions, Token
 from cache_service.service.api.state import ServiceState, service_state
 from cache_service.service.kv_events.config import EngineConfig
+from cache_service.service.kv_events.liveness import EngineLiveness
 
 router = APIRouter()
 STORE = "store"  # the medium of the payload store's row: any worker can load from it
@@ -68,6 +71,11 @@ class RouteInstance(BaseModel):
     block_size: int
     data_parallel_rank: int | None = Field(description="The rank holding them; null if none.")
     stale: bool = Field(description="The engine lost events: its view may be wrong.")
+    live: bool = Field(
+        description="False when the engine's publisher went away (disconnected, or silent "
+        "past the timeout): ranked after live engines, never best, and left out of answers "
+        "once down past the grace (then listed in unscored)."
+    )
 
 
 class RouteStore(BaseModel):
@@ -139,7 +147,17 @@ def _answer(state: ServiceState, body: RouteRequest, namespace: Namespace) -> di
     store = score_store(state.cache, namespace, token_bytes, block_size=body.block_size)
     hub = state.kv_events  # None unless the service follows engines' KV events
     configured = hub.engines_for(body.model) if hub is not None else []
-    engines = select_engines([_spec(engine) for engine in configured], body.instances)
+    liveness = hub.liveness() if hub is not None else {}
+    specs = [_spec(engine, liveness.get(engine.name)) for engine in configured]
+    engines = select_engines(specs, body.instances)
+    gone: list[Unscored] = []
+    if hub is not None:
+        now = time.time()
+        for spec in engines:
+            alive = liveness[spec.name]
+            if hub.gone(alive, now):
+                gone.append(Unscored(spec.name, _gone_reason(alive, now, hub.grace_seconds)))
+        engines = [spec for spec in engines if spec.name not in {u.instance for u in gone}]
     if hub is not None and engines:
         scores = RouteScorer(hub.views, memo=hub.chain_memo).score(
             body.tokens,
@@ -150,11 +168,28 @@ def _answer(state: ServiceState, body: RouteRequest, namespace: Namespace) -> di
         )
     else:
         scores = EngineScores(len(body.tokens), [], [], 0)
+    scores.unscored.extend(gone)
     return route_answer(body.model, scores, store)
 
 
-def _spec(engine: EngineConfig) -> EngineSpec:
-    return EngineSpec(engine.name, engine.hash_scheme, engine.seed, engine.block_size)
+def _spec(engine: EngineConfig, liveness: EngineLiveness | None) -> EngineSpec:
+    live = liveness is None or liveness.live
+    return EngineSpec(
+        engine.name,
+        engine.hash_scheme,
+        engine.seed,
+        engine.block_size,
+        live,
+        extra_keys_form=engine.extra_keys_form,
+        lora_modules=engine.lora_modules,
+    )
+
+
+def _gone_reason(liveness: EngineLiveness, now: float, grace: float) -> str:
+    return (
+        f"down ({liveness.reason}) for {liveness.down_for(now):.0f} s, past the "
+        f"{grace:g} s grace: left out of routing until it publishes again"
+    )
 
 
 def route_answer(model: str, scores: EngineScores, store: StoreScore) -> dict[str, Any]:
@@ -191,6 +226,7 @@ def _row(score: InstanceScore) -> dict[str, Any]:
         "block_size": score.block_size,
         "data_parallel_rank": score.data_parallel_rank,
         "stale": score.stale,
+        "live": score.live,
     }
 
 
@@ -204,4 +240,5 @@ def _store_row(store: StoreScore) -> dict[str, Any]:
         "block_size": store.block_size,
         "data_parallel_rank": None,
         "stale": False,
+        "live": True,
     }

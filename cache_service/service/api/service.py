@@ -174,7 +174,10 @@ class Service:
             running.backend = BackendCounters(health_counts, metrics.registry)
         if engines:  # started by `start` once the store is ready; never touches the store
             state.kv_events = KvEventsHub(
-                engines, max_blocks_per_engine=settings.kv_events_max_blocks
+                engines,
+                max_blocks_per_engine=settings.kv_events_max_blocks,
+                grace_seconds=settings.kv_events_grace,
+                silence_timeout_seconds=settings.kv_events_silence_timeout,
             )
             running.kv_events_collector = KvEventsCollector(state.kv_events)
             metrics.scrape_registry.register(running.kv_events_collector)

@@ -281,6 +281,37 @@ def _tenants(stats: Mapping[str, Any]) -> str:
     return "<h2>Tenants</h2>" + _table(head, rows)
 
 
+def _engines(view: StatusView) -> str:
+    engines = view.stats.get("kv_events")
+    if not engines:
+        return ""
+    rows = []
+    for name, figures in sorted(engines.items()):
+        if figures["live"]:
+            state = "live"
+        else:
+            since = figures["down_since"]
+            ago = show_duration(int(max(0.0, view.generated_at - since))) if since else NONE
+            left = "" if figures["routable"] else ", out of routing"
+            state = f"down ({figures['down_reason']}) for {ago}{left}"
+        rows.append([
+            escape(name),
+            _stat(f"kv_events.{name}.live", figures["live"], state),
+            _count(f"kv_events.{name}.blocks", figures["blocks"]),
+            _count(f"kv_events.{name}.batches", figures["batches"]),
+            _count(f"kv_events.{name}.gaps", figures["gaps"]),
+            _count(f"kv_events.{name}.stale_ranks", figures["stale_ranks"]),
+            _count(f"kv_events.{name}.mismatches", figures["mismatches"]),
+        ])  # fmt: skip
+    head = ["engine", "state", "view entries", "batches", "gaps", "stale ranks", "mismatches"]
+    note = (
+        '<p class="note">Engines whose KV events this service follows. A down engine is '
+        "ranked after live ones in routing answers, and left out after the grace "
+        "(--kv-events-grace).</p>"
+    )
+    return "<h2>Engines</h2>" + _table(head, rows) + note
+
+
 def _footer(root: str) -> str:
     links = " · ".join(f'<a href="{escape(root)}/{path}">{path}</a>'
                        for path in ("v1/stats", "v1/info", "metrics", "docs"))  # fmt: skip
@@ -294,7 +325,7 @@ def render_status_page(view: StatusView) -> str:
               if view.refresh_seconds else "")  # fmt: skip
     body = "".join([
         _header(view), _cards(view), _charts(view), _store(view.stats), _retention(view),
-        _evictions(view), _tenants(view.stats), _footer(view.root),
+        _evictions(view), _tenants(view.stats), _engines(view), _footer(view.root),
     ])  # fmt: skip
     return (
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'

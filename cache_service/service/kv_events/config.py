@@ -7,6 +7,7 @@ engine's unset keys::
     block_size = 16
     hash_scheme = "vllm-sha256-cbor"
     seed = "0"                                 # the engine's PYTHONHASHSEED
+    extra_keys_form = "tagged"                 # vLLM 0.32's; "untagged" for older releases
 
     [[engine]]
     name = "vllm-a"
@@ -14,6 +15,13 @@ engine's unset keys::
     replay_endpoint = "tcp://10.0.0.5:5558"    # likewise
     data_parallel_size = 2
     model = "meta-llama/Llama-3.1-8B-Instruct"
+    lora_modules = { sql-lora = "/adapters/sql-lora" }   # as vLLM's --lora-modules
+
+`seed` unset is filled in by `resolve_engines` (hub.py) where vLLM has a fixed default.
+`extra_keys_form` says how the engine's vLLM release hashes a block's extra keys (LoRA,
+cache salt, multimodal): "tagged" (vLLM 0.32, the default) or "untagged" (older releases);
+other schemes ignore it. `lora_modules` maps each LoRA adapter's name to the path vLLM was
+given for it: vLLM 0.32 hashes the path, and its KV events carry only the name.
 
 The short form ``tcp://HOST:PORT[,tcp://HOST:PORT...]`` makes one engine per endpoint,
 named ``HOST:PORT``, with the defaults given by the caller. Mistakes (an unknown key, a
@@ -23,11 +31,13 @@ named ``HOST:PORT``, with the defaults given by the caller. Mistakes (an unknown
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+from cache_service.core.engines.schemes import DEFAULT_EXTRA_KEYS_FORM, EXTRA_KEYS_FORMS
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size
 
@@ -58,6 +68,12 @@ class EngineConfig:
     replay_endpoint: str | None = None
     data_parallel_size: int = 1
     topic: str = ""  # a prefix filter; "" takes every topic
+    extra_keys_form: str = DEFAULT_EXTRA_KEYS_FORM  # how its vLLM release hashes extra keys
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (LoRA name, adapter path), sorted
+
+    def lora_path(self, lora_name: str | None) -> str | None:
+        """The configured path of the LoRA adapter `lora_name`, or None."""
+        return None if lora_name is None else dict(self.lora_modules).get(lora_name)
 
     def ranks(self) -> list[RankEndpoints]:
         """Each rank's endpoints: rank r on the configured port + r (as vLLM and SGLang bind)."""
@@ -127,6 +143,8 @@ def _checked(table: Mapping[str, Any]) -> EngineConfig:
     values = dict(table)
     if isinstance(values.get("seed"), int) and not isinstance(values["seed"], bool):
         values["seed"] = str(values["seed"])  # PYTHONHASHSEED is a string in the engine
+    if "lora_modules" in values:
+        values["lora_modules"] = _lora_modules(values["lora_modules"], name)
     for key, kind in (
         ("endpoint", str),
         ("model", str),
@@ -134,6 +152,7 @@ def _checked(table: Mapping[str, Any]) -> EngineConfig:
         ("seed", str),
         ("replay_endpoint", str),
         ("topic", str),
+        ("extra_keys_form", str),
         ("block_size", int),
         ("data_parallel_size", int),
     ):
@@ -148,10 +167,38 @@ def _checked(table: Mapping[str, Any]) -> EngineConfig:
         raise KvEventsConfigError(
             f"engine {name}: block_size and data_parallel_size must be at least 1"
         )
+    if engine.extra_keys_form not in EXTRA_KEYS_FORMS:
+        raise KvEventsConfigError(
+            f"engine {name}: extra_keys_form must be one of {', '.join(EXTRA_KEYS_FORMS)} "
+            f"(vLLM 0.32's is tagged, older releases' untagged), not {engine.extra_keys_form!r}"
+        )
     _host_port(engine.endpoint, "endpoint", name)
     if engine.replay_endpoint is not None:
         _host_port(engine.replay_endpoint, "replay_endpoint", name)
     return engine
+
+
+def _lora_modules(value: object, name: str) -> tuple[tuple[str, str], ...]:
+    """A `lora_modules` table (or the pairs `with_defaults` passes back) as sorted pairs."""
+    problem = (
+        f"engine {name}: lora_modules must be a table of LoRA names to adapter paths "
+        '(lora_modules = { name = "/path" }), as given to vLLM\'s --lora-modules'
+    )
+    if isinstance(value, Mapping):
+        pairs: Iterable[object] = value.items()
+    elif isinstance(value, tuple):  # an engine's own, passed back by `with_defaults`
+        pairs = value
+    else:
+        raise KvEventsConfigError(problem)
+    modules: dict[str, str] = {}
+    for pair in pairs:
+        if not (isinstance(pair, tuple | list) and len(pair) == 2):
+            raise KvEventsConfigError(problem)
+        lora, path = pair
+        if not isinstance(lora, str) or not lora or not isinstance(path, str) or not path:
+            raise KvEventsConfigError(f"{problem}; {lora!r} = {path!r} is not")
+        modules[lora] = path
+    return tuple(sorted(modules.items()))
 
 
 def _host_port(endpoint: str, key: str, name: str) -> tuple[str, int]:

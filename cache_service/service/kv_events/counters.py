@@ -25,6 +25,7 @@ class EngineCounters:
     replayed_batches: int = 0  # batches applied from replay
     replay_failures: int = 0  # replays that timed out before their end marker
     restarts: int = 0  # publisher restarts detected (the rank's view rebuilt)
+    downs: int = 0  # times a rank went down (disconnected, or silent past the timeout)
     stale_ranks: int = 0  # ranks whose view may miss events now (a gauge)
     dropped_entries: int = 0  # view entries dropped by the memory bound
     verified: int = 0  # stored events whose hashes the configured scheme reproduced

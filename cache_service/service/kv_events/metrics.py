@@ -1,13 +1,15 @@
 """The KV-event subscriber's per-engine counters as Prometheus metrics, read at scrape time.
 
 `prompt_cache_kv_events_<name>_total{engine}` per counter of `EngineCounters`, and gauges
-for the ranks whose view is stale and the entries each engine's view holds. The `engine`
+for the ranks whose view is stale, the entries each engine's view holds, whether the engine
+is live and for how long it has been down. The `engine`
 label takes the configured engine names only: a bounded set. With `--workers N` a scrape
 reads the hub of the worker that answers it (every worker follows every engine).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -49,6 +51,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "restarts": (
         "restarts",
         "Publisher restarts detected (sequence numbers starting over), by engine.",
+    ),
+    "downs": (
+        "rank_downs",
+        "Times a rank of the engine went down: its publisher disconnected (or stopped "
+        "answering heartbeats), or was silent past --kv-events-silence-timeout.",
     ),
     "dropped_entries": (
         "dropped_entries",
@@ -98,8 +105,26 @@ class KvEventsCollector(Collector):
             "Entries (rank, group, block, medium) in the engine's view of what it holds.",
             labels=["engine"],
         )
+        live = GaugeMetricFamily(
+            PREFIX + "engine_live",
+            "1 while any rank of the engine is up (connected, and heard from within the "
+            "silence timeout), 0 once every rank is down.",
+            labels=["engine"],
+        )
+        down = GaugeMetricFamily(
+            PREFIX + "engine_down_seconds",
+            "Seconds since the engine's last rank went down (0 while live); past "
+            "--kv-events-grace it is left out of routing answers.",
+            labels=["engine"],
+        )
+        liveness = hub.subscriber.liveness()
+        now = time.time()
         for engine in names:
             stale.add_metric([engine], stats[engine].stale_ranks)
             blocks.add_metric([engine], hub.views.block_count(engine))
+            live.add_metric([engine], 1 if liveness[engine].live else 0)
+            down.add_metric([engine], liveness[engine].down_for(now))
         yield stale
         yield blocks
+        yield live
+        yield down

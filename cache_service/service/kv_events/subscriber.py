@@ -6,12 +6,19 @@ a batch's own `data_parallel_rank` (absent in older releases) could not guarante
 ``[topic, seq (8 bytes big-endian), payload]``.
 
 Sequence numbers are judged by `SequenceTracker`. On a gap mid-stream, if the engine has a
-replay endpoint, a DEALER sends ``[b"", start seq]`` to its ROUTER (what a REQ would send;
-a REQ would refuse the second of the many replies) and reads ``[b"", seq, payload]`` until
-seq -1; a gap replay cannot fill marks the rank stale, as does a gap without a replay
-endpoint. A restart (numbers starting over) rebuilds the rank's view; the history before the
-first message, or before a restarted publisher's first one we saw, is replayed when possible.
-A stale rank becomes sound again on a restart or on an AllBlocksCleared.
+replay endpoint, a DEALER asks its ROUTER for the batches from the first missing one
+(replay.py: either release's reply layout); a gap replay cannot fill marks the rank stale,
+as does a gap without a replay endpoint. A restart (numbers starting over) rebuilds the
+rank's view; the history before a restarted publisher's first message we saw is replayed
+when possible. A stale rank becomes sound again on a restart or on an AllBlocksCleared.
+
+Connections are watched (ZMQ's socket monitor, and ZMTP heartbeats on the SUB so a host that
+vanished is a disconnect too). When a rank first connects and has a replay endpoint, its
+history is asked for at once, so a service started after an idle engine knows its cache
+before any new event. When a rank reconnects, the batch we applied last is asked for: the
+same publisher still holds it byte for byte, and what it sent meanwhile is applied; anything
+else is a restarted publisher, whose view is rebuilt from its history. Liveness
+(liveness.py) follows the connections, the messages and, when set, a silence timeout.
 
 A thread rather than asyncio: the loop is small and CPU-bound, replay is a blocking
 exchange with a deadline, and the views are read by request handlers in any thread; it
@@ -30,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -43,7 +51,14 @@ from cache_service.core.engines.sequence import SequenceTracker, Verdict
 from cache_service.core.engines.views import EngineViews
 from cache_service.service.kv_events.config import EngineConfig
 from cache_service.service.kv_events.counters import EngineCounters
-from cache_service.service.kv_events.replay import request_replay
+from cache_service.service.kv_events.liveness import (
+    DISCONNECTED,
+    SILENT,
+    EngineLiveness,
+    RankLiveness,
+    engine_liveness,
+)
+from cache_service.service.kv_events.replay import ReplayResult, request_replay
 
 log = logging.getLogger("cache_service.kv_events")
 
@@ -53,6 +68,8 @@ MAX_DRAIN = 1000  # messages read from one stream before looking at the others
 # A round's reading time, shared by the ready streams: a flooded stream cannot starve the
 # others, and the stop flag and connection events are looked at again soon.
 DRAIN_SECONDS = 0.05
+HEARTBEAT_SECONDS = 2.0  # ZMTP PINGs on each SUB; no answer for 3 intervals is a disconnect
+MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
 @dataclass(eq=False)
@@ -66,6 +83,8 @@ class _Stream:
     sub: zmq.Socket[Any] | None = None
     monitor: zmq.Socket[Any] | None = None
     stale: bool = False
+    liveness: RankLiveness = field(default_factory=RankLiveness)
+    last_batch: tuple[int, int] | None = None  # (seq, XXH3-64 of its payload) applied last
 
 
 class KvEventSubscriber:
@@ -80,9 +99,13 @@ class KvEventSubscriber:
         replay_timeout_seconds: float = 2.0,
         poll_interval_seconds: float = 0.05,
         mismatch_alarm_after: int = 3,
+        silence_timeout_seconds: float = 0.0,
+        heartbeat_seconds: float = HEARTBEAT_SECONDS,
     ) -> None:
         self.engines = list(engines)
         self.views = views
+        self.silence_timeout_seconds = silence_timeout_seconds  # 0: silence is no sign
+        self.heartbeat_seconds = heartbeat_seconds
         self.replay_timeout_seconds = replay_timeout_seconds
         self.poll_interval_seconds = poll_interval_seconds
         self.mismatch_alarm_after = mismatch_alarm_after
@@ -140,6 +163,13 @@ class KvEventSubscriber:
         """The engines with a rank whose view may miss events."""
         return [name for name, counters in self._counters.items() if counters.stale]
 
+    def liveness(self) -> dict[str, EngineLiveness]:
+        """Each engine: live, or down since when and why."""
+        ranks: dict[str, list[RankLiveness]] = {engine.name: [] for engine in self.engines}
+        for stream in self._streams:
+            ranks[stream.engine.name].append(stream.liveness)
+        return {name: engine_liveness(states) for name, states in ranks.items()}
+
     # The subscriber's thread: everything below runs in it alone.
 
     def _run(self) -> None:
@@ -155,6 +185,8 @@ class KvEventSubscriber:
             interval_ms = max(1, int(self.poll_interval_seconds * 1000))
             while not self._stop.is_set():
                 ready = dict(poller.poll(interval_ms))
+                if self.silence_timeout_seconds > 0:
+                    self._check_silence()
                 # Connection events first: a disconnect must be noted before a restarted
                 # publisher's first (low) numbers are judged, or they pass for duplicates.
                 for stream in self._streams:
@@ -179,7 +211,11 @@ class KvEventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         sub.setsockopt(zmq.SUBSCRIBE, stream.engine.topic.encode())
-        stream.monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if self.heartbeat_seconds > 0:
+            interval_ms = max(1, int(self.heartbeat_seconds * 1000))
+            sub.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
+            sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * interval_ms)
+        stream.monitor = sub.get_monitor_socket(MONITORED)
         sub.connect(stream.endpoint)
         stream.sub = sub
 
@@ -199,6 +235,94 @@ class KvEventSubscriber:
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 # The next numbers may come from a restarted publisher.
                 stream.tracker.note_reconnect()
+                stream.liveness.connected = False
+                self._went_down(stream, DISCONNECTED)
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected(stream)
+
+    def _connected(self, stream: _Stream) -> None:
+        """A (re)connection: ask for the history, or check who answers now."""
+        liveness = stream.liveness
+        first = not liveness.ever_connected
+        liveness.connected = liveness.ever_connected = True
+        if stream.replay_endpoint is None:
+            if first:
+                self._heard(stream)  # nothing to be wrong about yet
+            return  # a reconnection: up again at its first message, which the tracker judges
+        if stream.tracker.last_live is None:
+            self._replay_history(stream)
+        else:
+            self._resume(stream)
+
+    def _replay_history(self, stream: _Stream) -> None:
+        """The publisher's buffered history, applied before any live message."""
+        result = self._replay(stream, 0)
+        for seq, payload in result.batches:
+            if stream.tracker.on_history(seq).verdict is not Verdict.DUPLICATE:
+                stream.counters.replayed_batches += 1
+                self._apply(stream, payload, seq)
+        if result.complete:
+            self._heard(stream)
+
+    def _resume(self, stream: _Stream) -> None:
+        """After a reconnection: the same publisher (apply what it sent meanwhile) or a
+        restarted one (rebuild the view from its history)."""
+        last = stream.last_batch
+        start = stream.tracker.last_live if last is None else last[0]
+        assert start is not None
+        result = self._replay(stream, start)
+        if not result.complete:
+            return  # no answer: the first live message decides
+        first = result.batches[0] if result.batches else None
+        if last is not None and first is not None and first[0] == last[0]:
+            same = xxhash.xxh3_64_intdigest(first[1]) == last[1]
+        else:
+            same = False
+        if same:
+            stream.tracker.note_same_publisher()
+            holes = False
+            for seq, payload in result.batches[1:]:
+                replayed = stream.tracker.on_replayed(seq)
+                if replayed.verdict is not Verdict.DUPLICATE:
+                    holes |= replayed.verdict is Verdict.GAP
+                    stream.counters.replayed_batches += 1
+                    self._apply(stream, payload, seq)
+            if holes:
+                self._lost(stream)
+            self._heard(stream)
+            return
+        self._restarted(stream, f"after reconnecting, its batch {start} is not the one applied")
+        stream.tracker.start_over()
+        stream.last_batch = None
+        self._replay_history(stream)
+
+    def _restarted(self, stream: _Stream, why: str) -> None:
+        stream.counters.restarts += 1
+        forgotten = self.views.reset(stream.engine.name, stream.rank)
+        self._set_stale(stream, False)
+        log.warning(
+            "engine %s rank %d: the publisher restarted (%s); its view is rebuilt "
+            "(%d entries forgotten)",
+            stream.engine.name,
+            stream.rank,
+            why,
+            forgotten,
+        )
+
+    def _heard(self, stream: _Stream) -> None:
+        if stream.liveness.come_up(time.monotonic()):
+            log.info("engine %s rank %d is up", stream.engine.name, stream.rank)
+
+    def _went_down(self, stream: _Stream, reason: str) -> None:
+        if stream.liveness.go_down(reason):
+            stream.counters.downs += 1
+            log.warning("engine %s rank %d is down (%s)", stream.engine.name, stream.rank, reason)
+
+    def _check_silence(self) -> None:
+        deadline = time.monotonic() - self.silence_timeout_seconds
+        for stream in self._streams:
+            if stream.liveness.up and stream.liveness.heard_at < deadline:
+                self._went_down(stream, SILENT)
 
     def _drain(self, stream: _Stream, *, deadline: float) -> None:
         """Read the stream's queued messages until none is left, `deadline`, or stop."""
@@ -222,26 +346,17 @@ class KvEventSubscriber:
             self._malformed(stream, f"{len(frames)} frames, not [topic, seq, payload]")
             return
         seq = int.from_bytes(frames[1], "big")
+        self._heard(stream)
         decision = stream.tracker.on_live(seq)
         if decision.verdict is Verdict.IN_ORDER:
-            self._apply(stream, frames[2])
+            self._apply(stream, frames[2], seq)
             return
         if decision.verdict is Verdict.DUPLICATE:
             counters.duplicates += 1
             return
         mid_stream = decision.verdict is Verdict.GAP
         if decision.verdict is Verdict.RESTART:
-            counters.restarts += 1
-            forgotten = self.views.reset(stream.engine.name, stream.rank)
-            self._set_stale(stream, False)
-            log.warning(
-                "engine %s rank %d: the publisher restarted (seq %d); its view is rebuilt "
-                "(%d entries forgotten)",
-                stream.engine.name,
-                stream.rank,
-                seq,
-                forgotten,
-            )
+            self._restarted(stream, f"seq {seq}")
         elif mid_stream:
             counters.gaps += 1
             log.warning(
@@ -253,26 +368,29 @@ class KvEventSubscriber:
             )
         holes = False
         if decision.missing and stream.replay_endpoint is not None:
-            for replayed_seq, payload in self._replay(stream, decision.missing.start):
+            for replayed_seq, payload in self._replay(stream, decision.missing.start).batches:
                 replayed = stream.tracker.on_replayed(replayed_seq)
                 if replayed.verdict is not Verdict.DUPLICATE:
                     holes |= replayed.verdict is Verdict.GAP
                     counters.replayed_batches += 1
-                    self._apply(stream, payload)
+                    self._apply(stream, payload, replayed_seq)
         held = stream.tracker.on_replayed(seq)
         if held.verdict is not Verdict.DUPLICATE:
             holes |= held.verdict is Verdict.GAP
-            self._apply(stream, frames[2])
+            self._apply(stream, frames[2], seq)
         if mid_stream and holes:
-            self._set_stale(stream, True)
-            log.warning(
-                "engine %s rank %d: lost batches could not be replayed; its view is stale "
-                "until the engine restarts or clears its cache",
-                stream.engine.name,
-                stream.rank,
-            )
+            self._lost(stream)
 
-    def _replay(self, stream: _Stream, start: int) -> list[tuple[int, bytes]]:
+    def _lost(self, stream: _Stream) -> None:
+        self._set_stale(stream, True)
+        log.warning(
+            "engine %s rank %d: lost batches could not be replayed; its view is stale "
+            "until the engine restarts or clears its cache",
+            stream.engine.name,
+            stream.rank,
+        )
+
+    def _replay(self, stream: _Stream, start: int) -> ReplayResult:
         """The batches the engine's replay socket sends from `start` on (bounded wait)."""
         assert self._context is not None and stream.replay_endpoint is not None
         stream.counters.replays += 1
@@ -284,7 +402,7 @@ class KvEventSubscriber:
             stop=self._stop,
         )
         for _ in range(result.malformed):
-            self._malformed(stream, "a replay reply is not [b'', seq, payload]")
+            self._malformed(stream, "a replay reply is not [b'', (topic,) seq, payload]")
         if not result.complete:
             stream.counters.replay_failures += 1
             log.warning(
@@ -295,10 +413,11 @@ class KvEventSubscriber:
                 self.replay_timeout_seconds,
                 len(result.batches),
             )
-        return result.batches
+        return result
 
-    def _apply(self, stream: _Stream, payload: bytes) -> None:
+    def _apply(self, stream: _Stream, payload: bytes, seq: int) -> None:
         counters = stream.counters
+        stream.last_batch = (seq, xxhash.xxh3_64_intdigest(payload))
         try:
             batch = decode_batch(payload)
         except MalformedEvent as exc:

@@ -9,7 +9,11 @@ states of every verified block are kept, by their 64-bit form, in a bounded map 
 a later event of the same prompt then chains on its verified parent.
 
 Answers as the subscriber expects: True (reproduced), False (a mismatch: counted and
-alarmed), None (cannot tell: no scheme, bigram tokens, an unknown parent, an odd shape).
+alarmed), None (cannot tell: no scheme, bigram tokens, an unknown parent, an odd shape, a
+LoRA adapter missing from the engine's lora_modules). An event the configured scheme and
+seed reproduce only with the other vLLM release's extra-keys form is no mismatch either (the
+seed is right): it is counted, and logged once per engine naming `extra_keys_form`, since
+the engine's salted and LoRA prompts score nothing until the configuration says the form.
 It runs in the subscriber's thread only; `last_mismatch` is read from any thread (a dict
 read of an immutable string). Given the route's `ChainMemo`, it also records there the
 segments of the prompts whose blocks it reproduced (memo_feed.py): the memo is locked.
@@ -67,6 +71,10 @@ class SchemeVerifier:
         # Per engine: starts verified, and starts that could not be for unknown keys.
         self._verified_starts: dict[str, int] = {}
         self._unknown_key_starts: dict[str, int] = {}
+        # Per engine: events reproduced only with the other extra_keys_form, and why.
+        self._wrong_form: dict[str, int] = {}
+        self._last_wrong_form: dict[str, str] = {}
+        self._unknown_loras: dict[str, set[str]] = {}  # adapters not in lora_modules, warned
         # Verified prompts' segments go to the route memo, so a prompt an engine stored is
         # not hashed on its first /v1/route (links bounded like the chain states).
         self.memo_feed = (
@@ -82,6 +90,14 @@ class SchemeVerifier:
     def memo_segments(self, engine: str) -> int:
         """How many route-memo segments the engine's stored events have recorded (ever)."""
         return 0 if self.memo_feed is None else self.memo_feed.segments_recorded(engine)
+
+    def wrong_form_events(self, engine: str) -> int:
+        """Events the engine's scheme and seed reproduce only with the other extra_keys_form."""
+        return self._wrong_form.get(engine, 0)
+
+    def last_wrong_form(self, engine: str) -> str | None:
+        """Why the engine's latest such event says its extra_keys_form is wrong; None if none."""
+        return self._last_wrong_form.get(engine)
 
     def known_states(self, engine: str) -> int:
         """How many verified chain states are kept for an engine."""
@@ -117,8 +133,13 @@ class SchemeVerifier:
             block_size=engine.block_size,
             extra_keys=event.extra_keys,
             lora_name=event.lora_name,
+            lora_path=engine.lora_path(event.lora_name),
             known_states=known,
         )
+        if result.other_form is not None:
+            self._note_wrong_form(engine, result.reason)
+        elif result.lora_unknown is not None:
+            self._note_unknown_lora(engine, result.lora_unknown, result.reason)
         self._remember(known, hashes, result.states)
         if self.memo_feed is not None and result.states:
             self._feed_memo(
@@ -166,6 +187,25 @@ class SchemeVerifier:
                 engine.hash_scheme,
             )
 
+    def _note_wrong_form(self, engine: EngineConfig, reason: str) -> None:
+        count = self._wrong_form.get(engine.name, 0) + 1
+        self._wrong_form[engine.name] = count
+        self._last_wrong_form[engine.name] = reason
+        if count == 1:  # the form is configured once per engine: once is enough to say so
+            log.warning(
+                "engine %s: a stored event is reproduced only with the other extra-keys form "
+                "(its salted and LoRA prompts score no cached blocks until extra_keys_form "
+                "is set): %s",
+                engine.name,
+                reason,
+            )
+
+    def _note_unknown_lora(self, engine: EngineConfig, lora_name: str, reason: str) -> None:
+        warned = self._unknown_loras.setdefault(engine.name, set())
+        if lora_name not in warned:
+            warned.add(lora_name)
+            log.warning("engine %s: a LoRA event cannot be verified: %s", engine.name, reason)
+
     def unverifiable_starts(self, engine: str) -> int:
         """Prompts the engine started whose first block could not be verified (keys unknown)."""
         return self._unknown_key_starts.get(engine, 0)
@@ -209,6 +249,7 @@ class SchemeVerifier:
             token_ids=event.token_ids,
             extra_keys=event.extra_keys,
             lora_name=event.lora_name,
+            lora_path=engine.lora_path(event.lora_name),
         )
 
     def _mismatch(self, engine: EngineConfig, reason: str) -> bool:
@@ -228,7 +269,9 @@ def _scheme_of(engine: EngineConfig) -> EngineHashScheme | None:
     if engine.hash_scheme is None:
         return None
     try:
-        return scheme_named(engine.hash_scheme, seed=engine.seed)
+        return scheme_named(
+            engine.hash_scheme, seed=engine.seed, extra_keys_form=engine.extra_keys_form
+        )
     except ValueError:  # the settings refuse these; an engine built elsewhere is not verified
         log.warning("engine %s: its hash scheme cannot be used; not verifying", engine.name)
         return None

@@ -6,7 +6,13 @@ from dataclasses import dataclass
 
 from cache_service.core.engines.schemes.scheme import EngineHashScheme
 from cache_service.core.engines.schemes.sglang import sglang_scheme
-from cache_service.core.engines.schemes.vllm import ALGORITHMS, vllm_scheme
+from cache_service.core.engines.schemes.vllm import (
+    ALGORITHMS,
+    DEFAULT_EXTRA_KEYS_FORM,
+    DEFAULT_SEED,
+    FIXED_DEFAULT_SEED,
+    vllm_scheme,
+)
 from cache_service.core.engines.schemes.xxh3_chain import xxh3_chain_scheme
 
 
@@ -18,6 +24,9 @@ class SchemeInfo:
     engine: str
     uses_seed: bool
     engine_settings: str
+    # The seed the engine uses with PYTHONHASHSEED unset, when it is not random (vLLM 0.32's
+    # "vllm-none-hash" for sha256 and sha256_cbor); None: a seed must be configured.
+    default_seed: str | None = None
 
 
 SCHEMES: dict[str, SchemeInfo] = {
@@ -28,7 +37,13 @@ SCHEMES: dict[str, SchemeInfo] = {
             uses_seed=True,
             engine_settings=(
                 f"--prefix-caching-hash-algo {algo} and PYTHONHASHSEED set to the configured seed"
+                + (
+                    f" (unset: vLLM 0.32 uses {DEFAULT_SEED!r})"
+                    if name in FIXED_DEFAULT_SEED
+                    else " (unset: random per process)"
+                )
             ),
+            default_seed=DEFAULT_SEED if name in FIXED_DEFAULT_SEED else None,
         )
         for name, (algo, *_) in ALGORITHMS.items()
     },
@@ -52,13 +67,21 @@ def scheme_names() -> tuple[str, ...]:
     return tuple(SCHEMES)
 
 
-def scheme_named(name: str, *, seed: str | int | None = None) -> EngineHashScheme:
-    """The scheme `name` with the engine's seed (vLLM's PYTHONHASHSEED, as its string).
+def scheme_named(
+    name: str,
+    *,
+    seed: str | int | None = None,
+    extra_keys_form: str = DEFAULT_EXTRA_KEYS_FORM,
+) -> EngineHashScheme:
+    """The scheme `name` with the engine's seed (vLLM's PYTHONHASHSEED, as its string) and
+    the form its release hashes extra keys in (vLLM's "tagged" or "untagged").
 
-    Seedless schemes (sglang, xxh3-64-1337) ignore `seed`, so one configured seed can be
-    passed to every scheme; a vLLM scheme without a seed is refused, never made random."""
+    Seedless schemes (sglang, xxh3-64-1337) ignore `seed` and `extra_keys_form`, so one
+    configuration can be passed to every scheme. A vLLM scheme without a seed takes vLLM
+    0.32's fixed default where vLLM has one (sha256, sha256_cbor); the xxhash ones are
+    refused, never made random."""
     if name in ALGORITHMS:
-        return vllm_scheme(name, seed=seed)
+        return vllm_scheme(name, seed=seed, extra_keys_form=extra_keys_form)
     if name == "sglang":
         return sglang_scheme()
     if name == "xxh3-64-1337":

@@ -12,6 +12,14 @@ returns, by normal form, and pass them back as `known_states`. Without them such
 is "unverifiable", never a mismatch. Only an event that starts a prompt (no parent) shows a
 wrong seed: later blocks chain on their parent whatever the root was.
 
+An event's `extra_keys` are converted into the keys the engine hashed by the scheme's
+`event_keys` (vLLM 0.32 publishes them untagged and hashes them tagged, with the LoRA
+adapter's path, which the caller gives as `lora_path`: the engine's lora_modules). A LoRA
+event whose adapter's path is not given is "unverifiable" (`lora_unknown`), never a
+mismatch. When an event that shows extra keys is not reproduced with the scheme's
+`extra_keys_form` but is with the other one, the configuration names the wrong release's
+form: the event is "unverifiable" with `other_form` set, and no alarm about the seed.
+
 An event without `extra_keys` (vLLM before they were published) does not show block 0's
 cache_salt or multimodal keys. When its block 0 is not reproduced from the LoRA name alone
 the event is "unverifiable" (`keys_unknown`), not a mismatch: a healthy engine serving salted
@@ -22,23 +30,22 @@ published hash is the full digest, so a wrong hash algorithm still shows.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from cache_service.core.engines.block_hashes import EngineBlockHash, normalize_block_hash
-from cache_service.core.engines.schemes.registry import SCHEMES, scheme_named, scheme_names
+from cache_service.core.engines.schemes.registry import scheme_named
 from cache_service.core.engines.schemes.scheme import (
     ChainState,
     EngineHashScheme,
+    EventExtraKeys,
     ExtraKeys,
+    LoraPathUnknown,
     PublishedHash,
 )
+from cache_service.core.engines.schemes.vllm import EXTRA_KEYS_FORMS
 
 Outcome = Literal["reproduced", "mismatch", "unverifiable"]
-Cause = Literal["ok", "wrong-scheme", "wrong-seed", "unknown", "unverifiable"]
-
-# Seeds operators commonly give PYTHONHASHSEED, tried when the configured one fails.
-COMMON_SEEDS = ("0", "1", "42", "123", "1337", "12345", "random")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +60,10 @@ class Verification:
     # Block 0 was not reproduced and the event does not show its extra keys: a cache_salt or
     # multimodal keys, or a wrong seed; this event cannot tell which.
     keys_unknown: bool = False
+    # The LoRA adapter whose path the scheme hashes and the caller did not give.
+    lora_unknown: str | None = None
+    # The extra_keys_form that reproduces the event when the scheme's own does not.
+    other_form: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -89,15 +100,75 @@ def verify_stored_event(
     token_ids: Sequence[int],
     block_hashes: Sequence[PublishedHash],
     block_size: int,
-    extra_keys: Sequence[Sequence[object] | None] | None = None,
+    extra_keys: Sequence[EventExtraKeys] | None = None,
     lora_name: str | None = None,
+    lora_path: str | None = None,
     known_states: Mapping[EngineBlockHash, ChainState] | None = None,
 ) -> Verification:
     """Whether a BlockStored's `block_hashes` are reproduced from its tokens by `scheme`.
 
     `extra_keys` is the event's per-block list (newer vLLM); without it a block's extra
-    keys are the LoRA name alone, so an older event of a salted prompt cannot verify."""
-    blocks = len(block_hashes)
+    keys are the LoRA's alone, so an older event of a salted prompt cannot verify.
+    `lora_path` is the path of the event's LoRA adapter, where the scheme hashes it."""
+    event = _Event(parent, token_ids, block_hashes, block_size, extra_keys, lora_name, lora_path)
+    result = _verify(scheme, event, known_states)
+    if result.ok or not (lora_name is not None or any(extra_keys or ())):
+        return result  # the forms differ only in extra keys: this event has none
+    if result.outcome == "unverifiable" and not (result.keys_unknown or result.lora_unknown):
+        return result
+    other = _other_form(scheme)
+    if other is None:
+        return result
+    retry = _verify(other, event, known_states)
+    if retry.lora_unknown is not None and result.lora_unknown is None:
+        # The other form hashes the LoRA's path, which is not given: this event cannot tell.
+        why = f"{result.reason}; with extra_keys_form = {other.extra_keys_form!r}: {retry.reason}"
+        return replace(retry, reason=why)
+    if not retry.ok:
+        return result
+    reason = (
+        f"{scheme.name} reproduces the event with extra_keys_form = "
+        f"{other.extra_keys_form!r}, not the configured {scheme.extra_keys_form!r}: set the "
+        "engine's extra_keys_form to its vLLM release's ('tagged' from vLLM 0.32, "
+        "'untagged' before); the seed and hash algorithm are right"
+    )
+    return Verification(
+        "unverifiable", result.blocks, 0, (), reason, other_form=other.extra_keys_form
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Event:
+    """What of a stored event a verification reads."""
+
+    parent: PublishedHash | None
+    token_ids: Sequence[int]
+    block_hashes: Sequence[PublishedHash]
+    block_size: int
+    extra_keys: Sequence[EventExtraKeys] | None
+    lora_name: str | None
+    lora_path: str | None
+
+
+def _other_form(scheme: EngineHashScheme) -> EngineHashScheme | None:
+    """The scheme with the other extra_keys_form, or None when it has no such choice."""
+    if scheme.extra_keys_form is None:
+        return None
+    other = next(form for form in EXTRA_KEYS_FORMS if form != scheme.extra_keys_form)
+    try:
+        return scheme_named(scheme.name, seed=scheme.seed, extra_keys_form=other)
+    except ValueError:  # a scheme not of the registry
+        return None
+
+
+def _verify(
+    scheme: EngineHashScheme,
+    event: _Event,
+    known_states: Mapping[EngineBlockHash, ChainState] | None,
+) -> Verification:
+    """`verify_stored_event` with the scheme's own extra_keys_form only."""
+    blocks = len(event.block_hashes)
+    token_ids, block_size, extra_keys = event.token_ids, event.block_size, event.extra_keys
     if blocks == 0:
         return _unverifiable(0, "the event stores no blocks")
     if block_size <= 0 or len(token_ids) != blocks * block_size:
@@ -107,24 +178,27 @@ def verify_stored_event(
     if extra_keys is not None and len(extra_keys) != blocks:
         return _unverifiable(blocks, f"{len(extra_keys)} extra keys for {blocks} blocks")
     try:
-        expected = [normalize_block_hash(value) for value in block_hashes]
-        found, state = _parent_state(scheme, parent, known_states)
+        expected = [normalize_block_hash(value) for value in event.block_hashes]
+        found, state = _parent_state(scheme, event.parent, known_states)
     except (TypeError, ValueError) as exc:
         return _unverifiable(blocks, f"a malformed block hash: {exc}")
     if not found:
         return _unverifiable(blocks, "the parent's chain state is unknown (not seen stored)")
-    first_index = 0 if parent is None else 1  # only block 0 of a prompt takes the salt
+    first_index = 0 if event.parent is None else 1  # only block 0 of a prompt takes the salt
     states: list[ChainState] = []
     for index in range(blocks):
-        extra: ExtraKeys
-        if extra_keys is not None:
-            keys = extra_keys[index]
-            extra = tuple(keys) if keys is not None else None
-        else:
-            extra = scheme.extra_keys_rule(first_index + index, lora_name, None)
         block = token_ids[index * block_size : (index + 1) * block_size]
         try:
+            extra: ExtraKeys
+            if extra_keys is not None:
+                extra = scheme.event_keys(extra_keys[index], event.lora_name, event.lora_path)
+            else:
+                extra = scheme.extra_keys_rule(
+                    first_index + index, event.lora_name, event.lora_path, None
+                )
             state = scheme.extend(state, block, extra)
+        except LoraPathUnknown as exc:
+            return Verification("unverifiable", blocks, 0, (), str(exc), lora_unknown=exc.lora_name)
         except (TypeError, ValueError) as exc:
             return Verification("unverifiable", blocks, index, tuple(states), str(exc))
         got = scheme.normal_form(state)
@@ -133,20 +207,19 @@ def verify_stored_event(
                 f"block {index}: {scheme.name} gives {got:016x}, "
                 f"the event has {expected[index]:016x}"
             )
-            if index == 0 and parent is None and extra_keys is None and scheme.covers_extra_keys:
-                return _unknown_block0_keys(scheme, block_hashes, token_ids, block_size, lora_name)
+            if (
+                index == 0
+                and event.parent is None
+                and extra_keys is None
+                and scheme.covers_extra_keys
+            ):
+                return _unknown_block0_keys(scheme, event)
             return Verification("mismatch", blocks, index, tuple(states), reason)
         states.append(state)
     return Verification("reproduced", blocks, blocks, tuple(states), "")
 
 
-def _unknown_block0_keys(
-    scheme: EngineHashScheme,
-    block_hashes: Sequence[PublishedHash],
-    token_ids: Sequence[int],
-    block_size: int,
-    lora_name: str | None,
-) -> Verification:
+def _unknown_block0_keys(scheme: EngineHashScheme, event: _Event) -> Verification:
     """A start event whose block 0 did not reproduce and whose extra keys are not shown.
 
     The seed enters only through the root, that is block 0: blocks 1.. chain on block 0's
@@ -154,6 +227,7 @@ def _unknown_block0_keys(
     with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) blocks 1.. still check the hash algorithm:
     a failure there is a mismatch. The int form keeps too little of the digest: block 0's
     salt or the seed stays unknown and nothing after it can be checked."""
+    block_hashes, token_ids, block_size = event.block_hashes, event.token_ids, event.block_size
     blocks = len(block_hashes)
     why = (
         "block 0 was not reproduced and the event carries no extra_keys: its prompt may have "
@@ -168,9 +242,9 @@ def _unknown_block0_keys(
         return Verification("unverifiable", blocks, 0, (), why, keys_unknown=True)
     for index in range(1, blocks):
         block = token_ids[index * block_size : (index + 1) * block_size]
-        # Blocks past 0 take the LoRA name only (the salt is block 0's).
-        extra = scheme.extra_keys_rule(index, lora_name, None)
         try:
+            # Blocks past 0 take the LoRA's keys only (the salt is block 0's).
+            extra = scheme.extra_keys_rule(index, event.lora_name, event.lora_path, None)
             state = scheme.extend(state, block, extra)
         except (TypeError, ValueError) as exc:
             return Verification("unverifiable", blocks, 0, (), str(exc), keys_unknown=True)
@@ -185,111 +259,3 @@ def _unknown_block0_keys(
     # Nothing is kept for children or the route memo: block 0's keys are still unknown.
     reason = f"{why}; blocks 1..{blocks - 1} were reproduced from block 0's published digest"
     return Verification("unverifiable", blocks, 0, (), reason, keys_unknown=True)
-
-
-@dataclass(frozen=True, slots=True)
-class Diagnosis:
-    """Which schemes reproduce an event, and the likely cause when the configured one fails."""
-
-    cause: Cause
-    reproducing: tuple[str, ...]  # schemes reproducing it with the configured seed
-    other_seeds: tuple[tuple[str, str], ...]  # (scheme, seed) reproducing it with another
-    detail: str
-
-
-def diagnose_stored_event(
-    *,
-    scheme_name: str,
-    seed: str | int | None,
-    parent: PublishedHash | None,
-    token_ids: Sequence[int],
-    block_hashes: Sequence[PublishedHash],
-    block_size: int,
-    extra_keys: Sequence[Sequence[object] | None] | None = None,
-    lora_name: str | None = None,
-    known_states: Mapping[EngineBlockHash, ChainState] | None = None,
-    candidate_seeds: Sequence[str] = COMMON_SEEDS,
-) -> Diagnosis:
-    """Try every registered scheme on one stored event and name the likely cause."""
-
-    keys_unknown: list[str] = []  # the reasons of schemes that could not see block 0's keys
-
-    def outcome(name: str, try_seed: str | int | None) -> Outcome:
-        result = verify_stored_event(
-            scheme_named(name, seed=try_seed),
-            parent=parent,
-            token_ids=token_ids,
-            block_hashes=block_hashes,
-            block_size=block_size,
-            extra_keys=extra_keys,
-            lora_name=lora_name,
-            known_states=known_states,
-        )
-        if result.keys_unknown:
-            keys_unknown.append(result.reason)
-        return result.outcome
-
-    seeded = {name for name in scheme_names() if SCHEMES[name].uses_seed}
-    outcomes = {
-        name: outcome(name, seed)
-        for name in scheme_names()
-        if seed is not None or name not in seeded
-    }
-    reproducing = tuple(name for name, result in outcomes.items() if result == "reproduced")
-    if scheme_name in reproducing:
-        return Diagnosis("ok", reproducing, (), f"{scheme_name} reproduces the event")
-    if reproducing:
-        return Diagnosis(
-            "wrong-scheme",
-            reproducing,
-            (),
-            f"the engine hashes with {' or '.join(reproducing)}, not the configured "
-            f"{scheme_name}: configure that scheme (or change the engine's)",
-        )
-    others = tuple(
-        (name, candidate)
-        for name in sorted(seeded)
-        for candidate in candidate_seeds
-        if candidate != (None if seed is None else str(seed))
-        and outcome(name, candidate) == "reproduced"
-    )
-    if others:
-        found = ", ".join(f"{name} with PYTHONHASHSEED={value}" for name, value in others)
-        return Diagnosis(
-            "wrong-seed",
-            (),
-            others,
-            f"the engine's hashes match {found}, not {scheme_name} with seed {seed!r}: "
-            "give the engine and the service the same seed",
-        )
-    configured = outcomes.get(scheme_name)  # None: a vLLM scheme without a seed
-    if keys_unknown and configured != "mismatch":
-        # A salted (or multimodal) prompt looks like a wrong seed here: say so, not "unknown".
-        return Diagnosis(
-            "unverifiable",
-            (),
-            (),
-            f"{keys_unknown[0]}; send the engine an unsalted, text-only prompt of more than "
-            "one block: if its event is not reproduced either, PYTHONHASHSEED differs",
-        )
-    # Without a seed, only an event that starts a prompt could show the configured scheme
-    # wrong: a later one, that other schemes fail on, says nothing about it.
-    if configured == "unverifiable" or (
-        configured is None
-        and (parent is not None or all(result == "unverifiable" for result in outcomes.values()))
-    ):
-        return Diagnosis(
-            "unverifiable",
-            (),
-            (),
-            "this event cannot tell (its parent's chain state is unknown or its shape is "
-            "off); an event that starts a prompt can",
-        )
-    return Diagnosis(
-        "unknown",
-        (),
-        (),
-        f"no registered scheme reproduces the event with seed {seed!r} or a common one: "
-        "for vLLM, PYTHONHASHSEED is most likely unset (a random root per process) or "
-        "another value, or --prefix-caching-hash-algo differs; check the block size too",
-    )

@@ -1,11 +1,13 @@
 """vLLM's prefix-caching block hashes (V1 engine), all four `--prefix-caching-hash-algo`s.
 
 Checked against vLLM's source: vllm/v1/core/kv_cache_utils.py (`init_none_hash`,
-`hash_block_tokens`, `generate_block_hash_extra_keys`, `maybe_convert_block_hash`; the
-stored snapshot at commit 001cabc1be16a59a70d720ed61a13b678c060a18) and vllm/utils/hashing.py
-(`sha256`, `sha256_cbor`, `xxhash`, `xxhash_cbor`; the releases since v0.11, where
-`sha256_cbor_64bit` was renamed `sha256_cbor` (PR 23673) and the functions moved to
-vllm.utils.hashing (PR 27151)). Golden vectors in tests/engines/golden_vectors.py.
+`resolve_none_hash_seed`, `hash_block_tokens`, `generate_block_hash_extra_keys`,
+`to_event_extra_keys`, `maybe_convert_block_hash`) and vllm/utils/hashing.py (`sha256`,
+`sha256_cbor`, `xxhash`, `xxhash_cbor`) of vLLM 0.32.0 as installed (.venv-vllm), and of the
+stored snapshot at commit 001cabc1be16a59a70d720ed61a13b678c060a18 for the older form; the
+functions are vllm.utils.hashing's since PR 27151, `sha256_cbor` so named since PR 23673.
+Golden vectors from vLLM 0.32 itself in tests/engines/vllm_vectors.py, the older form's in
+tests/engines/golden_vectors.py.
 
     H(x)      sha256:       SHA-256(pickle.dumps(x, protocol=5)), 32 bytes
               sha256_cbor:  SHA-256(cbor2.dumps(x, canonical=True)), 32 bytes
@@ -13,16 +15,30 @@ vllm.utils.hashing (PR 27151)). Golden vectors in tests/engines/golden_vectors.p
                             big-endian digest, `xxhash.xxh3_128_digest`)
               xxhash_cbor:  XXH3-128(cbor2.dumps(x, canonical=True)), 16 bytes
     root      = H(seed) where seed is the *string* value of PYTHONHASHSEED ("0" and "00"
-                differ; "random" is a fixed string to vLLM). With PYTHONHASHSEED unset vLLM
-                draws 32 random bytes per process: nothing can reproduce its hashes then.
+                differ; "random" is a fixed string to vLLM). With PYTHONHASHSEED unset,
+                vLLM 0.32 uses the fixed seed "vllm-none-hash" for sha256 and sha256_cbor
+                (DEFAULT_SEED here) but random bytes per process for xxhash and xxhash_cbor
+                (vLLM keeps the seed of a non-cryptographic hash secret); releases before
+                that change (vLLM PR 51875) drew random bytes for all four. Random roots
+                cannot be reproduced: such a scheme needs the seed.
     block[0]  = H((root, tuple(tokens[0:B]), extra_keys[0]))
     block[i]  = H((block[i-1], tuple(tokens[iB:(i+1)B]), extra_keys[i]))
-    extra_keys[i] = tuple(lora_name?, mm keys..., cache_salt if i == 0?, prompt-embeds
-                digest?) with the absent ones left out; None (not an empty tuple) when
-                there are none. The LoRA name is in every block, the cache salt only in
-                block 0. Multimodal keys ((identifier, offset) per item) and prompt-embeds
-                digests are not derived here: pass them in `extra_keys_by_block` (newer
-                vLLM events carry each block's extra keys).
+    extra_keys[i], "tagged" form (vLLM 0.32):
+                (("lora", lora_name, lora_path)?, ("mm", identifier, offset)...,
+                 ("cache_salt", salt) if i == 0?, ("prompt_embeds", sha256 digest)?)
+              "untagged" form (older releases):
+                (lora_name?, (identifier, offset)..., salt if i == 0?, digest?)
+                with the absent ones left out; None (not an empty tuple) when there are
+                none. The LoRA key is in every block, the cache salt only in block 0 (when
+                truthy). Multimodal keys and prompt-embeds digests are not derived here:
+                pass them in `extra_keys_by_block`, or take them from an event.
+
+KV events publish each block's extra keys untagged in both forms (vLLM 0.32's
+`to_event_extra_keys`): the LoRA name bare (its path dropped), an mm key as (identifier,
+offset), the salt and the digest bare; msgpack turns tuples into lists. `tagged_event_keys`
+turns them back into the tagged keys: a first str equal to the event's lora_name is the
+LoRA (its path from the engine's configuration), a pair an mm key, any other str the salt,
+bytes the digest.
 
 A block's BlockHash is the digest bytes; its KV events carry them as is with
 VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0, and by default (=1) as
@@ -30,9 +46,11 @@ int.from_bytes(digest, "big") & (2**64 - 1), the digest's last 8 bytes big-endia
 parent_block_hash too). Both fold to the same EngineBlockHash; the int form cannot be
 extended (its 64 bits are not the digest the child is hashed from).
 
-Pickle's output for these shapes (bytes, a tuple of ints, None or a tuple of str) is the
-same from CPython 3.8 on; it depends on object identity only when two extra keys are the
-same str object (a memo reference), which vLLM's distinct LoRA name and salt never are.
+Pickle's output for these shapes (bytes, a tuple of ints, None or a tuple of str and
+tuples) is the same from CPython 3.8 on. It depends on object identity where one str object
+appears twice (the second is a memo reference): the tags are code constants, here as in
+vLLM ("mm" twice in a block of two images is one object in both), and a LoRA name and a
+salt are distinct objects in both (or, when of one character, the same cached one).
 """
 
 from __future__ import annotations
@@ -47,7 +65,9 @@ import xxhash
 from cache_service.core.engines.schemes.scheme import (
     ChainState,
     EngineHashScheme,
+    EventExtraKeys,
     ExtraKeys,
+    LoraPathUnknown,
     PublishedHash,
 )
 
@@ -80,13 +100,41 @@ ALGORITHMS: dict[str, tuple[str, Serialize, Digest, int]] = {
 }
 
 
-def vllm_extra_keys(block_index: int, lora_name: str | None, cache_salt: str | None) -> ExtraKeys:
-    """vLLM's extra keys of a text-only block: the LoRA name, then block 0's cache salt."""
+# extra_keys_form values: how a vLLM release hashes a block's extra keys.
+TAGGED = "tagged"  # vLLM 0.32: ("lora", name, path), ("cache_salt", salt), ...
+UNTAGGED = "untagged"  # older releases: the bare name, the bare salt, ...
+EXTRA_KEYS_FORMS = (TAGGED, UNTAGGED)
+DEFAULT_EXTRA_KEYS_FORM = TAGGED
+# vLLM 0.32's seed when PYTHONHASHSEED is unset, for the cryptographic algorithms only
+# (`DEFAULT_NONE_HASH_SEED`); xxhash and xxhash_cbor draw random bytes instead.
+DEFAULT_SEED = "vllm-none-hash"
+FIXED_DEFAULT_SEED = frozenset({"vllm-sha256", "vllm-sha256-cbor"})
+
+
+def untagged_extra_keys(
+    block_index: int, lora_name: str | None, lora_path: str | None, cache_salt: str | None
+) -> ExtraKeys:
+    """Older vLLM's extra keys of a text-only block: the LoRA name, then block 0's salt."""
     keys: list[object] = []
-    if lora_name is not None:  # vLLM: any LoRA request adds its name
+    if lora_name is not None:  # vLLM: any LoRA request adds its name (not its path)
         keys.append(lora_name)
     if block_index == 0 and cache_salt:  # vLLM: `start_token_idx == 0 and cache_salt`
         keys.append(cache_salt)
+    return tuple(keys) if keys else None
+
+
+def tagged_extra_keys(
+    block_index: int, lora_name: str | None, lora_path: str | None, cache_salt: str | None
+) -> ExtraKeys:
+    """vLLM 0.32's extra keys of a text-only block: ("lora", name, path) in every block,
+    then ("cache_salt", salt) in block 0. LoraPathUnknown without the adapter's path."""
+    keys: list[object] = []
+    if lora_name is not None:
+        if lora_path is None:
+            raise LoraPathUnknown(lora_name)
+        keys.append(("lora", lora_name, lora_path))
+    if block_index == 0 and cache_salt:
+        keys.append(("cache_salt", cache_salt))
     return tuple(keys) if keys else None
 
 
@@ -106,16 +154,70 @@ def canonical_extra_keys(extra_keys: Sequence[object] | None) -> ExtraKeys:
     return keys if keys else None
 
 
-def vllm_scheme(name: str, *, seed: str | int | None) -> EngineHashScheme:
-    """The vLLM scheme `name` (see ALGORITHMS) rooted at PYTHONHASHSEED=`seed`."""
+def tagged_event_keys(
+    keys: EventExtraKeys, lora_name: str | None, lora_path: str | None
+) -> ExtraKeys:
+    """One block's keys as a vLLM 0.32 event publishes them (untagged, no LoRA path), tagged
+    as the engine hashed them; LoraPathUnknown for a LoRA whose path is not given."""
+    if keys is None:
+        return None
+    tagged: list[object] = []
+    for position, key in enumerate(keys):
+        if position == 0 and lora_name is not None and key == lora_name:
+            if lora_path is None:
+                raise LoraPathUnknown(lora_name)
+            tagged.append(("lora", lora_name, lora_path))
+        elif isinstance(key, list | tuple) and len(key) == 2:
+            tagged.append(("mm", *(_as_tuples(item) for item in key)))
+        elif isinstance(key, str):
+            tagged.append(("cache_salt", key))
+        elif isinstance(key, bytes | bytearray):
+            tagged.append(("prompt_embeds", bytes(key)))
+        else:
+            raise ValueError(f"an extra key of no known kind: {key!r}")
+    return tuple(tagged) if tagged else None
+
+
+def untagged_event_keys(
+    keys: EventExtraKeys, lora_name: str | None, lora_path: str | None
+) -> ExtraKeys:
+    """One block's keys as an older vLLM hashed them: as its events publish them."""
+    return canonical_extra_keys(keys)
+
+
+_FORMS = {
+    TAGGED: (tagged_extra_keys, tagged_event_keys),
+    UNTAGGED: (untagged_extra_keys, untagged_event_keys),
+}
+
+
+def resolve_seed(name: str, seed: str | int | None) -> str:
+    """The seed vLLM roots `name`'s chains at: PYTHONHASHSEED's string when set, else vLLM
+    0.32's fixed default for sha256 and sha256_cbor; ValueError for the xxhash ones."""
+    if seed is not None:
+        return str(seed)
+    if name in FIXED_DEFAULT_SEED:
+        return DEFAULT_SEED
+    raise ValueError(
+        f"{name} needs the engine's PYTHONHASHSEED: with it unset vLLM roots every "
+        "xxhash chain at random bytes per process (0.32 keeps the seed of a "
+        "non-cryptographic hash secret), so no block hash can be reproduced"
+    )
+
+
+def vllm_scheme(
+    name: str, *, seed: str | int | None, extra_keys_form: str = DEFAULT_EXTRA_KEYS_FORM
+) -> EngineHashScheme:
+    """The vLLM scheme `name` (see ALGORITHMS) rooted at PYTHONHASHSEED=`seed` (see
+    `resolve_seed` when None), hashing extra keys in `extra_keys_form`."""
     if name not in ALGORITHMS:
         raise ValueError(f"not a vLLM scheme: {name!r}")
-    if seed is None:
+    if extra_keys_form not in _FORMS:
         raise ValueError(
-            f"{name} needs the engine's PYTHONHASHSEED: without it vLLM roots every chain "
-            "at 32 random bytes per process and no block hash can be reproduced"
+            f"unknown extra_keys_form {extra_keys_form!r}; known: {', '.join(EXTRA_KEYS_FORMS)}"
         )
-    seed_text = str(seed)
+    seed_text = resolve_seed(name, seed)
+    rule, event_keys = _FORMS[extra_keys_form]
     _, serialize, digest, size = ALGORITHMS[name]
     root = digest(serialize(seed_text))
 
@@ -139,6 +241,8 @@ def vllm_scheme(name: str, *, seed: str | int | None) -> EngineHashScheme:
         step=step,
         publish=publish,
         recover=recover,
-        extra_keys_rule=vllm_extra_keys,
+        extra_keys_rule=rule,
         covers_extra_keys=True,
+        event_keys=event_keys,
+        extra_keys_form=extra_keys_form,
     )
