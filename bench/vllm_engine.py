@@ -13,6 +13,10 @@ one line per command on stdout, each starting with `@@engine ` (vLLM logs there 
     {"op": "counters"}             our connector's counts since start -> {"counters": {...}}
     {"op": "wait_stores", "seconds": 30}  until queued stores are sent -> {"ok": bool}
     {"op": "quit"}
+
+`--kv-events tcp://*:PORT` (with `--kv-events-replay`, `--kv-events-topic`) makes it publish
+vLLM's KV events, as `vllm serve --kv-events-config` would; `--hash-algo` is vLLM's
+`--prefix-caching-hash-algo`.
 """
 
 from __future__ import annotations
@@ -119,7 +123,27 @@ def _arguments() -> argparse.Namespace:
     # On CPU this is the share of the machine's memory vLLM checks is free at start (its KV
     # cache is VLLM_CPU_KVCACHE_SPACE): the default 0.92 fails beside anything else running.
     parser.add_argument("--memory-utilization", type=float, default=0.3)
+    parser.add_argument(
+        "--kv-events", default="", help="publish KV events on this ZMQ endpoint (tcp://*:PORT)"
+    )
+    parser.add_argument("--kv-events-replay", default="", help="and answer replay here")
+    parser.add_argument("--kv-events-topic", default="")
+    parser.add_argument("--hash-algo", default="sha256", help="--prefix-caching-hash-algo")
     return parser.parse_args()
+
+
+def _events_config(args: argparse.Namespace) -> Any:
+    if not args.kv_events:
+        return None
+    from vllm.config import KVEventsConfig  # noqa: PLC0415  (the vLLM environment only)
+
+    return KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=args.kv_events,
+        replay_endpoint=args.kv_events_replay or None,
+        topic=args.kv_events_topic,
+    )
 
 
 def _transfer_config(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -205,6 +229,8 @@ def main() -> None:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         kv_transfer_config=_transfer_config(args),
+        kv_events_config=_events_config(args),
+        prefix_caching_hash_algo=args.hash_algo,
         seed=0,
         gpu_memory_utilization=args.memory_utilization,
         **options,
