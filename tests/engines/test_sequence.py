@@ -127,3 +127,33 @@ def test_with_replay_every_number_is_applied_exactly_once_in_order(lost: list[bo
     sent = [seq for seq, is_lost in enumerate(lost) if not is_lost]
     expected = list(range(sent[-1] + 1)) if sent else []
     assert applied == expected
+
+
+def test_history_asked_at_connection_then_live_numbers_it_held_are_duplicates() -> None:
+    tracker = SequenceTracker()
+    assert [tracker.on_history(seq).verdict for seq in (0, 1, 2)] == [Verdict.IN_ORDER] * 3
+    # Published while the history was replayed: read live too, even 0.
+    assert [tracker.on_live(seq).verdict for seq in (0, 1, 2)] == [Verdict.DUPLICATE] * 3
+    assert tracker.on_live(3).verdict is Verdict.IN_ORDER
+
+
+def test_past_the_history_a_step_back_to_zero_is_a_restart_again() -> None:
+    tracker = SequenceTracker()
+    for seq in range(51):
+        tracker.on_history(seq)
+    for seq in range(51, 2000):
+        assert tracker.on_live(seq).verdict is Verdict.IN_ORDER
+    assert tracker.on_live(0).verdict is Verdict.RESTART
+
+
+def test_starting_over_forgets_every_number_and_the_same_publisher_closes_the_window() -> None:
+    tracker = SequenceTracker()
+    tracker.on_live(0)
+    tracker.on_replayed(0)
+    tracker.on_live(1)
+    tracker.note_reconnect()
+    tracker.note_same_publisher()  # the reconnected publisher is the one before
+    assert tracker.on_live(1).verdict is Verdict.DUPLICATE  # not a restart
+    tracker.start_over()
+    assert (tracker.last_live, tracker.last_applied) == (None, None)
+    assert tracker.on_history(0).verdict is Verdict.IN_ORDER

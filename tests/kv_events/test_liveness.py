@@ -4,17 +4,31 @@ a restarted one noticed at reconnection)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import zmq
 
 from cache_service.core.engines.block_hashes import EngineBlockHash
+from cache_service.core.engines.events import BlockStored
 from cache_service.core.engines.views import EngineViews
 from cache_service.service.kv_events.config import EngineConfig
-from cache_service.service.kv_events.liveness import DISCONNECTED, NOT_CONNECTED, SILENT
-from tests.kv_events.publisher import WIRES, TestPublisher, stored
-from tests.kv_events.test_subscriber import engine, held, subscribed, wait_until
+from cache_service.service.kv_events.liveness import (
+    DISCONNECTED,
+    NO_HISTORY,
+    NOT_CONNECTED,
+    SILENT,
+)
+from tests.kv_events.publisher import WIRES, TestPublisher, encode_batch, stored
+from tests.kv_events.test_subscriber import (
+    chain,
+    engine,
+    held,
+    publisher_pair,
+    subscribed,
+    wait_until,
+)
 
 WIRE = WIRES["vllm-map-batch"]
 
@@ -145,3 +159,85 @@ def test_a_restarted_publisher_is_told_at_reconnection_and_its_history_replayed(
             assert second.replay_requests == [2, 0]  # our last batch, then its history
         finally:
             second.close()
+
+
+def test_batches_queued_before_a_disconnect_do_not_bring_the_engine_back(
+    context: zmq.Context[Any], views: EngineViews
+) -> None:
+    """An engine killed while busy: its last batches are read after the disconnect."""
+    publisher = TestPublisher(context, wire=WIRE)
+    config = engine(publisher)
+    verified = threading.Event()
+
+    def slow(engine_config: EngineConfig, event: BlockStored) -> None:
+        verified.wait(5.0)  # hold the subscriber while the publisher goes away
+
+    with subscribed(views, config, verify=slow) as subscriber:
+        publisher.wait_for_subscriber()
+        wait_until(lambda: subscriber.liveness()["e"].live, "the connection")
+        for block in range(1, 6):
+            publisher.publish([stored([block], token_ids=list(range(16)))])
+        publisher.close()
+        time.sleep(0.3)  # the disconnect reaches the monitor while the batches wait
+        verified.set()
+        wait_until(lambda: views.block_count("e") == 5, "the queued batches")
+        wait_until(lambda: not subscriber.liveness()["e"].live, "the disconnect")
+        time.sleep(0.2)
+        assert not subscriber.liveness()["e"].live
+        assert subscriber.liveness()["e"].reason == DISCONNECTED
+
+
+def test_a_down_rank_counts_nothing_while_another_rank_is_up(
+    context: zmq.Context[Any], views: EngineViews
+) -> None:
+    rank0, rank1 = publisher_pair(context, WIRE)
+    config = EngineConfig(name="dp", endpoint=rank0.endpoint, data_parallel_size=2)
+    try:
+        with subscribed(views, config) as subscriber:
+            rank0.wait_for_subscriber()
+            rank1.wait_for_subscriber()
+            rank0.publish([stored([1])], rank=0)
+            rank1.publish([stored([1, 2, 3])], rank=1)
+            wait_until(lambda: held(views, 1, 2, 3) == 3, "rank 1's blocks")
+            rank1.close()
+            wait_until(lambda: held(views, 1, 2, 3) == 1, "rank 1 left out")
+            (hold,) = views.match_prefix(chain(1, 2, 3))
+            assert (hold.blocks, hold.data_parallel_rank) == (1, 0)
+            assert subscriber.liveness()["dp"].live  # rank 0 is up
+            rank0.close()
+            wait_until(lambda: not subscriber.liveness()["dp"].live, "both ranks down")
+            assert held(views, 1, 2, 3) == 3  # wholly down: its rows stay, ranked last
+    finally:
+        rank0.close()
+        rank1.close()
+
+
+def test_a_history_that_never_ends_marks_the_rank_stale_and_down(
+    context: zmq.Context[Any], views: EngineViews
+) -> None:
+    publisher = TestPublisher(context, wire=WIRE)
+    half = context.socket(zmq.ROUTER)  # answers one batch, never the end marker
+    half.setsockopt(zmq.LINGER, 0)
+    port = half.bind_to_random_port("tcp://127.0.0.1")
+    payload = encode_batch(WIRE, [stored([1])])
+
+    def answer_once() -> None:
+        if half.poll(5000):
+            identity, *_ = half.recv_multipart()
+            half.send_multipart([identity, b"", b"t", (0).to_bytes(8, "big"), payload])
+
+    answering = threading.Thread(target=answer_once)
+    answering.start()
+    config = EngineConfig(
+        name="e", endpoint=publisher.endpoint, replay_endpoint=f"tcp://127.0.0.1:{port}"
+    )
+    try:
+        with subscribed(views, config, replay_timeout_seconds=0.3) as subscriber:
+            wait_until(lambda: subscriber.stale_engines() == ["e"], "the stale mark")
+            assert views.block_count("e") == 1
+            liveness = subscriber.liveness()["e"]
+            assert not liveness.live and liveness.reason == NO_HISTORY
+    finally:
+        answering.join()
+        half.close(linger=0)
+        publisher.close()

@@ -94,6 +94,8 @@ class SequenceTracker:
             # The old publisher's queued messages may come first: the window stays open.
             self._reconnect_window = max(0, self._reconnect_window - 1)
             self.last_live = seq
+            if seq > self._history_through:
+                self._history_through = -1  # past the history: a step back is a restart again
             if last_live is None:
                 self.last_applied = None
                 return Decision(Verdict.FIRST, seq, range(0, seq))

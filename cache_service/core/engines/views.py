@@ -96,6 +96,7 @@ class _Rank:
     groups: dict[int, dict[str, set[EngineBlockHash]]] = field(default_factory=dict)
     other_groups: set[int] = field(default_factory=set)  # learned not to be full attention
     stale: bool = False
+    down: bool = False  # its publisher went away
 
 
 class EngineView:
@@ -147,6 +148,11 @@ class EngineView:
         """The ranks whose views may miss events."""
         return {rank for rank, state in self._ranks.items() if state.stale}
 
+    def set_down(self, rank: int, down: bool) -> None:
+        """Mark a rank whose publisher went away (its blocks count only while no rank of the
+        engine is up), or back."""
+        self._ranks.setdefault(rank, _Rank()).down = down
+
     def holds(self, rank: int, group: int, block: EngineBlockHash, medium: str = GPU) -> bool:
         """Whether a rank's group holds a block in a medium."""
         state = self._ranks.get(rank)
@@ -157,8 +163,12 @@ class EngineView:
         """Per medium, the most leading blocks of a chain any rank holds, given the chain's
         `HeldIndex.prefix_masks`."""
         best: dict[str, PrefixHold] = {}
+        # A rank that went away may no longer hold its blocks: while another rank of the
+        # engine is up, only the ranks that are up count (an engine wholly down keeps its
+        # rows, ranked last by routing, until the grace leaves it out).
+        skip_down = any(not state.down for state in self._ranks.values())
         for rank, state in self._ranks.items():
-            if not state.groups:
+            if not state.groups or (skip_down and state.down):
                 continue
             media = {medium for groups in state.groups.values() for medium in groups}
             for medium in media:
@@ -279,6 +289,11 @@ class EngineViews:
         """Mark an engine's rank stale (events lost and not replayed) or sound."""
         with self._lock:
             self._view(engine).set_stale(rank, stale)
+
+    def set_down(self, engine: str, rank: int, down: bool) -> None:
+        """Mark an engine's rank as gone away (disconnected, silent) or back."""
+        with self._lock:
+            self._view(engine).set_down(rank, down)
 
     def is_stale(self, engine: str) -> bool:
         """Whether any rank of the engine may miss events."""

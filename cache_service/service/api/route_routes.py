@@ -152,7 +152,7 @@ def _answer(state: ServiceState, body: RouteRequest, namespace: Namespace) -> di
     engines = select_engines(specs, body.instances)
     gone: list[Unscored] = []
     if hub is not None:
-        now = time.time()
+        now = time.monotonic()
         for spec in engines:
             alive = liveness[spec.name]
             if hub.gone(alive, now):

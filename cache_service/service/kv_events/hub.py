@@ -176,13 +176,14 @@ class KvEventsHub:
         return self.subscriber.liveness()
 
     def gone(self, liveness: EngineLiveness, now: float) -> bool:
-        """Whether an engine has been down past the grace (left out of routing answers)."""
+        """Whether an engine has been down past the grace at `time.monotonic()` = `now` (left
+        out of routing answers)."""
         return not liveness.live and liveness.down_for(now) > self.grace_seconds
 
     def report(self) -> dict[str, dict[str, Any]]:
         """Per engine, what /v1/stats shows: where, how it hashes, and what came in."""
         stats = self.subscriber.stats()
-        liveness, now = self.liveness(), time.time()
+        liveness, now = self.liveness(), time.monotonic()
         report: dict[str, dict[str, Any]] = {}
         for engine in self.engines:
             counters = stats[engine.name]

@@ -118,7 +118,7 @@ class KvEventsCollector(Collector):
             labels=["engine"],
         )
         liveness = hub.subscriber.liveness()
-        now = time.time()
+        now = time.monotonic()
         for engine in names:
             stale.add_metric([engine], stats[engine].stale_ranks)
             blocks.add_metric([engine], hub.views.block_count(engine))

@@ -53,6 +53,7 @@ from cache_service.service.kv_events.config import EngineConfig
 from cache_service.service.kv_events.counters import EngineCounters
 from cache_service.service.kv_events.liveness import (
     DISCONNECTED,
+    NO_HISTORY,
     SILENT,
     EngineLiveness,
     RankLiveness,
@@ -263,6 +264,12 @@ class KvEventSubscriber:
                 self._apply(stream, payload, seq)
         if result.complete:
             self._heard(stream)
+            return
+        stream.liveness.note(NO_HISTORY)
+        self.views.set_down(stream.engine.name, stream.rank, True)
+        if result.batches:
+            # The history's end never came: later batches may remove blocks applied here.
+            self._lost(stream)
 
     def _resume(self, stream: _Stream) -> None:
         """After a reconnection: the same publisher (apply what it sent meanwhile) or a
@@ -291,7 +298,11 @@ class KvEventSubscriber:
                 self._lost(stream)
             self._heard(stream)
             return
-        self._restarted(stream, f"after reconnecting, its batch {start} is not the one applied")
+        if first is not None and first[0] > start:
+            why = f"its replay buffer no longer holds batch {start}: taken as a restart"
+        else:
+            why = f"after reconnecting, its batch {start} is not the one applied"
+        self._restarted(stream, why)
         stream.tracker.start_over()
         stream.last_batch = None
         self._replay_history(stream)
@@ -311,9 +322,11 @@ class KvEventSubscriber:
 
     def _heard(self, stream: _Stream) -> None:
         if stream.liveness.come_up(time.monotonic()):
+            self.views.set_down(stream.engine.name, stream.rank, False)
             log.info("engine %s rank %d is up", stream.engine.name, stream.rank)
 
     def _went_down(self, stream: _Stream, reason: str) -> None:
+        self.views.set_down(stream.engine.name, stream.rank, True)
         if stream.liveness.go_down(reason):
             stream.counters.downs += 1
             log.warning("engine %s rank %d is down (%s)", stream.engine.name, stream.rank, reason)
@@ -346,7 +359,8 @@ class KvEventSubscriber:
             self._malformed(stream, f"{len(frames)} frames, not [topic, seq, payload]")
             return
         seq = int.from_bytes(frames[1], "big")
-        self._heard(stream)
+        if stream.liveness.connected:  # not what was queued before a disconnect
+            self._heard(stream)
         decision = stream.tracker.on_live(seq)
         if decision.verdict is Verdict.IN_ORDER:
             self._apply(stream, frames[2], seq)
