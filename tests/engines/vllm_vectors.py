@@ -15,12 +15,20 @@ upgrade that changes hashing fails loudly.
 This module imports only the standard library (and vLLM inside `generate`, never at
 import), so both environments can read it. The request is a stand-in carrying exactly
 what `generate_block_hash_extra_keys` reads: `lora_request` (lora_name, lora_path),
-`cache_salt`, `mm_features` (identifier, mm_position.offset / .length) and
-`prompt_embeds` (None: prompt-embeds digests need torch tensors and are not covered).
+`cache_salt`, `mm_features` (identifier, mm_position.offset / .length), `prompt_embeds`
+and `_prompt_embeds_per_block_hashes`. vLLM takes a block's prompt-embeds digest from that
+dict before it slices and hashes the tensor, so a prompt of embeddings is any non-None
+`prompt_embeds` and the dict pre-filled with fixed digests: no torch needed.
+
+A LoRA name equal to the cache salt hashes two ways under pickle (sha256, xxhash): as two
+str objects, as an engine core receives a request msgpack-decoded ("lora-same-salt"), or
+as one object, the second pickled as a memo reference, as an in-process caller passing one
+variable as both reaches the hasher ("lora-same-salt-shared").
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -49,6 +57,12 @@ class Prompt:
     lora: tuple[str, str] | None = None  # (lora_name, lora_path)
     cache_salt: str | None = None
     images: tuple[tuple[str, int, int], ...] = ()  # (identifier, offset, length)
+    embeds: tuple[bytes, ...] = ()  # one prompt-embeds digest per full block
+    salt_is_lora_name: bool = False  # the salt is the LoRA name's own str object
+
+
+# Fixed 32-byte digests standing in for vLLM's sha256 of each block's embeddings.
+EMBEDS = tuple(hashlib.sha256(f"prompt embeds of block {i}".encode()).digest() for i in range(2))
 
 
 PROMPTS: dict[str, Prompt] = {
@@ -63,24 +77,49 @@ PROMPTS: dict[str, Prompt] = {
         (1, 2, 9, 9, 9, 9, 7, 8, 5, 9, 9, 6),
         images=(("img-a", 2, 4), ("img-b", 9, 2)),
     ),
+    "lora-same-salt": Prompt(
+        tuple(range(1, 9)), lora=("same", "/adapters/same"), cache_salt="same"
+    ),
+    "lora-same-salt-shared": Prompt(
+        tuple(range(1, 9)),
+        lora=("same", "/adapters/same"),
+        cache_salt="same",
+        salt_is_lora_name=True,
+    ),
+    # A prompt of embeddings only: vLLM's token ids for it are zeros.
+    "embeds": Prompt((0,) * 8, embeds=EMBEDS),
+    "embeds-salted": Prompt((0,) * 8, cache_salt="tenant-x", embeds=EMBEDS),
 }
+
+
+def _fresh(text: str) -> str:
+    """A new str object equal to `text` (literals of one value are one interned object)."""
+    return (text + " ")[:-1]
 
 
 def _request(prompt: Prompt) -> SimpleNamespace:
     """The stand-in request `generate_block_hash_extra_keys` reads."""
     lora = None
+    salt = None if prompt.cache_salt is None else _fresh(prompt.cache_salt)
     if prompt.lora is not None:
-        lora = SimpleNamespace(lora_name=prompt.lora[0], lora_path=prompt.lora[1])
+        lora_name = _fresh(prompt.lora[0])
+        lora = SimpleNamespace(lora_name=lora_name, lora_path=_fresh(prompt.lora[1]))
+        if prompt.salt_is_lora_name:
+            salt = lora_name
     features = [
         SimpleNamespace(identifier=name, mm_position=SimpleNamespace(offset=at, length=length))
         for name, at, length in prompt.images
     ]
+    digests = {
+        (i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE): digest for i, digest in enumerate(prompt.embeds)
+    }
     return SimpleNamespace(
         lora_request=lora,
-        cache_salt=prompt.cache_salt,
+        cache_salt=salt,
         mm_features=features,
-        prompt_embeds=None,
-        _prompt_embeds_per_block_hashes={},
+        # Never sliced: vLLM reads each block's digest from the dict below first.
+        prompt_embeds=object() if prompt.embeds else None,
+        _prompt_embeds_per_block_hashes=digests,
     )
 
 
@@ -89,6 +128,16 @@ def _jsonable(value: Any) -> Any:
         return [_jsonable(item) for item in value]
     if isinstance(value, bytes):
         return {"bytes": value.hex()}
+    return value
+
+
+def unjson(value: Any) -> Any:
+    """Pinned event keys as an event decodes them: {"bytes": hex} back into bytes, lists
+    kept (msgpack turns tuples into lists)."""
+    if isinstance(value, list):
+        return [unjson(item) for item in value]
+    if isinstance(value, dict):
+        return bytes.fromhex(value["bytes"])
     return value
 
 
@@ -158,15 +207,36 @@ def _hash_prompt(kv: Any, hash_fn: Any, prompt: Prompt) -> tuple[list[str], Any]
 # Pinned from `.venv-vllm/bin/python -m tests.engines.vllm_vectors` (vLLM 0.32.0).
 PINNED: dict[str, Any] = {
     "event_extra_keys": {
+        "embeds": [
+            [{"bytes": "b288271d92061477154af7121095f4e566d94cbed6a6f55dbe7651eaf8abfee1"}],
+            [{"bytes": "7351c47462f9378efb25ff3b20131945ca9f1aa1ae70cec49378474ff1251dc3"}],
+        ],
+        "embeds-salted": [
+            [
+                "tenant-x",
+                {"bytes": "b288271d92061477154af7121095f4e566d94cbed6a6f55dbe7651eaf8abfee1"},
+            ],
+            [{"bytes": "7351c47462f9378efb25ff3b20131945ca9f1aa1ae70cec49378474ff1251dc3"}],
+        ],
         "images": [[["img-a", 2]], [["img-a", -2]], [["img-b", 1]]],
         "lora": [["adapter-A"], ["adapter-A"]],
         "lora-salted": [["adapter-A", "tenant-x"], ["adapter-A"]],
+        "lora-same-salt": [["same", "same"], ["same"]],
+        "lora-same-salt-shared": [["same", "same"], ["same"]],
         "plain": [None, None],
         "salted": [["tenant-x"], None],
     },
     "hashes": {
         "vllm-sha256": {
             "0": {
+                "embeds": [
+                    "221c8abf5a04b4654a88b8d52685be4fe7182319954297d2e4cbb8cfd7910a2e",
+                    "9e5b6601bdf7361bb7e99310c123d39abdc27d5056083340b5fcc34e37af6104",
+                ],
+                "embeds-salted": [
+                    "d8a2dfbfe3de975c37952a5a9211bd351e8c6b024100c5ca8ab390231aca194b",
+                    "27aad24aebe8bfaad11ffe9beb346734387846057170f1ed45f754540b35ceba",
+                ],
                 "images": [
                     "9e1a265fe8faaa5efbd13317ac930aa9b5eeaaffa0d4e09c7ac1f8ee7c782845",
                     "3a37f19b006b39b1f30ce601bdbf193c52697473ec875a6e06d33188369d7778",
@@ -180,6 +250,14 @@ PINNED: dict[str, Any] = {
                     "cf076692f44524ac2704335b4678949db9589ffd2e507ec25c4b7ee96aeb7a33",
                     "e194c74e1452a62e99b604f729a527961f2df027b3874096844d26e66f3712bc",
                 ],
+                "lora-same-salt": [
+                    "a82a9cf41e2095bb2b44df4c2c5e9a1e1c11915b428ae458f9a9a85dad38f31e",
+                    "448849833958f59517712378d0d90265305c4dabad61db8399cec9a9dc9e97ef",
+                ],
+                "lora-same-salt-shared": [
+                    "735a4cf982959a00489ebf85a0ee27b598b3a9e3cb1b71002830240656f94662",
+                    "d17192107d84521e7817af6900a7edce6b8a7c339a84c84399671c450b779421",
+                ],
                 "plain": [
                     "762b2e7e1520febd3a0aedb7358e8602facf3924440e18538fce057e23bae91d",
                     "9e62b5a7ec298f33cb4c7d9e00b659874bb2432d23ad6879ad1746592a2b036b",
@@ -190,6 +268,14 @@ PINNED: dict[str, Any] = {
                 ],
             },
             "unset": {
+                "embeds": [
+                    "cef898ec587dab44705fa6a87f001f121ece0b5077c48476e42256b95d9da1ac",
+                    "b67b2b69132f419ddbb44511845d77c0bcf25e2a44454914f5d767418afcec8e",
+                ],
+                "embeds-salted": [
+                    "4432d786115389f0607425110be44b9f61cd0aa3c2e9f54b6586b2441ad5df72",
+                    "bf3a91cca15ad05516a26ca6decdf319d063cafe53a2b4602b233982b81601e6",
+                ],
                 "images": [
                     "f00a7ea8f58a50e310b1d497bb599c8dcf84f8ba2b2cf63500065ebe71781313",
                     "bd4ab8023a4e3846869fab7b83d4b5db6c3d6107f4ea60f22c3062edadf06964",
@@ -203,6 +289,14 @@ PINNED: dict[str, Any] = {
                     "59495d44255daf98b17be7eac9eb8cf3e7b4478567a5fff5e084cda54c19715c",
                     "1c28a6f4af5595460e70183e9e607ed40d11e6104187a9954774d99dfc05ff91",
                 ],
+                "lora-same-salt": [
+                    "8e7802f969d48dc2c65ced5349e10fdec022540bbcc3b38a6705878d1ebce912",
+                    "86f73e6f4b70c2b2229326e5f5f28b65b2d44369bdb3b8d9fba491c567303fc6",
+                ],
+                "lora-same-salt-shared": [
+                    "02376da1cf86d366363c5035934cfdc784058c0d1124638ef9dba4ea3f7fa72b",
+                    "2284536784b06e36d91e0219240ede48134ec75ee10f7014e6acc35716742926",
+                ],
                 "plain": [
                     "52a7f141c60918f65779927090482b5a24adbe68c8613a211a1eb4e3edd9361a",
                     "bee96bce54f5fcaba04c4a3fc2491b30b48e29dbbd38a327d41bc1f76b956dde",
@@ -215,6 +309,14 @@ PINNED: dict[str, Any] = {
         },
         "vllm-sha256-cbor": {
             "0": {
+                "embeds": [
+                    "05d34a5d81671f06d087c5c4a43985f33e6f160173475a178f9190129204737d",
+                    "268ea870f8c39a1ab5f7a63f601bd7ada6ed85d9c788969eaaf9a3dc5b9aa49d",
+                ],
+                "embeds-salted": [
+                    "a3d92897ef02ae47a3c12da969bd10a6d7046726d64abead79daeb490cfb3d40",
+                    "a369218c04cbfe7271a2eb0ba4fb8a55e3a47e475e0bae3db8d23a3ca0f704c0",
+                ],
                 "images": [
                     "2f765efa8e58a6be9b10a7a462d74a3cec14317b82340743cfd92f92b33c71e8",
                     "7c440441752dbdb2aa04e0cf50c6613e5d6f9f56a2b3946cc966055b53eb579b",
@@ -228,6 +330,14 @@ PINNED: dict[str, Any] = {
                     "13aa7fbe04692beb85c02edbea6b7feaa2a3999cb3cd39fc801bcaa5fe9fe59d",
                     "fc7ee5227e60c6a57c4cb44869c4cd235036d8a7ed177e626b37eaf2709fd83d",
                 ],
+                "lora-same-salt": [
+                    "f2905c95838097821ef3fe1fd35828e8843d4c695d9269c766c023d91c9bf785",
+                    "524f586f37a385120d0b15adbc40da636b658c75f7160d6c7045ae9e93abda02",
+                ],
+                "lora-same-salt-shared": [
+                    "f2905c95838097821ef3fe1fd35828e8843d4c695d9269c766c023d91c9bf785",
+                    "524f586f37a385120d0b15adbc40da636b658c75f7160d6c7045ae9e93abda02",
+                ],
                 "plain": [
                     "c9d58ba695280d69b243e1e0df813136ca9196b286fb1a021e0b2e028ef071cb",
                     "24125b23e68883b5c2141db2959d48433fe6bde2f26bd914efad121d154ab2d6",
@@ -238,6 +348,14 @@ PINNED: dict[str, Any] = {
                 ],
             },
             "unset": {
+                "embeds": [
+                    "c990abaa069b22872a87ca3533d1918074ee6ae58cdee745d6f82b77c6b6cae9",
+                    "a7e41eea8724bc0025e317119d83ec9217039938526ad1f87eda1494a6fa9c4a",
+                ],
+                "embeds-salted": [
+                    "d8d68239b67c2f0648a806de41bfd964b4537089267c73d70b3a3c0bb683c8a0",
+                    "afcc02086442505d9302d7d0f71e25d119e15329d7a330fcc53f4c8670c67eef",
+                ],
                 "images": [
                     "64e0b3cd1b45ec454bc244b28e5039088188b2295393a4cc897a0d4a33af1f37",
                     "9fe612b9a64a487f16078e367f008f16ed0fb11172b255606c8e3c56cededa81",
@@ -251,6 +369,14 @@ PINNED: dict[str, Any] = {
                     "abc3e6d0f844ea7dbe2df28947a381e87388148d0b8204eacde72421683a3461",
                     "5301120184e489f6e5e59fc1775ead39d3c6eaacf1aa79d650f567032969a25d",
                 ],
+                "lora-same-salt": [
+                    "99d247df201591976408e49de2ac39198317c12b17b1f82f85b04aad970389f2",
+                    "613e9400a8f9e0aa8100ffac2475684bff2ccfe552fce01c31ba856e1a07eaab",
+                ],
+                "lora-same-salt-shared": [
+                    "99d247df201591976408e49de2ac39198317c12b17b1f82f85b04aad970389f2",
+                    "613e9400a8f9e0aa8100ffac2475684bff2ccfe552fce01c31ba856e1a07eaab",
+                ],
                 "plain": [
                     "58d0879dff3800f65f8c5fd449d73048c0f7699dd238a03b84b146b151d55111",
                     "e1bc29393a2da9fd798f35ff04d215f846aee6df4b803ce3d43b57df56b58fb1",
@@ -263,6 +389,11 @@ PINNED: dict[str, Any] = {
         },
         "vllm-xxhash": {
             "0": {
+                "embeds": ["d4cd43d6708fd52d3638b7e7803ae272", "f3770ce68448ee632f852149f4536838"],
+                "embeds-salted": [
+                    "4301ee7282a666a6697e4fbc08dc9039",
+                    "bb8910aebd6208b95a99332323886038",
+                ],
                 "images": [
                     "143abad8e9521cb3f2710ba56b9287b7",
                     "e466239b9ee9414f0e42c5d8701fe334",
@@ -273,12 +404,25 @@ PINNED: dict[str, Any] = {
                     "5a8ae80ceba5304b406511f083958129",
                     "239d80116f484f38762e8ee6032cffca",
                 ],
+                "lora-same-salt": [
+                    "d1af289d6623521326012522a2cd17b4",
+                    "a6540348efa5f75aa7cc2a065a89a080",
+                ],
+                "lora-same-salt-shared": [
+                    "12253fdb5df1c8070c48459230c57c3e",
+                    "9cf5755747351cc7e37344f278e3b482",
+                ],
                 "plain": ["f3856cedd7e636094750c4546e855397", "0c9832567b17003b126077f57e0bb670"],
                 "salted": ["41786a733c4cfe46705ae08fff459cf4", "878520518e8ad5956bfdbfd5bcc164ae"],
             }
         },
         "vllm-xxhash-cbor": {
             "0": {
+                "embeds": ["fc99780ab71dd56919a67ff2112289ce", "988935c4d9f94db50e4a332e241a7265"],
+                "embeds-salted": [
+                    "65568ae577ccb0684fb518a2cfcace80",
+                    "c44eb3d903cd5fcf895cc3eac39aa30a",
+                ],
                 "images": [
                     "c8f0eccd9c72b7a7df6d9a822d17f242",
                     "b72de9e7df5e96a9ac1886c5598c4df0",
@@ -288,6 +432,14 @@ PINNED: dict[str, Any] = {
                 "lora-salted": [
                     "e04866fd556d71fb8ae7e46388e3fb7d",
                     "112082cd4ee7d0148dec02b56a045fb2",
+                ],
+                "lora-same-salt": [
+                    "1ccbbd1d83351ccbe698ebf6dddb5c44",
+                    "239b93d630bafab5c1b6ad7e9f54e9ab",
+                ],
+                "lora-same-salt-shared": [
+                    "1ccbbd1d83351ccbe698ebf6dddb5c44",
+                    "239b93d630bafab5c1b6ad7e9f54e9ab",
                 ],
                 "plain": ["0a8577df5ee3430515a8cc1f6e3ac52e", "d152782cb4d753bde718a811a3b75e23"],
                 "salted": ["bc649eaf997a2309b72f8012eb89ff02", "23cb3a08404ab1c392d75a6585b23eb4"],

@@ -25,6 +25,11 @@ cache_salt or multimodal keys. When its block 0 is not reproduced from the LoRA 
 the event is "unverifiable" (`keys_unknown`), not a mismatch: a healthy engine serving salted
 prompts must not raise the alarm. Its later blocks are still checked when block 0's
 published hash is the full digest, so a wrong hash algorithm still shows.
+
+vLLM's pickle schemes hash a block whose keys hold one string twice (a LoRA name equal to
+the cache salt) differently when the caller passed one str object for both (an in-process
+engine; see schemes/vllm.py). Such a block that is not reproduced is hashed again with the
+equal strings as one object, and only a block that neither layout reproduces is a mismatch.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from cache_service.core.engines.schemes.scheme import (
     LoraPathUnknown,
     PublishedHash,
 )
-from cache_service.core.engines.schemes.vllm import EXTRA_KEYS_FORMS
+from cache_service.core.engines.schemes.vllm import EXTRA_KEYS_FORMS, shared_strings_scheme
 
 Outcome = Literal["reproduced", "mismatch", "unverifiable"]
 
@@ -196,12 +201,11 @@ def _verify(
                 extra = scheme.extra_keys_rule(
                     first_index + index, event.lora_name, event.lora_path, None
                 )
-            state = scheme.extend(state, block, extra)
+            state, got = _extend(scheme, state, block, extra, expected[index])
         except LoraPathUnknown as exc:
             return Verification("unverifiable", blocks, 0, (), str(exc), lora_unknown=exc.lora_name)
         except (TypeError, ValueError) as exc:
             return Verification("unverifiable", blocks, index, tuple(states), str(exc))
-        got = scheme.normal_form(state)
         if got != expected[index]:
             reason = (
                 f"block {index}: {scheme.name} gives {got:016x}, "
@@ -217,6 +221,25 @@ def _verify(
             return Verification("mismatch", blocks, index, tuple(states), reason)
         states.append(state)
     return Verification("reproduced", blocks, blocks, tuple(states), "")
+
+
+def _extend(
+    scheme: EngineHashScheme,
+    parent: ChainState | None,
+    block: Sequence[int],
+    extra: ExtraKeys,
+    want: EngineBlockHash,
+) -> tuple[ChainState, EngineBlockHash]:
+    """One block's chain state and normal form; when that is not `want`, the state of its
+    equal strings hashed as one object if that is (`shared_strings_scheme`)."""
+    state = scheme.extend(parent, block, extra)
+    got = scheme.normal_form(state)
+    shared = None if got == want else shared_strings_scheme(scheme, extra)
+    if shared is not None:
+        retry = shared.extend(parent, block, extra)
+        if shared.normal_form(retry) == want:
+            return retry, want
+    return state, got
 
 
 def _unknown_block0_keys(scheme: EngineHashScheme, event: _Event) -> Verification:
@@ -245,11 +268,10 @@ def _unknown_block0_keys(scheme: EngineHashScheme, event: _Event) -> Verificatio
         try:
             # Blocks past 0 take the LoRA's keys only (the salt is block 0's).
             extra = scheme.extra_keys_rule(index, event.lora_name, event.lora_path, None)
-            state = scheme.extend(state, block, extra)
+            want = normalize_block_hash(block_hashes[index])
+            state, got = _extend(scheme, state, block, extra, want)
         except (TypeError, ValueError) as exc:
             return Verification("unverifiable", blocks, 0, (), str(exc), keys_unknown=True)
-        got = scheme.normal_form(state)
-        want = normalize_block_hash(block_hashes[index])
         if got != want:
             reason = (
                 f"block {index}: {scheme.name} gives {got:016x} from block 0's published "

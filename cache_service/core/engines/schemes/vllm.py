@@ -48,15 +48,24 @@ extended (its 64 bits are not the digest the child is hashed from).
 
 Pickle's output for these shapes (bytes, a tuple of ints, None or a tuple of str and
 tuples) is the same from CPython 3.8 on. It depends on object identity where one str object
-appears twice (the second is a memo reference): the tags are code constants, here as in
-vLLM ("mm" twice in a block of two images is one object in both), and a LoRA name and a
-salt are distinct objects in both (or, when of one character, the same cached one).
+appears twice in a block's keys (the second is a memo reference), so sha256 and xxhash
+lay equal strings out as vLLM's engine core has them, whatever objects the caller passed:
+the tags as the interned code constants ("mm" twice in a block of two images is one
+object in both), every other string equal to another key's as its own object (a LoRA name
+equal to the salt: the engine core receives each request msgpack-decoded, every str its own
+object; one character of Latin-1 is one cached object in both). An in-process engine
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) whose caller passed one str object as both LoRA name and
+cache_salt hashes them as one object instead: `shared_strings_scheme` hashes a block that
+way, and verification tries it on a block that otherwise fails (only the two layouts, all
+shared or none, are tried). CBOR writes equal strings alike whatever their identity.
 """
 
 from __future__ import annotations
 
 import hashlib
 import pickle
+import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import cbor2
@@ -154,6 +163,45 @@ def canonical_extra_keys(extra_keys: Sequence[object] | None) -> ExtraKeys:
     return keys if keys else None
 
 
+# vLLM's tags: code constants, so interned (one object per value in vLLM as here).
+TAGS = frozenset({"lora", "mm", "cache_salt", "prompt_embeds"})
+
+
+def _strings(value: object) -> list[str]:
+    """Every str in `value` (a block's keys)."""
+    if isinstance(value, tuple):
+        return [text for item in value for text in _strings(item)]
+    return [value] if type(value) is str else []
+
+
+def repeated_strings(keys: ExtraKeys) -> frozenset[str]:
+    """The strings that occur more than once in a block's keys: pickle writes the second of
+    one object as a reference to the first, and two equal objects in full."""
+    counts = Counter(_strings(keys))
+    return frozenset(text for text, count in counts.items() if count > 1)
+
+
+def _laid_out(value: object, shared: bool, repeated: frozenset[str], tag: bool) -> object:
+    """`value` with each string in `repeated` as one object (`shared`), else tags interned
+    and other strings each a new object."""
+    if isinstance(value, tuple):
+        return tuple(_laid_out(item, shared, repeated, i == 0) for i, item in enumerate(value))
+    if type(value) is not str or value not in repeated:
+        return value
+    if shared or (tag and value in TAGS):
+        return sys.intern(value)
+    return (value + " ")[:-1]  # a new object of equal value
+
+
+def lay_out_strings(keys: ExtraKeys, *, shared: bool = False) -> ExtraKeys:
+    """Canonical `keys` with their repeated strings laid out for pickle as vLLM's engine
+    core has them (tags one object, other strings each its own), or all `shared`."""
+    repeated = repeated_strings(keys)
+    if keys is None or not repeated:
+        return keys
+    return tuple(_laid_out(key, shared, repeated, False) for key in keys)
+
+
 def tagged_event_keys(
     keys: EventExtraKeys, lora_name: str | None, lora_path: str | None
 ) -> ExtraKeys:
@@ -206,10 +254,15 @@ def resolve_seed(name: str, seed: str | int | None) -> str:
 
 
 def vllm_scheme(
-    name: str, *, seed: str | int | None, extra_keys_form: str = DEFAULT_EXTRA_KEYS_FORM
+    name: str,
+    *,
+    seed: str | int | None,
+    extra_keys_form: str = DEFAULT_EXTRA_KEYS_FORM,
+    shared_strings: bool = False,
 ) -> EngineHashScheme:
     """The vLLM scheme `name` (see ALGORITHMS) rooted at PYTHONHASHSEED=`seed` (see
-    `resolve_seed` when None), hashing extra keys in `extra_keys_form`."""
+    `resolve_seed` when None), hashing extra keys in `extra_keys_form`; with
+    `shared_strings`, equal strings as one object (an in-process caller's, see above)."""
     if name not in ALGORITHMS:
         raise ValueError(f"not a vLLM scheme: {name!r}")
     if extra_keys_form not in _FORMS:
@@ -220,11 +273,15 @@ def vllm_scheme(
     rule, event_keys = _FORMS[extra_keys_form]
     _, serialize, digest, size = ALGORITHMS[name]
     root = digest(serialize(seed_text))
+    pickled = serialize is _pickle
 
     def step(parent: ChainState | None, tokens: Sequence[int], extra: ExtraKeys) -> ChainState:
         if not isinstance(parent, bytes):
             raise TypeError(f"a {name} parent is its {size}-byte digest")
-        return digest(serialize((parent, tuple(tokens), canonical_extra_keys(extra))))
+        keys = canonical_extra_keys(extra)
+        if pickled:  # pickle tells one str object from two equal ones
+            keys = lay_out_strings(keys, shared=shared_strings)
+        return digest(serialize((parent, tuple(tokens), keys)))
 
     def publish(state: ChainState) -> PublishedHash:
         return state  # the digest bytes; the int form is normalize_block_hash's fold
@@ -245,4 +302,18 @@ def vllm_scheme(
         covers_extra_keys=True,
         event_keys=event_keys,
         extra_keys_form=extra_keys_form,
+    )
+
+
+def shared_strings_scheme(scheme: EngineHashScheme, extra: ExtraKeys) -> EngineHashScheme | None:
+    """`scheme` hashing equal strings as one object, when that can hash the block keys
+    `extra` otherwise: a pickle scheme of vLLM's and keys with a string twice; else None."""
+    if scheme.name not in ALGORITHMS or ALGORITHMS[scheme.name][1] is not _pickle:
+        return None
+    if scheme.seed is None or scheme.extra_keys_form is None:
+        return None
+    if not repeated_strings(canonical_extra_keys(extra)):
+        return None
+    return vllm_scheme(
+        scheme.name, seed=scheme.seed, extra_keys_form=scheme.extra_keys_form, shared_strings=True
     )
