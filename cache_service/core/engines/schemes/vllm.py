@@ -196,8 +196,10 @@ def _laid_out(value: object, shared: bool, repeated: frozenset[str], tag: bool) 
 def lay_out_strings(keys: ExtraKeys, *, shared: bool = False) -> ExtraKeys:
     """Canonical `keys` with their repeated strings laid out for pickle as vLLM's engine
     core has them (tags one object, other strings each its own), or all `shared`."""
+    if keys is None:  # a plain block (most): nothing to lay out, and no Counter to build
+        return keys
     repeated = repeated_strings(keys)
-    if keys is None or not repeated:
+    if not repeated:
         return keys
     return tuple(_laid_out(key, shared, repeated, False) for key in keys)
 
