@@ -280,8 +280,8 @@ def vllm_scheme(
     def step(parent: ChainState | None, tokens: Sequence[int], extra: ExtraKeys) -> ChainState:
         if not isinstance(parent, bytes):
             raise TypeError(f"a {name} parent is its {size}-byte digest")
-        keys = canonical_extra_keys(extra)
-        if pickled:  # pickle tells one str object from two equal ones
+        keys = None if extra is None else canonical_extra_keys(extra)
+        if pickled and keys is not None:  # pickle tells one str object from two equal ones
             keys = lay_out_strings(keys, shared=shared_strings)
         return digest(serialize((parent, tuple(tokens), keys)))
 
