@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ import pytest
 import zmq
 
 from bench.vllm_engine import EngineProcess
-from tests.integration.conftest import ServerProcess, free_port
+from tests.integration.conftest import ServerProcess, free_port, service_command
 from tests.vllm.conftest import REPO, VLLM_PYTHON
 from tests.vllm.lossy_link import LossyLink
 
@@ -198,6 +199,36 @@ def test_a_salted_prompt_routes_with_its_salt_and_raises_no_alarm(
         no_alarm(server)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    ("seed", "exit_code", "cause"), [(None, 0, "ok"), ("0", 1, "wrong-seed")], ids=["none", "0"]
+)
+def test_doctor_diagnoses_the_default_engine_from_its_history(
+    vllm_engine: Engine, tmp_path: Path, seed: str | None, exit_code: int, cause: str
+) -> None:
+    """An idle engine: the doctor's subscriber asks the history at connection, whose first
+    stored events tell the seed (vLLM 0.32's fixed default, which it tries first)."""
+    config = tmp_path / "engines.toml"
+    seed_line = "" if seed is None else f'seed = "{seed}"\n'
+    config.write_text(
+        f'[[engine]]\nname = "{MODEL}"\nendpoint = "{vllm_engine.endpoint}"\n'
+        f'replay_endpoint = "{vllm_engine.replay}"\nblock_size = {BLOCK}\n'
+        f'hash_scheme = "vllm-sha256"\n{seed_line}'
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_SERVICE_")}
+    done = subprocess.run(
+        [*service_command(), "doctor", "--kv-events-config", str(config), "--seconds", "20"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == exit_code, done.stdout + done.stderr
+    assert f"engine {MODEL} (" in done.stdout and f": {cause}\n" in done.stdout, done.stdout
+    if cause == "wrong-seed":
+        assert "vllm-none-hash" in done.stdout, done.stdout
 
 
 def test_a_stopped_engine_is_marked_and_leaves_routing_after_the_grace(
