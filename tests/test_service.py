@@ -176,7 +176,7 @@ def test_a_store_given_to_the_service_is_held_to_its_settings() -> None:
         return store.removal_log_entries, state.store_kind
 
     assert asyncio.run(run()) == (1000, "memory")
-    with pytest.raises(ValueError, match=r"orders eviction by 'lru'.*'fifo'"):
+    with pytest.raises(ValueError, match=r"orders eviction by 'adaptive'.*'fifo'"):
         given_store(store, Settings.model_construct(eviction_policy="fifo"))
 
 

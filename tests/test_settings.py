@@ -154,7 +154,7 @@ def test_store_and_eviction_policy_settings_are_checked(
 def test_the_store_is_the_data_dir_folder_unless_a_store_url_is_given() -> None:
     assert Settings(data_dir="/srv/cache").store_url() == "/srv/cache"  # type: ignore[arg-type]
     assert Settings(data_dir="/srv/cache", store="memory://").store_url() == "memory://"  # type: ignore[arg-type]
-    assert Settings().eviction_policy == "lru"
+    assert Settings().eviction_policy == "adaptive"
 
 
 def test_cli_names_the_known_eviction_policies_for_an_unknown_one() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from cache_service.core.eviction import make_policy
+from cache_service.core.eviction import DEFAULT_POLICY, make_policy
 from cache_service.core.hashing import DEFAULT_SEED
 from cache_service.core.retention import RetentionPolicy, parse_retention_table
 from cache_service.core.store.lmdb import SYNC_MODES
@@ -74,9 +74,10 @@ class Settings(BaseSettings):
         "which is its shorthand for a folder.",
     )
     eviction_policy: str = Field(
-        "lru",
-        description="Which evictable block goes first (recorded in the store: another "
-        "policy is refused on a store made with this one).",
+        DEFAULT_POLICY,
+        description="Which evictable block goes first: adaptive (keeps reused prefixes "
+        "longer, learning how much longer from its own evictions), lru or protected. A store "
+        "made under another policy adopts this one on start (logged). Not used on Redis.",
     )
     capacity: int = Field(
         10 * 2**30,

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cache_service.client import CacheClient
 from tests.integration.conftest import ServerProcess, free_port, service_command
 
 MakeServer = Callable[..., ServerProcess]
@@ -50,17 +51,27 @@ def test_serve_refuses_a_folder_made_with_another_setting_that_defines_its_data(
     first.start()  # the folder still serves its own settings
 
 
-def test_serve_with_another_eviction_policy_starts_and_logs_the_change(
+def test_a_folder_served_under_lru_adopts_the_default_policy_keeping_its_blocks(
     make_server: MakeServer,
 ) -> None:
+    """The upgrade of docs/upgrading.md: a folder last served with `--eviction-policy lru`,
+    started with no policy named, serves under the new default, says so, and loses nothing."""
+    prompt = list(range(9000, 9256))  # 4 blocks of 64
+    payloads = [f"kv {i}".encode() for i in range(4)]
     server = make_server(eviction_policy="lru")
+    with CacheClient(server.url) as client:
+        assert client.put_prefix("m", prompt, payloads) == 4
     server.stop()
-    server.flags["eviction_policy"] = "adaptive"
+    del server.flags["eviction_policy"]
     server.start()
     assert (
         "--eviction-policy changed since the last run: lru -> adaptive; blocks keep the rank "
         "the old policy gave them until their next use" in server.log_path.read_text()
     )
+    with CacheClient(server.url) as client:
+        found = client.lookup("m", prompt, fetch=True)
+    assert found.matched_blocks == 4
+    assert list(found.payloads or ()) == payloads
 
 
 def test_serve_with_another_capacity_starts_and_logs_the_change(make_server: MakeServer) -> None:

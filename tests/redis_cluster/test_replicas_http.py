@@ -67,6 +67,18 @@ def test_the_capacity_is_redis_maxmemory(
     assert "prompt_cache_capacity_bytes 2.01326592e+08" in metrics  # 3 x 64 MiB
 
 
+def test_an_eviction_policy_named_for_redis_starts_with_a_warning(
+    cluster: LocalRedisCluster, make_server: Callable[..., ServerProcess]
+) -> None:
+    """`--eviction-policy lru` was the default, so Redis deployments may name it: since
+    adaptive took over it must still start (Redis evicts by its own rule), and say so."""
+    server = make_server(store=redis_url(cluster), eviction_policy="lru")
+    assert httpx.get(server.url + "/v1/info").json()["store"] == "redis"
+    log = server.log_path.read_text()
+    assert "--eviction-policy lru has no effect on the Redis store" in log
+    assert "--eviction-policy changed since the last run" not in log  # not in its record
+
+
 def serve_refused(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     """`cache-service serve` with flags that must be refused at start-up."""
     args = [*service_command(), "serve", "--host", "127.0.0.1", "--port", str(free_port())]

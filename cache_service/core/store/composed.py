@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
-from cache_service.core.eviction import EvictionPolicy, LruPolicy
+from cache_service.core.eviction import EvictionPolicy, make_policy
 from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.store.backend import Backend
 from cache_service.core.store.controls import Controls
@@ -41,7 +41,7 @@ class ComposedStore(Generic[B]):
         removal_log_entries: int = DEFAULT_REMOVAL_LOG_ENTRIES,
     ) -> None:
         self.backend = backend
-        self.policy: EvictionPolicy = policy or LruPolicy()
+        self.policy: EvictionPolicy = policy or make_policy()
         self.space = backend.space
         self._removal_log = RemovalLog(removal_log_entries)
         txns = Transactions(backend, self.policy)

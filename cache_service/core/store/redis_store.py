@@ -45,7 +45,7 @@ from cache_service.core.blocks import (
     StoreKey,
     StoreUsage,
 )
-from cache_service.core.eviction import EvictionPolicy, LruPolicy
+from cache_service.core.eviction import EvictionPolicy, make_policy
 from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
 from cache_service.core.store.base import IdentityCheck
 from cache_service.core.store.breaker import CircuitBreaker
@@ -101,7 +101,7 @@ class RedisStore(RedisReads, RedisWrites, RedisControls):
         self.client, self.clustered = connect(address)
         reader, _ = connect(address, socket_timeout=READ_TIMEOUT_SECONDS, retries=0)
         self.reads = Fanout(reader, self.clustered)  # lookups: parallel, no retries
-        self.policy: EvictionPolicy = policy or LruPolicy()
+        self.policy: EvictionPolicy = policy or make_policy()
         self.lifetimes: Lifetimes = UNBOUNDED
         self.space = RedisSpace()
         self.breaker = breaker or CircuitBreaker()

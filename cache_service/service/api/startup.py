@@ -14,16 +14,19 @@ from cache_service.core.errors import NotSupportedByStore
 from cache_service.core.eviction import make_policy
 from cache_service.core.identity import StoreIdentity, identity_of
 from cache_service.core.store import registry
-from cache_service.core.store.registry import OpenedStore
+from cache_service.core.store.registry import OpenedStore, parse_store_url
 from cache_service.core.units import show_size
 from cache_service.service.settings import Settings
 
 log = logging.getLogger("cache_service")
 
+REDIS_SCHEMES = frozenset({"redis", "rediss"})
+
 
 def store_identity(settings: Settings) -> StoreIdentity:
-    """The identity these settings record in the store they open."""
-    return identity_of(
+    """The identity these settings record in the store they open; on Redis without the
+    LMDB store's capacity and eviction settings, which Redis does not use."""
+    identity = identity_of(
         seed=settings.seed,
         default_block_size=settings.block_size,
         model_block_sizes=settings.model_block_sizes(),
@@ -33,6 +36,10 @@ def store_identity(settings: Settings) -> StoreIdentity:
         low_water=settings.low_water,
         eviction_policy=settings.eviction_policy,
     )
+    if parse_store_url(settings.store_url())[0] not in REDIS_SCHEMES:
+        return identity
+    unused = LMDB_ONLY | IGNORED_ON_REDIS
+    return StoreIdentity({k: v for k, v in identity.values.items() if k not in unused})
 
 
 def open_store(settings: Settings) -> OpenedStore:
@@ -65,7 +72,10 @@ def open_store(settings: Settings) -> OpenedStore:
 
 
 # Settings that steer the LMDB store's own capacity and eviction: on Redis, Redis does both.
-LMDB_ONLY = frozenset({"capacity", "high_water", "low_water", "eviction_policy", "lmdb_sync"})
+LMDB_ONLY = frozenset({"capacity", "high_water", "low_water", "lmdb_sync"})
+# --eviction-policy is not used on Redis either, but `lru` was its default until adaptive
+# took over: a Redis deployment that names it keeps starting, with a warning.
+IGNORED_ON_REDIS = frozenset({"eviction_policy"})
 
 
 def refuse_unsupported(opened: OpenedStore, settings: Settings) -> None:
@@ -83,6 +93,14 @@ def refuse_unsupported(opened: OpenedStore, settings: Settings) -> None:
             f"{flags} do not apply to the Redis store: its capacity is Redis's maxmemory and "
             "Redis evicts by its own maxmemory-policy; remove them"
         )
+    for name in sorted(IGNORED_ON_REDIS):
+        if getattr(settings, name) != fields[name].default:
+            log.warning(
+                "--%s %s has no effect on the Redis store: Redis evicts by its own "
+                "maxmemory-policy",
+                name.replace("_", "-"),
+                getattr(settings, name),
+            )
     quotas = settings.key_ring().tenant_capacity if settings.auth == "keys" else {}
     if quotas:
         raise NotSupportedByStore(
