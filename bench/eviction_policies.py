@@ -265,7 +265,7 @@ def run(
             "distinct_blocks": inf,
             "seconds": round(time.perf_counter() - trace_started, 1),
             "rows": report["policies"],
-            "mrc": report["mrc"]["points"],
+            "mrc": report["lru"]["points"],  # LRU's exact curve
             "belady": report["belady"]["points"],
         }
         for name in names:

@@ -68,7 +68,7 @@ def test_lru_column_equals_the_replay_under_lru(quick: tuple[Path, str]) -> None
         assert list(cells) == [f"{c:,}" for c in result["capacity_blocks"]] + ["inf"]
         for cell, blocks in zip(cells.values(), capacities, strict=True):
             config = ReplayConfig(
-                traces=[data["path"]], capacity_tokens=blocks * 512, store="memory"
+                traces=[data["path"]], capacity_tokens=blocks * 512, store="memory", policy="lru"
             )
             assert cell == run_replay(config)["block_hit_ratio"], (trace, blocks)
         shown = " | ".join(f"{cell:.3f}" for cell in cells.values())

@@ -260,10 +260,16 @@ def ratio(hits: int, total: int) -> float:
 def test_report_curves_equal_oracle_at_every_listed_capacity(
     tmp_path: Path, trace: list[Request], expiring: bool
 ) -> None:
-    """Stack distances when no TTL can expire; one replay per capacity when one can."""
+    """Stack distances when no TTL can expire; one replay per capacity when one can. The
+    `lru` section is LRU's curve whatever the policy; under LRU it is the `mrc` itself."""
     ttls = SHORT_TTLS if expiring else DEFAULT_TTLS
     path = write_trace(tmp_path / "trace.jsonl", map(trace_line, trace))
-    report = replay(config_for([path], tmp_path, ttl_seconds=ttls, store="memory", mrc=True))
+    report = replay(
+        config_for([path], tmp_path, ttl_seconds=ttls, store="memory", mrc=True, policy="lru")
+    )
+    assert report["lru"] == report["mrc"]
+    default = replay(config_for([path], tmp_path, ttl_seconds=ttls, store="memory", mrc=True))
+    assert default["lru"] == report["mrc"]
     ordered = replay_order(trace)
     blocks = sum(len(r["hash_ids"]) for r in trace)
     prompt = sum(r["input_length"] for r in trace)
@@ -548,7 +554,7 @@ def test_report_has_every_field_of_the_issue_and_hits_plus_misses_make_the_promp
     report = replay(config_for([path], tmp_path, capacity_tokens=16, mrc=True, capacities=[8]))
 
     assert report["capacity_tokens"] == 16
-    assert report["policy"] == "lru"
+    assert report["policy"] == "adaptive"  # the service's default
     assert_figures(report)
     assert_figures(report["ceiling"])
     assert set(report["by_retention"]) == {"agent", "chat"}
@@ -562,7 +568,7 @@ def test_report_has_every_field_of_the_issue_and_hits_plus_misses_make_the_promp
     assert [w["requests"] for w in windows["points"]] == [2, 2]
     for window in windows["points"]:
         assert_figures(window)
-    for section in ("mrc", "belady"):
+    for section in ("mrc", "lru", "belady"):
         assert report[section]["kv_bytes_per_token"] == 890
         assert report[section]["points"], section
         for point in report[section]["points"]:

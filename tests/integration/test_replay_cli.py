@@ -121,6 +121,8 @@ def mooncake_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
         stem = Path(name).stem
         return [
             TRACES_DIR / name,
+            "--policy",
+            "lru",  # the table's policy: checked against LRU's exact curve
             "--capacity-tokens",
             str(CAPACITY_TOKENS),
             "--store",
@@ -131,8 +133,10 @@ def mooncake_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
 
     procs = {
         # The issue's "done when" command (--format given), plus the 3M capacity to report.
+        # The conversation trace's curves under LRU (its exact curve in one pass); the
+        # synthetic trace's under the default policy, replayed once per capacity.
         ("conversation_trace.jsonl", "curves"): start_cli(
-            *curves_args("conversation_trace.jsonl"), "--format", "mooncake"
+            *curves_args("conversation_trace.jsonl"), "--format", "mooncake", "--policy", "lru"
         ),
         ("synthetic_trace.jsonl", "curves"): start_cli(*curves_args("synthetic_trace.jsonl")),
         ("conversation_trace.jsonl", "bounded"): start_cli(
@@ -182,8 +186,8 @@ def test_shared_trace_reproduces_the_issues_table_within_0_005(
     assert ceiling["token_hit_ratio"] == pytest.approx(expected.ceiling_tokens, abs=TOLERANCE)
     assert report["block_hit_ratio"] == ceiling["block_hit_ratio"]  # unbounded: the ceiling
 
-    assert report["mrc"]["method"] == "lru-stack-distance"
-    lru = point_at(report["mrc"]["points"], CAPACITY_BLOCKS)
+    assert report["lru"]["method"] == "lru-stack-distance"
+    lru = point_at(report["lru"]["points"], CAPACITY_BLOCKS)
     assert lru["capacity_tokens"] == CAPACITY_TOKENS
     assert lru["block_hit_ratio"] == pytest.approx(expected.lru_blocks, abs=TOLERANCE)
 
@@ -226,12 +230,37 @@ def test_summary_labels_block_and_token_ratios_and_names_the_files_it_wrote(
     ) in summary
     # The README's table is in block ratios: the capacity rows show both, labelled.
     assert "LRU token  block" in summary and "Belady token  block" in summary
-    lru = point_at(report["mrc"]["points"], CAPACITY_BLOCKS)
-    row = next(line for line in summary.splitlines() if f"{CAPACITY_TOKENS:,} " in line)
-    assert f"{lru['token_hit_ratio']:.1%} " in row and f"{lru['block_hit_ratio']:.1%}" in row
+    rows = [line.lstrip() for line in summary.splitlines()]
+    row = next(line for line in rows if line.startswith(f"{CAPACITY_TOKENS:,} "))
+    for section in ("mrc", "lru"):  # the policy's own curve, and LRU's beside it
+        point = point_at(report[section]["points"], CAPACITY_BLOCKS)
+        assert f"{point['token_hit_ratio']:.1%} " in row
+        assert f"{point['block_hit_ratio']:.1%}" in row
     stem = Path(name).stem
     assert f"Wrote the report (JSON): {runs.plot.with_name(stem + '.json')}" in summary
     assert f"Wrote the figures (PNG): {runs.plot}" in summary
+
+
+def test_the_default_curve_is_the_service_policy_s_own_and_never_below_lru(
+    mooncake_runs: dict[str, TraceRuns],
+) -> None:
+    """Without --policy the report's curve is adaptive's (the service's default), replayed at
+    each capacity, beside LRU's exact one; the summary names both."""
+    runs = mooncake_runs["synthetic_trace.jsonl"]
+    report = runs.report
+    assert report["policy"] == "adaptive"
+    assert report["mrc"]["method"] == "replay-per-capacity"
+    assert "ADAPTIVE token  block" in runs.summary
+    lru = {point["capacity_blocks"]: point for point in report["lru"]["points"]}
+    for point in report["mrc"]["points"]:
+        assert point["block_hit_ratio"] >= lru[point["capacity_blocks"]]["block_hit_ratio"] - 0.01
+    assert (
+        point_at(report["mrc"]["points"], CAPACITY_BLOCKS)["block_hit_ratio"]
+        > point_at(report["lru"]["points"], CAPACITY_BLOCKS)["block_hit_ratio"]
+    )
+    assert list(report["policies"]) == ["adaptive"]
+    conversation = mooncake_runs["conversation_trace.jsonl"].report
+    assert conversation["policy"] == "lru" and conversation["mrc"] == conversation["lru"]
 
 
 # -- over HTTP --------------------------------------------------------------------------------

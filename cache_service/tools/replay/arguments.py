@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 
 from cache_service.client.base import checked_base_url
-from cache_service.core.eviction import POLICIES
+from cache_service.core.eviction import DEFAULT_POLICY, POLICIES
 from cache_service.core.retention import (
     DEFAULT_CLASS,
     RetentionPolicy,
     parse_retention_table,
 )
 from cache_service.core.units import parse_size
+from cache_service.tools.replay.capacity_runs import default_jobs
 from cache_service.tools.replay.command import ReplayConfig, run_replay
 from cache_service.tools.replay.cost import Prices
 from cache_service.tools.replay.engine import ReplayError
@@ -30,6 +31,14 @@ def _tokens(text: str) -> int:
         if scaled.endswith(suffix):
             return int(float(scaled[:-1]) * factor)
     return int(scaled)
+
+
+def _positive(text: str) -> int:
+    """A whole number of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _token_list(text: str) -> list[int]:
@@ -69,10 +78,11 @@ def add_replay_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
     parser.add_argument(
         "--policy",
         type=_policy_list,
-        default=["lru"],
+        default=[DEFAULT_POLICY],
         metavar="NAME[,NAME...]",
-        help=f"eviction policy ({', '.join(sorted(POLICIES))}; default lru); with --mrc, "
-        "several comma separated are compared against LRU and Belady; without it, one",
+        help=f"eviction policy ({', '.join(sorted(POLICIES))}; default {DEFAULT_POLICY}, the "
+        "service's); with --mrc, several comma separated are compared against LRU and Belady; "
+        "without it, one",
     )
     parser.add_argument(
         "--retention-map",
@@ -100,6 +110,13 @@ def add_replay_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
         type=_token_list,
         default=[],
         help="extra capacities (tokens, comma separated) for the curves",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=_positive,
+        default=default_jobs(),
+        help="with --mrc: replays of the capacity curves run side by side in this many "
+        "processes (default: one per core)",
     )
     parser.add_argument("--kv-bytes-per-token", type=parse_size, default=890)
     parser.add_argument("--price-hit", type=float, default=0.003, help="$ per M cache-hit tokens")
@@ -145,6 +162,7 @@ def run_replay_command(args: argparse.Namespace) -> int:
             strict=args.strict,
             store=args.store,
             workdir=args.workdir,
+            jobs=args.jobs,
         )
         report = run_replay(config)
         written: list[tuple[str, Path]] = []

@@ -10,11 +10,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from cache_service.core.eviction import DEFAULT_POLICY
 from cache_service.core.retention import RetentionPolicy
 from cache_service.tools.replay.accesses import build_accesses
 from cache_service.tools.replay.block_units import BlockUnits, plan_units
+from cache_service.tools.replay.capacity_runs import RunKey, default_jobs, run_capacities
 from cache_service.tools.replay.cost import Prices, cost_report
-from cache_service.tools.replay.curves import CurvePlan, Scale, capacity_curves
+from cache_service.tools.replay.curves import (
+    CurvePlan,
+    Scale,
+    belady_capacities,
+    belady_section,
+    curve_section,
+)
 from cache_service.tools.replay.engine import (
     EmbeddedOptions,
     HttpOptions,
@@ -25,7 +33,7 @@ from cache_service.tools.replay.engine import (
 from cache_service.tools.replay.mrc import lru_curve
 from cache_service.tools.replay.policy_curves import Hits, compare_policies
 from cache_service.tools.replay.progress import Progress
-from cache_service.tools.replay.stats import Outcome, ReplayStats, Tally
+from cache_service.tools.replay.stats import Outcome, ReplayStats
 from cache_service.tools.replay.traces import TraceError, TraceRequest, read_trace
 
 MAX_ERRORS_SHOWN = 20
@@ -51,7 +59,7 @@ class ReplayConfig:
     url: str | None = None
     api_key: str | None = None
     capacity_tokens: int | None = None
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     # Policies compared against LRU and Belady on the curves (needs mrc); empty: `policy`.
     compare: Sequence[str] = ()
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
@@ -66,6 +74,7 @@ class ReplayConfig:
     strict: bool = False
     store: str = "lmdb"
     workdir: Path | None = None
+    jobs: int = field(default_factory=default_jobs)  # replays of the curves run side by side
 
 
 @dataclass
@@ -216,13 +225,14 @@ def run_replay(config: ReplayConfig, *, log: TextIO = sys.stderr) -> dict[str, A
         ),
         "windows": {"window_seconds": main.window_seconds, "points": main.window_points()},
         "mrc": None,
+        "lru": None,
         "belady": None,
         "policies": None,
         "cost": cost_report(main.total, config.prices),
         "ceiling_cost": cost_report(ceiling, config.prices),
     }
     if config.mrc:
-        report["mrc"], report["belady"], report["policies"] = _curves(requests, config, units)
+        report.update(_curves(requests, config, units, log=log))
     return report
 
 
@@ -230,58 +240,68 @@ class _Replays:
     """Replays at one capacity under one policy, each run once (the curves share them)."""
 
     def __init__(
-        self, requests: Sequence[TraceRequest], config: ReplayConfig, units: BlockUnits
+        self, requests: Sequence[TraceRequest], config: ReplayConfig, units: BlockUnits, log: TextIO
     ) -> None:
         self.requests = requests
-        self.config = config
-        self.units = units
-        self.done: dict[tuple[str, int], Hits] = {}
+        self.options = _embedded(config, units, None)
+        self.jobs = config.jobs
+        self.log = log
+        self.done: dict[RunKey, Hits] = {}
 
-    def at(self, policy: str, capacity_tokens: int, label: str) -> Hits:
+    def run(self, keys: Sequence[RunKey]) -> None:
+        """Run the replays of `keys` not run yet, side by side."""
+        missing = [key for key in dict.fromkeys(keys) if key not in self.done]
+        self.done.update(
+            run_capacities(self.requests, self.options, missing, jobs=self.jobs, log=self.log)
+        )
+
+    def at(self, policy: str, capacity_tokens: int) -> Hits:
         """(hit blocks, hit tokens) of the trace under `policy` at a capacity."""
-        key = (policy, capacity_tokens)
-        if key not in self.done:
-            tally: Tally = _replay(
-                self.requests,
-                replace(self.config, policy=policy),
-                self.units,
-                capacity_tokens=capacity_tokens,
-                label=label,
-            ).total
-            self.done[key] = (tally.hit_blocks, tally.hit_tokens)
-        return self.done[key]
+        self.run([(policy, capacity_tokens)])
+        return self.done[(policy, capacity_tokens)]
 
 
 def _curves(
-    requests: Sequence[TraceRequest], config: ReplayConfig, units: BlockUnits
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
-    """The `mrc`, `belady` and `policies` sections (the last None when only LRU is named)."""
+    requests: Sequence[TraceRequest], config: ReplayConfig, units: BlockUnits, *, log: TextIO
+) -> dict[str, Any]:
+    """The `mrc` (the policy's own curve), `lru`, `belady` and `policies` sections (the last
+    None when only LRU is named)."""
     accesses = build_accesses(requests, units)
     stack_exact = not _ttls_may_expire(requests, config.retention)
     extra = list(config.capacities)
     if config.capacity_tokens is not None:
         extra.append(config.capacity_tokens)
-    replays = _Replays(requests, config, units)
-    plan = CurvePlan(
-        extra_capacity_tokens=extra,
-        kv_bytes_per_token=config.kv_bytes_per_token,
-        stack_distance=config.policy == "lru" and stack_exact,
-    )
-    exact_lru = lru_curve(accesses) if stack_exact else None  # one pass serves both uses
-    mrc, belady = capacity_curves(
-        accesses,
-        plan,
-        lambda tokens: replays.at(config.policy, tokens, f"{config.policy} @{tokens:,} tokens"),
-        lru=exact_lru,
-    )
+    replays = _Replays(requests, config, units, log)
+    lru_plan = CurvePlan(extra, config.kv_bytes_per_token, stack_distance=stack_exact)
+    plan = replace(lru_plan, stack_distance=config.policy == "lru" and stack_exact)
     names = list(dict.fromkeys(config.compare or [config.policy]))
-    if names == ["lru"]:
-        return mrc, belady, None
-    policies = compare_policies(
-        names,
-        belady,
-        Scale.of(accesses, config.kv_bytes_per_token),
-        replay_at=replays.at,
-        lru_exact=exact_lru,
-    )
-    return mrc, belady, policies
+    # Every replay the sections below read, run side by side first: the policy's own curve,
+    # the compared policies, and LRU unless its stack distances are exact.
+    tokens = [c * accesses.block_tokens for c in belady_capacities(accesses, extra)]
+    replayed = list(dict.fromkeys([config.policy, *names, "lru"]))
+    if stack_exact:
+        replayed.remove("lru")
+    replays.run([(name, capacity) for name in replayed for capacity in tokens])
+    exact_lru = lru_curve(accesses) if stack_exact else None  # one pass serves every use
+
+    def curve_of(policy: str, curve_plan: CurvePlan) -> dict[str, Any]:
+        return curve_section(
+            accesses, curve_plan, lambda capacity: replays.at(policy, capacity), lru=exact_lru
+        )
+
+    mrc = curve_of(config.policy, plan)
+    sections: dict[str, Any] = {
+        "mrc": mrc,
+        "lru": mrc if config.policy == "lru" else curve_of("lru", lru_plan),
+        "belady": belady_section(accesses, plan),
+        "policies": None,
+    }
+    if names != ["lru"]:
+        sections["policies"] = compare_policies(
+            names,
+            sections["belady"],
+            Scale.of(accesses, config.kv_bytes_per_token),
+            replay_at=replays.at,
+            lru_exact=exact_lru,
+        )
+    return sections

@@ -65,47 +65,62 @@ class Scale:
         }
 
 
-def capacity_curves(
+def belady_capacities(accesses: Accesses, extra_capacity_tokens: Sequence[int]) -> list[int]:
+    """The capacities (blocks) every replayed curve and Belady are measured at: shares of the
+    distinct blocks, round token counts below the whole working set, and the extra ones."""
+    whole = accesses.distinct * accesses.block_tokens
+    rounds = [tokens for tokens in ROUND_CAPACITY_TOKENS if tokens < whole]
+    extra = [tokens // accesses.block_tokens for tokens in (*extra_capacity_tokens, *rounds)]
+    return sorted(
+        {max(1, int(accesses.distinct * f)) for f in BELADY_FRACTIONS} | {b for b in extra if b > 0}
+    )
+
+
+def belady_section(accesses: Accesses, plan: CurvePlan) -> dict[str, Any]:
+    """The report's `belady` section: the offline optimum at `belady_capacities`."""
+    scale = Scale.of(accesses, plan.kv_bytes_per_token)
+    upcoming = next_uses(accesses)
+    requested = [tokens // accesses.block_tokens for tokens in plan.extra_capacity_tokens]
+    return {
+        "method": "belady-min-with-bypass, per-block hits",
+        "kv_bytes_per_token": plan.kv_bytes_per_token,
+        "points": [
+            scale.point(c, belady_hits(accesses, c, upcoming))
+            for c in belady_capacities(accesses, plan.extra_capacity_tokens)
+        ],
+        # The capacities the user asked for (--capacities, --capacity-tokens): always summarised.
+        "requested_capacity_blocks": sorted({b for b in requested if b > 0}),
+    }
+
+
+def curve_section(
     accesses: Accesses,
     plan: CurvePlan,
     replay_at: Callable[[int], tuple[int, int]] | None = None,
     lru: MissRatioCurve | None = None,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The `mrc` and `belady` sections of the report.
+) -> dict[str, Any]:
+    """A policy's capacity curve (the report's `mrc` or `lru` section).
 
-    `replay_at(capacity_tokens) -> (hit blocks, hit tokens)` replays the trace once at a
-    capacity; it is used instead of stack distances when those would not be exact. `lru`:
-    the stack-distance curve if the caller already has it (else it is computed here).
+    With `plan.stack_distance`, LRU's exact curve at log-spaced capacities (`lru` if the
+    caller already has it, else computed here); otherwise `replay_at(capacity_tokens) -> (hit
+    blocks, hit tokens)`, one replay at each of `belady_capacities`.
     """
     scale = Scale.of(accesses, plan.kv_bytes_per_token)
-    whole = accesses.distinct * accesses.block_tokens
-    rounds = [tokens for tokens in ROUND_CAPACITY_TOKENS if tokens < whole]
-    requested = [tokens // accesses.block_tokens for tokens in plan.extra_capacity_tokens]
-    extra = [*requested, *(tokens // accesses.block_tokens for tokens in rounds)]
-    belady_capacities = sorted(
-        {max(1, int(accesses.distinct * f)) for f in BELADY_FRACTIONS} | {b for b in extra if b > 0}
-    )
-    upcoming = next_uses(accesses)
-    belady: dict[str, Any] = {
-        "method": "belady-min-with-bypass, per-block hits",
-        "kv_bytes_per_token": plan.kv_bytes_per_token,
-        "points": [scale.point(c, belady_hits(accesses, c, upcoming)) for c in belady_capacities],
-        # The capacities the user asked for (--capacities, --capacity-tokens): always summarised.
-        "requested_capacity_blocks": sorted({b for b in requested if b > 0}),
-    }
-    mrc: dict[str, Any] = {"kv_bytes_per_token": plan.kv_bytes_per_token}
+    capacities = belady_capacities(accesses, plan.extra_capacity_tokens)
+    section: dict[str, Any] = {"kv_bytes_per_token": plan.kv_bytes_per_token}
     if plan.stack_distance:
         curve = lru if lru is not None else lru_curve(accesses)
-        points = capacity_points(accesses.distinct, extra + belady_capacities)
-        mrc["method"] = "lru-stack-distance"
-        mrc["points"] = [scale.point(c, curve.at(c)) for c in points]
+        section["method"] = "lru-stack-distance"
+        section["points"] = [
+            scale.point(c, curve.at(c)) for c in capacity_points(accesses.distinct, capacities)
+        ]
     else:
         assert replay_at is not None
-        mrc["method"] = "replay-per-capacity"
-        mrc["points"] = [
-            scale.point(c, replay_at(c * accesses.block_tokens)) for c in belady_capacities
+        section["method"] = "replay-per-capacity"
+        section["points"] = [
+            scale.point(c, replay_at(c * accesses.block_tokens)) for c in capacities
         ]
-    return mrc, belady
+    return section
 
 
 def capacity_for_share(mrc: dict[str, Any], ceiling_ratio: float, share: float) -> int | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cache_service.client import CacheClient
 from cache_service.core.cache import PrefixCache
-from cache_service.core.eviction import make_policy
+from cache_service.core.eviction import DEFAULT_POLICY, make_policy
 from cache_service.core.hashing import bytes_to_tokens
 from cache_service.core.retention import RetentionPolicy
 from cache_service.core.store.base import BlockStore
@@ -45,7 +45,7 @@ class EmbeddedOptions:
     units: BlockUnits
     retention: RetentionPolicy
     capacity_tokens: int | None = None
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     payload_bytes_per_token: int = 0
     store: str = "lmdb"  # or "memory"
     workdir: Path | None = None
@@ -65,17 +65,19 @@ def replay_embedded(
                 folder, map_size_bytes=REPLAY_MAP_SIZE_BYTES, sync_mode="nosync", policy=policy
             )
         try:
-            _drive(requests, options, store, on_outcome)
+            drive_store(requests, options, store, on_outcome)
         finally:
             store.close()
 
 
-def _drive(
+def drive_store(
     requests: Sequence[TraceRequest],
     options: EmbeddedOptions,
     store: BlockStore,
     on_outcome: OnOutcome,
 ) -> None:
+    """Drive every request through a PrefixCache over a store the caller opened (its policy
+    too), in trace time; `on_outcome` hears each request before the next one starts."""
     units = options.units
     clock = VirtualClock()
     capacity_blocks = None

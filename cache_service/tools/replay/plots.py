@@ -83,6 +83,15 @@ def _plot_curve(axis: Any, report: dict[str, Any]) -> None:
         color="tab:blue",
         marker="." if mrc["method"] != "lru-stack-distance" else None,
     )
+    lru = report.get("lru")
+    if report["policy"] != "lru" and lru:
+        axis.plot(
+            [point["capacity_tokens"] for point in lru["points"]],
+            [point["token_hit_ratio"] for point in lru["points"]],
+            label=f"LRU ({lru['method']})",
+            color="tab:gray",
+            marker="." if lru["method"] != "lru-stack-distance" else None,
+        )
     axis.plot(
         [point["capacity_tokens"] for point in belady["points"]],
         [point["token_hit_ratio"] for point in belady["points"]],
@@ -106,9 +115,9 @@ def _plot_curve(axis: Any, report: dict[str, Any]) -> None:
 def _plot_policies(axis: Any, report: dict[str, Any]) -> None:
     policies: dict[str, list[dict[str, Any]]] = report["policies"]
     rows = next(iter(policies.values()))
-    mrc = report["mrc"]
-    if mrc["method"] == "lru-stack-distance":  # the exact curve, at every listed capacity
-        lru = [(point["capacity_tokens"], point["block_hit_ratio"]) for point in mrc["points"]]
+    curve = report.get("lru") or report["mrc"]
+    if curve["method"] == "lru-stack-distance":  # the exact curve, at every listed capacity
+        lru = [(point["capacity_tokens"], point["block_hit_ratio"]) for point in curve["points"]]
         marker = None
     else:  # LRU as the comparison measured it, at its capacities
         lru = [(row["capacity_tokens"], row["lru_block_hit_ratio"]) for row in rows]

@@ -14,8 +14,8 @@ from cache_service.tools.replay.curves import Scale
 from cache_service.tools.replay.mrc import MissRatioCurve
 
 Hits = tuple[int, int]  # (hit blocks, hit tokens)
-# (policy, capacity in tokens, progress label) -> hits of a replay at that capacity
-ReplayAt = Callable[[str, int, str], Hits]
+# (policy, capacity in tokens) -> hits of a replay at that capacity
+ReplayAt = Callable[[str, int], Hits]
 
 HEADLINE_REQUESTED = "the capacities asked for with --capacities or --capacity-tokens"
 HEADLINE_LARGEST = (
@@ -50,11 +50,7 @@ def compare_policies(
     def measured(name: str, capacity_blocks: int) -> dict[str, Any]:
         if name == "lru" and lru_exact is not None:
             return scale.point(capacity_blocks, lru_exact.at(capacity_blocks))
-        tokens = capacity_blocks * scale.block_tokens
-        # A replay the curves already ran is not run again, so count capacities, not runs.
-        step = capacities.index(capacity_blocks) + 1
-        label = f"{name} @{tokens:,} tokens ({step}/{len(capacities)})"
-        return scale.point(capacity_blocks, replay_at(name, tokens, label))
+        return scale.point(capacity_blocks, replay_at(name, capacity_blocks * scale.block_tokens))
 
     lru = {capacity: measured("lru", capacity) for capacity in capacities}
     section: dict[str, list[dict[str, Any]]] = {}

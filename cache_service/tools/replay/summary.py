@@ -61,26 +61,34 @@ def format_summary(report: dict[str, Any], written: Sequence[tuple[str, Path]] =
                     f"{report['policy'].upper()} reaches {share:.0%} of the token ceiling at "
                     f"{tokens:,} tokens ({tokens * mrc['kv_bytes_per_token'] / GIB:,.1f} GiB of KV)"
                 )
-        lru = {p["capacity_blocks"]: p for p in mrc["points"]}
+        ours = {p["capacity_blocks"]: p for p in mrc["points"]}
+        policy = report["policy"].upper()
+        # Beside the policy's own curve, LRU's (unless the policy is LRU) and Belady's.
+        columns = [(policy, ours)]
+        if report["policy"] != "lru" and report.get("lru"):
+            columns.append(("LRU", {p["capacity_blocks"]: p for p in report["lru"]["points"]}))
         points = belady["points"]
         requested = set(belady.get("requested_capacity_blocks", ()))
         sampled = points[:: max(1, -(-len(points) // MAX_CURVE_ROWS))]
         shown = [p for p in points if p in sampled or p["capacity_blocks"] in requested]
-        policy = report["policy"].upper()
         lines.append(
-            f"Hit ratio by capacity:  {'tokens':>11} {'blocks':>7}  {policy + ' token':>9} "
-            f"{'block':>6}  {'Belady token':>12} {'block':>6}"
+            f"Hit ratio by capacity:  {'tokens':>11} {'blocks':>7}  "
+            + "".join(f"{name + ' token':>12} {'block':>6}  " for name, _ in columns)
+            + f"{'Belady token':>12} {'block':>6}"
         )
         for point in shown:
-            ours = lru.get(point["capacity_blocks"])
+            cells = []
+            for _, curve in columns:
+                found = curve.get(point["capacity_blocks"])
+                cells.append(
+                    f"{found['token_hit_ratio']:12.1%} {found['block_hit_ratio']:6.1%}  "
+                    if found is not None
+                    else f"{'-':>12} {'-':>6}  "
+                )
             lines.append(
                 f"{'':23} {point['capacity_tokens']:>11,} {point['capacity_blocks']:>7,}  "
-                + (
-                    f"{ours['token_hit_ratio']:9.1%} {ours['block_hit_ratio']:6.1%}"
-                    if ours is not None
-                    else f"{'-':>9} {'-':>6}"
-                )
-                + f"  {point['token_hit_ratio']:12.1%} {point['block_hit_ratio']:6.1%}"
+                + "".join(cells)
+                + f"{point['token_hit_ratio']:12.1%} {point['block_hit_ratio']:6.1%}"
             )
     if report.get("policies"):
         lines.extend(format_policy_comparison(report))
