@@ -18,6 +18,7 @@ from collections.abc import Callable
 from functools import partial
 
 from bench import CONVERSATION_TRACE
+from cache_service.core.eviction import DEFAULT_POLICY
 from cache_service.core.hashing import BlockHasher
 from cache_service.tools.replay.accesses import build_accesses
 from cache_service.tools.replay.block_units import plan_units, request_namespace, request_tokens
@@ -54,12 +55,15 @@ def main() -> None:
             )
 
     rows = [("read + block keys only (floor)", _median_seconds(args.runs, keys_only))]
-    for label, store, capacity in (
-        ("embedded LMDB, unbounded", "lmdb", None),
-        ("embedded LMDB, 3M-token LRU + ceiling run", "lmdb", 3_000_000),
-        ("embedded memory store, unbounded", "memory", None),
+    for label, store, capacity, policy in (
+        ("embedded LMDB, unbounded", "lmdb", None, DEFAULT_POLICY),
+        ("embedded LMDB, 3M-token LRU + ceiling run", "lmdb", 3_000_000, "lru"),
+        ("embedded LMDB, 3M-token adaptive + ceiling", "lmdb", 3_000_000, "adaptive"),
+        ("embedded memory store, unbounded", "memory", None, DEFAULT_POLICY),
     ):
-        config = ReplayConfig(traces=[args.trace], store=store, capacity_tokens=capacity)
+        config = ReplayConfig(
+            traces=[args.trace], store=store, capacity_tokens=capacity, policy=policy
+        )
         rows.append((label, _median_seconds(args.runs, partial(run_replay, config, log=quiet))))
     accesses = build_accesses(requests, units)
     rows.append(
