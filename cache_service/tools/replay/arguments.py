@@ -67,7 +67,13 @@ def add_replay_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
         "a virtual clock, so days of TTL replay in seconds) or a running service (--url).",
     )
     parser.add_argument("traces", nargs="+", metavar="TRACE", help="trace files (JSONL)")
-    parser.add_argument("--format", dest="fmt", choices=FORMATS, default="auto")
+    parser.add_argument(
+        "--format",
+        dest="fmt",
+        choices=FORMATS,
+        default="auto",
+        help="trace format (auto: detected from the first line)",
+    )
     parser.add_argument("--url", help="replay against this running service instead")
     parser.add_argument("--api-key", help="API key for --url")
     parser.add_argument(
@@ -89,7 +95,11 @@ def add_replay_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
         default="agent=3d,chat=7d",
         help="retention classes and TTLs that trace lines may name (default agent=3d,chat=7d)",
     )
-    parser.add_argument("--default-retention", default=DEFAULT_CLASS)
+    parser.add_argument(
+        "--default-retention",
+        default=DEFAULT_CLASS,
+        help="retention class of trace lines that name none",
+    )
     parser.add_argument("--speed", type=float, help="with --url: X times real time")
     parser.add_argument(
         "--block-size", type=int, help="cache block size (default: the trace's own, or 64)"
@@ -118,18 +128,33 @@ def add_replay_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
         help="with --mrc: replays of the capacity curves run side by side in this many "
         "processes (default: one per core)",
     )
-    parser.add_argument("--kv-bytes-per-token", type=parse_size, default=890)
+    parser.add_argument(
+        "--kv-bytes-per-token",
+        type=parse_size,
+        default=890,
+        help="KV bytes per token, to turn the curves' capacities into bytes",
+    )
     parser.add_argument("--price-hit", type=float, default=0.003, help="$ per M cache-hit tokens")
     parser.add_argument("--price-miss", type=float, default=0.15, help="$ per M cache-miss tokens")
     parser.add_argument("--price-output", type=float, default=0.60, help="$ per M output tokens")
-    parser.add_argument("--active-params", type=float, default=8e9)
+    parser.add_argument(
+        "--active-params",
+        type=float,
+        default=8e9,
+        help="the model's active parameters, for the prefill FLOPs the hits saved",
+    )
     parser.add_argument(
         "--window-seconds",
         type=float,
         help="hit-ratio-over-time window (default 60, wider for traces of days)",
     )
     parser.add_argument("--strict", action="store_true", help="a malformed line fails the run")
-    parser.add_argument("--store", choices=("lmdb", "memory"), default="lmdb")
+    parser.add_argument(
+        "--store",
+        choices=("lmdb", "memory"),
+        default="lmdb",
+        help="store of the embedded cache (memory: faster, for traces that fit in RAM)",
+    )
     parser.add_argument("--workdir", type=Path, help="folder for the temporary LMDB store")
 
 
