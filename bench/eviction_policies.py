@@ -11,10 +11,11 @@ gap closed at 5,859 blocks. A policy meets the issue's rules on a trace when it 
 than 0.01 below LRU there and, at 5,859 blocks, reaches 0.18 (conversation) or 0.34 (synthetic).
 
 README numbers: `python -m bench.eviction_policies --out DIR` (seed 15: the held-out traces of
-docs/eviction-research.md). On one core it takes about 12 minutes with one policy besides LRU
-and about as much again for each further one (the conversation and docs traces take most of
-it). Writes DIR/eviction-policies.md (the tables printed, ready to paste), .json and .png (a
-panel per trace: hit ratio against capacity). Progress goes to stderr, a line per replay.
+docs/content/eviction-research.md). On one core it takes about 12 minutes with one policy
+besides LRU and about as much again for each further one (the conversation and docs traces take
+most of it). Writes DIR/eviction-policies.md (the tables printed, ready to paste), .json and
+.png (a panel per trace: hit ratio against capacity). Progress goes to stderr, a line per
+replay.
 
 `--quick` generates the held-out traces at scale 0.1, scales the capacities the same way and
 skips the Mooncake traces: about a minute with three policies (`--scale 0.03`: 20 s), a smoke

@@ -33,7 +33,7 @@ stresses one thing a policy can get wrong:
   8,000 requests (10 passes). Under LRU a loop larger than the cache never hits; a policy
   that keeps part of it does.
 
-The defaults (seed 15, scale 1) are the traces measured in docs/eviction-research.md.
+The defaults (seed 15, scale 1) are the traces measured in docs/content/eviction-research.md.
 `--scale F` multiplies every trace's request count (and the scan's loop length, so it still
 makes 10 passes) for quick runs; scale a cache capacity by the same factor to compare. Each
 trace draws from its own `random.Random(f"{seed}:{kind}")`, so a trace depends only on the

@@ -18,7 +18,7 @@ a fresh random prompt is drawn, then, in this order:
   tokens and one more (k hit) against `model.forward` of those k tokens.
 
 Medians of --repeats (default 3) in every headline; every sample is in the JSON. Writes
-bench/results/prefill-ttft.md and .json and docs/prefill-ttft.png (all three into --out-dir
+bench/results/prefill-ttft.md and .json and docs/content/prefill-ttft.png (all three into --out-dir
 if given); progress goes to stderr, a line per measurement. `--quick`: 1k and 2k tokens, one
 repeat (a smoke run); `--model tiny`: a tiny seeded Llama instead of SmolLM2 (for the test);
 `--render JSON` rewrites the three files from a saved JSON's samples, measuring nothing.

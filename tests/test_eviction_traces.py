@@ -24,7 +24,7 @@ REPLAY_SEED = 3
 # The 3M-token cache of the Mooncake figures (5,859 blocks of 512), scaled like the traces.
 REPLAY_CAPACITY_TOKENS = round(5859 * REPLAY_SCALE) * 512
 
-# The traces docs/eviction-research.md measured (seed 15, scale 1): the generator must go on
+# The traces docs/content/eviction-research.md measured (seed 15, scale 1): the generator must go on
 # writing them byte for byte, or the research's figures no longer describe its traces.
 MEASURED_SHA256 = {
     "tenants": "9dcfbd9e71023db8c8c1e6c6bfb3ba369d6b02cf0121b58e37338cd78a5384ef",

@@ -49,10 +49,10 @@ def test_nothing_in_the_repository_reads_a_folder_beside_the_checkout() -> None:
     assert offenders == []
 
 
-def test_readme_replay_example_names_a_trace_the_repository_carries() -> None:
-    readme = (REPO / "README.md").read_text()
-    traces = re.findall(r"cache-service replay (\S+\.jsonl)", readme)
-    assert traces, "README.md shows no replay example"
+def test_the_replay_guide_s_examples_name_traces_the_repository_carries() -> None:
+    guide = (REPO / "docs" / "content" / "guides" / "replay.md").read_text()
+    traces = re.findall(r"cache-service replay (\S+\.jsonl)", guide)
+    assert traces, "the replay guide shows no replay example"
     for trace in traces:
         assert (REPO / trace).is_file(), trace
         assert (REPO / trace).stat().st_size > 1_000_000

@@ -108,7 +108,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
         print(
             "cache-service demo: install the [model] extra first "
             "(pip install 'prompt-cache-service[model]', after a CPU build of PyTorch: see "
-            f"README, Prefill on a real model); missing: {', '.join(missing)}",
+            f"docs/content/guides/real-model.md); missing: {', '.join(missing)}",
             file=sys.stderr,
         )
         return 2

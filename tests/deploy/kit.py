@@ -144,15 +144,12 @@ def make_key_file(folder: Path) -> Path:
     return path
 
 
-# --- README's commands ------------------------------------------------------------------------
+# --- README's and the docs' commands ---------------------------------------------------------
 
 
-def readme_section(title: str) -> str:
-    """The text of README.md's `## <title>...` section."""
-    text = README.read_text(encoding="utf-8")
-    match = re.search(rf"^## {re.escape(title)}.*?$(.*?)(?=^## |\Z)", text, re.M | re.S)
-    assert match, f"README.md has no section starting '## {title}'"
-    return match.group(1)
+def docs_page(path: str) -> str:
+    """The Markdown of a page of the documentation site (under docs/content)."""
+    return (REPO / "docs" / "content" / path).read_text(encoding="utf-8")
 
 
 def shell_blocks(markdown: str) -> list[str]:

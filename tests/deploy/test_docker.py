@@ -21,8 +21,8 @@ from tests.deploy.conftest import require_tool
 from tests.deploy.kit import (
     DOCKERFILE,
     README,
+    docs_page,
     effective_settings,
-    readme_section,
     running_service,
     shell_blocks,
     shell_commands,
@@ -103,8 +103,8 @@ def image_environment(instructions: list[Instruction]) -> dict[str, str]:
 
 
 def readme_versions_commands() -> list[list[str]]:
-    """README's Versions section: the commands that install the lock and run the service."""
-    (block,) = shell_blocks(readme_section("Versions"))
+    """The docs' Versions page: the commands that install the lock and run the service."""
+    (block,) = shell_blocks(docs_page("operations/versions.md"))
     return shell_commands(block)
 
 

@@ -8,6 +8,7 @@ without either, the test is skipped, unless CI is set: then it fails.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
@@ -23,19 +24,10 @@ from cache_service.client import CacheClient
 from cache_service.core.units import show_size
 from cache_service.service.api_keys import Role, key_file_entry, new_key
 from cache_service.service.status_history import SAMPLE_SECONDS
+from tests.browser import CHROMIUM, chromium_executable, launched
 from tests.deploy.conftest import missing
 from tests.integration.conftest import ServerProcess
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 MODEL = "llama-3-8b"
 BLOCK = 16
 KEYS = {
@@ -48,19 +40,13 @@ KEYS = {
 @pytest.fixture
 def browser() -> Iterator[Any]:
     """Headless Chromium, Debian's, through Playwright."""
-    try:
-        from playwright.sync_api import sync_playwright  # noqa: PLC0415
-    except ImportError:
+    if importlib.util.find_spec("playwright") is None:
         missing("playwright (the Python package) is missing")
-    executable = str(CHROMIUM) if CHROMIUM.exists() else shutil.which("chromium")
+    executable = chromium_executable()
     if executable is None:
         missing(f"chromium ({CHROMIUM}) is missing")
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
+    with launched(executable) as chromium:
+        yield chromium
 
 
 @pytest.fixture

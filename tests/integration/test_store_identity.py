@@ -54,7 +54,7 @@ def test_serve_refuses_a_folder_made_with_another_setting_that_defines_its_data(
 def test_a_folder_served_under_lru_adopts_the_default_policy_keeping_its_blocks(
     make_server: MakeServer,
 ) -> None:
-    """The upgrade of docs/upgrading.md: a folder last served with `--eviction-policy lru`,
+    """The upgrade of docs/content/upgrading.md: a folder last served with `--eviction-policy lru`,
     started with no policy named, serves under the new default, says so, and loses nothing."""
     prompt = list(range(9000, 9256))  # 4 blocks of 64
     payloads = [f"kv {i}".encode() for i in range(4)]

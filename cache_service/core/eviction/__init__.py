@@ -19,7 +19,8 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "adaptive": AdaptivePolicy,
 }
 # The policy the service, the replay and a store opened without one use: the one measured
-# never more than 0.01 below LRU at any capacity (README: Eviction; tests/test_default_policy.py).
+# never more than 0.01 below LRU at any capacity (docs/content/concepts/eviction.md;
+# tests/test_default_policy.py).
 DEFAULT_POLICY = "adaptive"
 
 __all__ = [

@@ -35,7 +35,8 @@ RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
 )
 FRAMES_DOC = (
     "Frame body: magic 'PCF1' | u32_le header length | JSON header | u32_le frame count | "
-    "frames (u64_le length | bytes; length 2^64-1 = absent). See README.md."
+    "frames (u64_le length | bytes; length 2^64-1 = absent). See the docs: The HTTP API "
+    "(docs/content/guides/http-api.md)."
 )
 _STATUS_MEANINGS = {
     400: "Malformed body",

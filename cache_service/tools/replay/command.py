@@ -175,7 +175,7 @@ def _ttls_may_expire(requests: Sequence[TraceRequest], retention: RetentionPolic
 
 
 def run_replay(config: ReplayConfig, *, log: TextIO = sys.stderr) -> dict[str, Any]:
-    """Replay the traces and return the report (see README.md for its fields)."""
+    """Replay the traces and return the report (docs/content/guides/replay.md lists its fields)."""
     if config.url is not None and config.capacity_tokens is not None:
         raise ReplayError("--capacity-tokens needs the embedded cache: a service has its own")
     if len(config.compare) > 1 and not config.mrc:
