@@ -1,5 +1,7 @@
 """The docs site's reference pages are what the code gives on any machine, and the generator
-refuses a setting, flag or metric that has no description."""
+refuses a setting, flag or metric that has no description. The pages are made with the
+versions README's command installs (FastAPI's OpenAPI document differs between releases), so,
+like the rest of tests/docs_site, this runs there and not again on the lowest or locked ones."""
 
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ from cache_service.tools.reference_cli import (
 from cache_service.tools.reference_markdown import MissingDescription
 from cache_service.tools.reference_service import metric_sources, metric_table
 from cache_service.tools.replay import arguments
+from tests.docs_site.conftest import CONTENT
 
-COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "content" / "reference"
+COMMITTED = CONTENT / "reference"
 REGENERATE = "run `python -m cache_service.tools.docs_reference` and commit the pages"
 
 
