@@ -6,9 +6,11 @@ can be read) with our connector, vLLM's file-based `ExampleConnector`, or none, 
 one line per command on stdout, each starting with `@@engine ` (vLLM logs there too):
 
     {"op": "generate", "prompts": [[ids...], ...], "max_tokens": 8, "cache_salt": "s",
-     "kv_transfer_params": {...}}
-        -> {"outputs": [{"tokens": [...], "cached_tokens": n, "seconds": s}, ...]}
-           (prompts one at a time, each timed from submission to its last token)
+     "kv_transfer_params": {...}, "logprobs": 5}
+        -> {"outputs": [{"tokens": [...], "cached_tokens": n, "seconds": s,
+                         "top": [{"id": logprob, ...}, ...]}, ...]}
+           (prompts one at a time, each timed from submission to its last token; "top":
+           each new token's `logprobs` most likely ids, when asked)
     {"op": "reset_prefix_cache"}   vLLM's own prefix cache emptied -> {"ok": true}
     {"op": "counters"}             our connector's counts since start -> {"counters": {...}}
     {"op": "wait_stores", "seconds": 30}  until queued stores are sent -> {"ok": bool}
@@ -175,8 +177,12 @@ def _generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
     extra = {}
     if command.get("kv_transfer_params") is not None:
         extra["kv_transfer_params"] = command["kv_transfer_params"]
+    top = int(command.get("logprobs", 0))
     params = SamplingParams(
-        temperature=0.0, max_tokens=int(command.get("max_tokens", 8)), extra_args=extra or None
+        temperature=0.0,
+        max_tokens=int(command.get("max_tokens", 8)),
+        logprobs=top or None,
+        extra_args=extra or None,
     )
     outputs = []
     for ids in command["prompts"]:
@@ -185,13 +191,17 @@ def _generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
             prompt["cache_salt"] = command["cache_salt"]
         started = time.perf_counter()
         (result,) = llm.generate([prompt], params, use_tqdm=False)
-        outputs.append(
-            {
-                "tokens": list(result.outputs[0].token_ids),
-                "cached_tokens": result.num_cached_tokens or 0,
-                "seconds": time.perf_counter() - started,
-            }
-        )
+        output: dict[str, Any] = {
+            "tokens": list(result.outputs[0].token_ids),
+            "cached_tokens": result.num_cached_tokens or 0,
+            "seconds": time.perf_counter() - started,
+        }
+        if top:
+            output["top"] = [
+                {str(token): entry.logprob for token, entry in position.items()}
+                for position in result.outputs[0].logprobs
+            ]
+        outputs.append(output)
     return {"outputs": outputs}
 
 
