@@ -27,6 +27,7 @@ from cache_service.core.reserve import DiskReserve, remove_stale_partials
 from cache_service.core.store import lmdb_disk
 from cache_service.core.store.lmdb import LmdbStore
 from cache_service.core.store.lmdb_disk import write_error
+from cache_service.core.store.memory import MemoryStore
 from cache_service.service.api.background import repeat
 
 NS = Namespace(model="m")
@@ -160,7 +161,8 @@ def test_a_new_store_on_a_full_disk_is_refused_with_the_reason(
 class _TightStore:
     """A store double: `evict` fails for a full disk above `fits` blocks a batch."""
 
-    path = None
+    capabilities = MemoryStore.capabilities  # one that evicts
+    disk = None
     space: Any = None
 
     def __init__(self, fits: int, blocks: int) -> None:

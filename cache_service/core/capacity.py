@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import TypeVar
 
 from cache_service.core.blocks import Evicted, NewBlock, StoreKey, StoreUsage
@@ -46,6 +45,8 @@ class Capacity:
             raise ValueError("need 0 < low_water <= high_water <= 1")
         self.store = store
         self.space = store.space  # the backend's measure of the space a block takes
+        # A store that evicts on its own (Redis) is never asked to: its declaration says so.
+        self.evicts = store.capabilities.has("store_eviction")
         self.capacity_bytes = capacity_bytes
         self.capacity_blocks = capacity_blocks
         self.high_water = high_water
@@ -55,8 +56,7 @@ class Capacity:
         self.clock = clock
         self.events = events or CacheEvents()
         self.disk_warning = DiskWarning()
-        folder = getattr(store, "path", None)  # a store on a disk has a folder (LMDB)
-        self._folder = Path(folder) if folder is not None else None
+        self._folder = store.disk.folder if store.disk is not None else None
         self.reserve = DiskReserve(self._folder) if self._folder is not None else None
         self._room: tuple[float, DiskRoom | None] | None = None
 
@@ -67,10 +67,10 @@ class Capacity:
     def disk(self) -> DiskRoom | None:
         """The room the store's file system has now (None for a store not on a disk), and a
         rate-limited warning when the disk cannot back the capacity or is full."""
-        file_bytes = getattr(self.space, "file_bytes", None)
-        if self._folder is None or file_bytes is None:
+        disk = self.store.disk
+        if disk is None:
             return None
-        room = measure_room(self._folder, int(file_bytes()), self.capacity_bytes)
+        room = measure_room(disk.folder, int(disk.file_bytes()), self.capacity_bytes)
         self._room = (time.monotonic(), room)
         self.disk_warning.check(room)
         if self.reserve is not None and not room.full:
@@ -160,6 +160,8 @@ class Capacity:
         return _until_disk_full(lambda: self._enforce(protected))
 
     def _enforce(self, protected: set[StoreKey] | None) -> list[Evicted]:
+        if not self.evicts:
+            return []
         now = self.clock()
         if self.capacity_blocks is not None:
             if self.store.usage().blocks <= self.capacity_blocks:
@@ -195,6 +197,8 @@ class Capacity:
         target_blocks: int | None = None,
         protected: frozenset[StoreKey] = frozenset(),
     ) -> list[Evicted]:
+        if not self.evicts:
+            return []
         return self._in_batches(
             lambda max_blocks: self.store.evict(
                 now=now,
@@ -232,7 +236,7 @@ class Capacity:
 
     def _enforce_tenant(self, tenant: str, protected: frozenset[StoreKey]) -> list[Evicted]:
         quota_bytes = self.tenant_capacity_bytes.get(tenant)
-        if quota_bytes is None:
+        if quota_bytes is None or not self.evicts:
             return []
         partition = tenant_partition(tenant)
         if self.store.tenant_bytes(partition) <= quota_bytes * self.high_water:
@@ -251,6 +255,8 @@ class Capacity:
 
     def sweep_expired(self, *, max_blocks: int = EVICT_BATCH_BLOCKS) -> int:
         """Delete up to `max_blocks` expired blocks, leaf first, in one short transaction."""
+        if not self.evicts:
+            return 0
         now = self.clock()
         batch = self.store.evict(now=now, max_blocks=max_blocks, expired_only=True)
         if batch:

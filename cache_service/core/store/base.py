@@ -26,6 +26,7 @@ from cache_service.core.blocks import (
 from cache_service.core.eviction import EvictionPolicy
 from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.store.backend import Space
+from cache_service.core.store.capabilities import Capabilities, OnDisk, Remote
 from cache_service.core.store.controls import OperatorControls
 from cache_service.core.store.damage import Dropped
 
@@ -36,6 +37,9 @@ class BlockStore(OperatorControls, Protocol):
     The store never hashes: callers hand it chain links whose keys are already computed.
     """
 
+    capabilities: Capabilities  # what the backend does (store.capabilities)
+    disk: OnDisk | None  # the folder and file it lives in, if on a file system
+    remote: Remote | None  # the server it lives on, if any
     removal_log_entries: int  # recent removals remembered for explanations (0: none)
     policy: EvictionPolicy  # which leaf goes first
     lifetimes: Lifetimes  # each retention class's TTL: bounds a block's expiry from now

@@ -17,6 +17,7 @@ from typing import Generic, TypeVar
 from cache_service.core.eviction import EvictionPolicy, make_policy
 from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.store.backend import Backend
+from cache_service.core.store.capabilities import OnDisk, Remote
 from cache_service.core.store.controls import Controls
 from cache_service.core.store.data_path import DataPath
 from cache_service.core.store.evictions import Evictions
@@ -32,6 +33,9 @@ B = TypeVar("B", bound=Backend)
 
 class ComposedStore(Generic[B]):
     """A BlockStore (data path and operator controls) over one backend."""
+
+    disk: OnDisk | None = None  # see store.capabilities
+    remote: Remote | None = None
 
     def __init__(
         self,

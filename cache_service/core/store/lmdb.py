@@ -22,6 +22,7 @@ from cache_service.core.eviction import EvictionPolicy
 from cache_service.core.lifetimes import UNBOUNDED
 from cache_service.core.store.backend import AUX_TABLES, INDEXES
 from cache_service.core.store.base import IdentityCheck
+from cache_service.core.store.capabilities import Capabilities, OnDisk
 from cache_service.core.store.codec import (
     record_size,
 )
@@ -208,6 +209,11 @@ class LmdbBackend:
 class LmdbStore(ComposedStore[LmdbBackend]):
     """A BlockStore in an LMDB environment on disk; safe to share between processes."""
 
+    capabilities = Capabilities(
+        "LMDB",
+        lacks={"remote": "a file on this machine: no server between the cache and it"},
+    )
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -230,3 +236,4 @@ class LmdbStore(ComposedStore[LmdbBackend]):
         self.space: LmdbSpace = backend.space  # with the data file's size
         self.path = backend.path
         self.env = backend.env
+        self.disk = OnDisk(backend.path, backend.space.file_bytes, backend.unrecorded)

@@ -14,6 +14,7 @@ from cache_service.core.eviction import EvictionPolicy
 from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
 from cache_service.core.store import generic
 from cache_service.core.store.backend import AUX_TABLES, INDEXES, SORT_KEY_BYTES
+from cache_service.core.store.capabilities import Capabilities
 from cache_service.core.store.codec import COLLISION, HIT, MISSING, record_size
 from cache_service.core.store.composed import ComposedStore
 from cache_service.core.store.damage import DamageLog, Salvage
@@ -204,6 +205,14 @@ class _MemoryTxn:
 
 class MemoryStore(ComposedStore[MemoryBackend]):
     """A BlockStore in process memory: the reference model, and the store for quick tests."""
+
+    capabilities = Capabilities(
+        "memory",
+        lacks={
+            "disk": "the blocks live in this process's memory, gone when it exits",
+            "remote": "no server: nothing between the cache and its blocks can fail",
+        },
+    )
 
     def __init__(
         self,

@@ -49,6 +49,7 @@ from cache_service.core.eviction import EvictionPolicy, make_policy
 from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
 from cache_service.core.store.base import IdentityCheck
 from cache_service.core.store.breaker import CircuitBreaker
+from cache_service.core.store.capabilities import Capabilities, OnDisk, Remote
 from cache_service.core.store.damage import Dropped
 from cache_service.core.store.redis_connect import (
     RedisAddress,
@@ -82,6 +83,24 @@ USAGE_SECONDS = 1.0  # how long a usage report (INFO on every primary) is reused
 class RedisStore(RedisReads, RedisWrites, RedisControls):
     """A BlockStore on Redis; see the module docstring for what it keeps and how."""
 
+    capabilities = Capabilities(
+        "Redis",
+        lacks={
+            "clock_expiry": "expiry is Redis's native TTL on the real clock; `now` is not used",
+            "store_eviction": "Redis evicts on its own (maxmemory, volatile-lru): its capacity "
+            "is Redis's maxmemory, evict() returns [] and the store is not prefix-closed (a "
+            "lookup stops at the first gap)",
+            "record_upkeep": "a block's record is written once (SET NX): its lifetime is the "
+            "key's TTL; use, hits, children and retention are not kept",
+            "exact_usage": "usage() reports Redis's keys and memory (blocks is every key: "
+            "namespace records, pins and pin counts too; payload_bytes is "
+            "used_memory_dataset), and one report is reused for 1 s",
+            "removal_log": "no removal log or first-block hints (explain says less)",
+            "tenant_bytes": "tenant_bytes is 0: the Redis store does not count a tenant's bytes",
+            "disk": "Redis keeps the blocks; its persistence is Redis's own",
+        },
+    )
+    disk: OnDisk | None = None
     removal_log_entries = 0
 
     def __init__(
@@ -95,6 +114,7 @@ class RedisStore(RedisReads, RedisWrites, RedisControls):
         write_retry_seconds: float | None = None,
     ) -> None:
         self.address = address
+        self.remote: Remote | None = self  # health_counts, memory_limit_bytes
         self.write_retries = 0  # writes tried again after Redis failed them
         self.write_failures = 0  # writes refused (503) after their retries
         self.touch_errors = 0  # hits whose expiry could not be slid (forgotten)

@@ -12,7 +12,8 @@ A store is named by a URL or a plain folder path:
                                      comes from the environment, never the URL)
 
 A URL is recognised by "<scheme>://"; anything else is a folder, so existing `--data-dir`
-values keep meaning what they meant.
+values keep meaning what they meant. What each backend can do is its store class's declared
+`capabilities` (store/capabilities.py), which `capabilities_of` tells before opening.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from cache_service.core.eviction import EvictionPolicy
 from cache_service.core.store.base import BlockStore, IdentityCheck
+from cache_service.core.store.capabilities import Capabilities
 from cache_service.core.store.lmdb import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 from cache_service.core.store.redis_connect import parse_nodes
@@ -65,7 +67,7 @@ class Entry:
 
     open: Opener
     location: str  # "folder": a path is needed; "none": the URL takes no path; "hosts"
-    store_class: type
+    store_class: type[LmdbStore | MemoryStore | RedisStore]
 
 
 def _open_lmdb(location: str, options: StoreOptions) -> OpenedStore:
@@ -129,6 +131,11 @@ def parse_store_url(url_or_path: str) -> tuple[str, str]:
     if entry.location == "none" and location:
         raise ValueError(f"{scheme}:// takes no path (got {url_or_path!r})")
     return scheme, location
+
+
+def capabilities_of(url_or_path: str) -> Capabilities:
+    """What the backend `url_or_path` names can do, declared by its store class."""
+    return BACKENDS[parse_store_url(url_or_path)[0]].store_class.capabilities
 
 
 def describe_store(store: BlockStore) -> OpenedStore:

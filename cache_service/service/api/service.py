@@ -169,9 +169,9 @@ class Service:
         writes = WriteGate(settings.max_pending_writes)
         state = ServiceState(cache, metrics, settings, opened.kind, writes, usage_log, quotas)
         running = _Running(opened, state, guard, collector, sweeper_lock, metrics_port)
-        health_counts = getattr(opened.store, "health_counts", None)
-        if health_counts is not None:  # a remote store: its failures are misses, not 5xx
-            running.backend = BackendCounters(health_counts, metrics.registry)
+        remote = opened.store.remote
+        if remote is not None:  # a remote store: its failures are misses, not 5xx
+            running.backend = BackendCounters(remote.health_counts, metrics.registry)
         if engines:  # started by `start` once the store is ready; never touches the store
             state.kv_events = KvEventsHub(
                 engines,

@@ -14,18 +14,16 @@ from cache_service.core.errors import NotSupportedByStore
 from cache_service.core.eviction import make_policy
 from cache_service.core.identity import StoreIdentity, identity_of
 from cache_service.core.store import registry
-from cache_service.core.store.registry import OpenedStore, parse_store_url
+from cache_service.core.store.registry import OpenedStore
 from cache_service.core.units import show_size
 from cache_service.service.settings import Settings
 
 log = logging.getLogger("cache_service")
 
-REDIS_SCHEMES = frozenset({"redis", "rediss"})
-
 
 def store_identity(settings: Settings) -> StoreIdentity:
-    """The identity these settings record in the store they open; on Redis without the
-    LMDB store's capacity and eviction settings, which Redis does not use."""
+    """The identity these settings record in the store they open; without the capacity and
+    eviction settings on a store that evicts on its own (Redis), which does not use them."""
     identity = identity_of(
         seed=settings.seed,
         default_block_size=settings.block_size,
@@ -36,9 +34,9 @@ def store_identity(settings: Settings) -> StoreIdentity:
         low_water=settings.low_water,
         eviction_policy=settings.eviction_policy,
     )
-    if parse_store_url(settings.store_url())[0] not in REDIS_SCHEMES:
+    if registry.capabilities_of(settings.store_url()).has("store_eviction"):
         return identity
-    unused = LMDB_ONLY | IGNORED_ON_REDIS
+    unused = EVICTION_SETTINGS | POLICY_SETTINGS
     return StoreIdentity({k: v for k, v in identity.values.items() if k not in unused})
 
 
@@ -62,7 +60,7 @@ def open_store(settings: Settings) -> OpenedStore:
         opened.store.close()
         raise
     check_disk(opened, settings.capacity)
-    if opened.kind == "redis":
+    if opened.store.remote is not None:
         # The worker processes of one machine still share files: the metrics port's
         # election and the per-key rate buckets, in the --data-dir folder (no data in it).
         folder = Path(settings.data_dir)
@@ -71,41 +69,48 @@ def open_store(settings: Settings) -> OpenedStore:
     return opened
 
 
-# Settings that steer the LMDB store's own capacity and eviction: on Redis, Redis does both.
-LMDB_ONLY = frozenset({"capacity", "high_water", "low_water", "lmdb_sync"})
-# --eviction-policy is not used on Redis either, but `lru` was its default until adaptive
-# took over: a Redis deployment that names it keeps starting, with a warning.
-IGNORED_ON_REDIS = frozenset({"eviction_policy"})
+# Settings that steer a store's own capacity and eviction (and LMDB's file): refused on a
+# store without `store_eviction` (Redis, which evicts by its own maxmemory-policy).
+EVICTION_SETTINGS = frozenset({"capacity", "high_water", "low_water", "lmdb_sync"})
+# --eviction-policy is not used there either, but `lru` was its default until adaptive took
+# over: a Redis deployment that names it keeps starting, with a warning.
+POLICY_SETTINGS = frozenset({"eviction_policy"})
 
 
 def refuse_unsupported(opened: OpenedStore, settings: Settings) -> None:
-    """NotSupportedByStore for settings the store could not honour (never silently ignored):
-    on Redis, the LMDB store's capacity and eviction settings when given, and tenant byte
-    quotas (the Redis store does not count a tenant's bytes)."""
-    if opened.kind != "redis":
-        return
+    """NotSupportedByStore for settings the store could not honour (never silently ignored),
+    decided from its declared capabilities: the capacity and eviction settings when given to
+    a store that evicts on its own (Redis), and tenant byte quotas to one that does not count
+    a tenant's bytes."""
+    capabilities = opened.store.capabilities
+    name = capabilities.backend
     # Told apart from the defaults by value: worker processes get every setting passed on.
     fields = type(settings).model_fields
-    steering = sorted(name for name in LMDB_ONLY if getattr(settings, name) != fields[name].default)
-    if steering:
-        flags = ", ".join("--" + name.replace("_", "-") for name in steering)
-        raise NotSupportedByStore(
-            f"{flags} do not apply to the Redis store: its capacity is Redis's maxmemory and "
-            "Redis evicts by its own maxmemory-policy; remove them"
+    if not capabilities.has("store_eviction"):
+        steering = sorted(
+            key for key in EVICTION_SETTINGS if getattr(settings, key) != fields[key].default
         )
-    for name in sorted(IGNORED_ON_REDIS):
-        if getattr(settings, name) != fields[name].default:
-            log.warning(
-                "--%s %s has no effect on the Redis store: Redis evicts by its own "
-                "maxmemory-policy",
-                name.replace("_", "-"),
-                getattr(settings, name),
+        if steering:
+            flags = ", ".join("--" + key.replace("_", "-") for key in steering)
+            raise NotSupportedByStore(
+                f"{flags} do not apply to the {name} store: "
+                f"{capabilities.why_not('store_eviction')}; remove them"
             )
+        for key in sorted(POLICY_SETTINGS):
+            if getattr(settings, key) != fields[key].default:
+                log.warning(
+                    "--%s %s has no effect on the %s store: %s",
+                    key.replace("_", "-"),
+                    getattr(settings, key),
+                    name,
+                    capabilities.why_not("store_eviction"),
+                )
     quotas = settings.key_ring().tenant_capacity if settings.auth == "keys" else {}
-    if quotas:
+    if quotas and not capabilities.has("tenant_bytes"):
         raise NotSupportedByStore(
             "tenant capacity quotas (the key file's [tenants] capacity) are not enforced by the "
-            f"Redis store: remove them for {', '.join(sorted(quotas))}, or use LMDB"
+            f"{name} store ({capabilities.why_not('tenant_bytes')}): remove them for "
+            f"{', '.join(sorted(quotas))}, or use LMDB"
         )
 
 
@@ -113,9 +118,9 @@ def store_capacity(opened: OpenedStore, settings: Settings) -> int:
     """The capacity the cache works within: Redis's maxmemory summed over its primaries
     when the store is on Redis (Redis evicts within it; --capacity does not apply), else
     --capacity."""
-    limit = getattr(opened.store, "memory_limit_bytes", None)
-    if limit is not None:
-        known = int(limit())
+    remote = opened.store.remote
+    if remote is not None:
+        known = int(remote.memory_limit_bytes())
         if known > 0:
             return known
     return settings.capacity
@@ -124,15 +129,12 @@ def store_capacity(opened: OpenedStore, settings: Settings) -> int:
 def check_disk(opened: OpenedStore, capacity_bytes: int) -> None:
     """Warn when the disk under the store cannot hold its capacity or is full, and when a
     full disk kept the opening checks' record from being written."""
-    backend = getattr(opened.store, "backend", None)
-    unrecorded = getattr(backend, "unrecorded", None)
-    if unrecorded is not None:
-        log.warning("opened read-mostly, the settings record not updated: %s", unrecorded)
-    folder = getattr(opened.store, "path", None)
-    file_bytes = getattr(opened.store.space, "file_bytes", None)
-    if folder is None or file_bytes is None:  # not on a disk (memory://)
+    disk = opened.store.disk
+    if disk is None:  # not on a file system (memory://, Redis)
         return
-    DiskWarning().check(measure_room(Path(folder), int(file_bytes()), capacity_bytes))
+    if disk.unrecorded is not None:
+        log.warning("opened read-mostly, the settings record not updated: %s", disk.unrecorded)
+    DiskWarning().check(measure_room(disk.folder, int(disk.file_bytes()), capacity_bytes))
 
 
 def serving_line(settings: Settings, where: str, capacity_bytes: int) -> str:
