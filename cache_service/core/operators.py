@@ -22,7 +22,7 @@ from cache_service.core.blocks import (
 from cache_service.core.cache import Clock, PrefixCache, TokenInput, as_token_bytes
 from cache_service.core.capacity import Capacity
 from cache_service.core.config import CacheConfig
-from cache_service.core.errors import InvalidField
+from cache_service.core.errors import InvalidField, NotSupportedByStore
 from cache_service.core.hashing import BlockHasher, decode_namespace, tenant_partition
 from cache_service.core.store.base import BlockStore
 from cache_service.core.store.removals import HINT_TOKENS
@@ -101,6 +101,15 @@ class Operators:
             drop_damaged=cache.drop_damaged,
         )
 
+    def _require(self, behaviour: str, what: str) -> None:
+        """NotSupportedByStore (501) when the store's declared capabilities lack `behaviour`."""
+        capabilities = self.store.capabilities
+        if not capabilities.has(behaviour):
+            raise NotSupportedByStore(
+                f"{what} is not supported by the {capabilities.backend} store: "
+                f"{capabilities.why_not(behaviour)}"
+            )
+
     def _chain(self, namespace: Namespace, tokens: TokenInput, block_size: int | None) -> Chain:
         size = self.config.block_size_for(namespace.model, block_size)
         return self.hasher.chain(namespace, as_token_bytes(tokens), block_size=size)
@@ -118,6 +127,7 @@ class Operators:
     ) -> tuple[PinRecord, bool]:
         """Pin every full block of `tokens` (or the chain of `keys`, from block 0), as
         `by` of `rank`, within `limits`."""
+        self._require("pins", "pinning")
         chain = self._prefix(namespace, tokens, keys, block_size)
         return self.store.pin(
             self.hasher.namespace_id(namespace),
@@ -157,6 +167,7 @@ class Operators:
         """Release the pin of exactly this prefix (Forbidden if a higher rank pinned it);
         its blocks then expire as if just used under the longest retention class. How many
         blocks the pin held (0: no such pin)."""
+        self._require("pins", "unpinning")
         chain = self._prefix(namespace, tokens, keys, block_size)
         return self.store.unpin(
             self.hasher.namespace_id(namespace),
@@ -169,6 +180,7 @@ class Operators:
     def pins(self, tenant: str, *, reveal_salts: bool = False) -> list[dict[str, Any]]:
         """A tenant's pins, with the namespace each belongs to (its salt only when
         `reveal_salts`: a salt keeps users of one tenant apart, so only admins see them)."""
+        self._require("pins", "listing pins")
         partition = tenant_partition(tenant)
         out = []
         for record in self.store.pins(partition):
@@ -204,6 +216,7 @@ class Operators:
         root = self.hasher.namespace_id(namespace).root
         if tokens is None:
             return self._purge_past_damage(lambda: self.store.purge(partition, root=root, now=now))
+        self._require("purge_under", "a purge under a prefix")
         chain = self._chain(namespace, tokens, block_size)
         if not len(chain):
             raise InvalidField("tokens", "a prefix purge needs at least one full block")

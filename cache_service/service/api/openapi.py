@@ -51,6 +51,8 @@ _STATUS_MEANINGS = {
     "block-size-mismatch (block_size is not this service's for the model) and "
     "unknown-retention (a retention class it does not configure).",
     429: "A key's rate quota is spent (Retry-After)",
+    501: "The store this service runs on cannot do that (its backend's declared "
+    "capabilities lack it); nothing was changed",
     503: "Writes backed up (Retry-After); reads are still served",
     507: "Full, and nothing can be evicted",
 }

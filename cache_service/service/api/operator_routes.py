@@ -21,7 +21,7 @@ from cache_service.service.api.bodies import (
     read_prompt_body,
     read_request_json,
 )
-from cache_service.service.api.openapi import json_body, lookup_body, responses
+from cache_service.service.api.openapi import json_body, lookup_body, problem_answer, responses
 from cache_service.service.api.schemas import (
     ExplainHeader,
     ExplainRequest,
@@ -117,7 +117,7 @@ async def _pin_request(request: Request) -> _PinCall:
     "/v1/pin",
     summary="Pin a prefix: never evicted nor expired until unpinned",
     openapi_extra=json_body("PinRequest"),
-    responses=responses({JSON: PinResponse}, 400, 403, 408, 409, 413, 415, 422, 503, 507),
+    responses=responses({JSON: PinResponse}, 400, 403, 408, 409, 413, 415, 422, 501, 503, 507),
 )
 async def pin(request: Request) -> Response:
     """Pin every full block of `tokens` (or the blocks of `keys`); a writer's pins count
@@ -148,7 +148,7 @@ async def pin(request: Request) -> Response:
     "/v1/unpin",
     summary="Release a pin",
     openapi_extra=json_body("PinRequest"),
-    responses=responses({JSON: UnpinResponse}, 400, 403, 408, 409, 413, 415, 422, 503, 507),
+    responses=responses({JSON: UnpinResponse}, 400, 403, 408, 409, 413, 415, 422, 501, 503, 507),
 )
 async def unpin(request: Request) -> Response:
     """Release the pin of exactly this prefix; its blocks then expire as if just used under
@@ -163,7 +163,11 @@ async def unpin(request: Request) -> Response:
     return JSONResponse({"model": call.body.model, "released_blocks": released})
 
 
-@router.get("/v1/pins", summary="A tenant's pins")
+@router.get(
+    "/v1/pins",
+    summary="A tenant's pins",
+    responses={501: problem_answer(501)},
+)
 async def pins(request: Request, tenant: str | None = None) -> dict[str, Any]:
     """The caller's tenant's pins (an admin key may ask for any tenant's)."""
     state = service_state(request)
@@ -179,7 +183,7 @@ async def pins(request: Request, tenant: str | None = None) -> dict[str, Any]:
     "/v1/purge",
     summary="Delete a tenant's blocks, a namespace's, or those under a prefix",
     openapi_extra=json_body("PurgeRequest"),
-    responses=responses({JSON: PurgeResponse}, 400, 403, 408, 413, 415, 422, 503, 507),
+    responses=responses({JSON: PurgeResponse}, 400, 403, 408, 413, 415, 422, 501, 503, 507),
 )
 async def purge(request: Request) -> Response:
     """Remove blocks for good (durable once answered) and say how many and how many bytes."""
