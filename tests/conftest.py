@@ -5,9 +5,11 @@ reads its metadata and damages its payloads behind the protocol's back). The `re
 is a real Redis Cluster (tests/store/redis_backend.py), one for the whole session, started
 only when a redis test first runs and flushed before each.
 
-A backend that deliberately lacks a behaviour says so in tests/store/capabilities.py (`LACKS`,
-capability -> reason); a test that depends on it carries `@pytest.mark.needs("capability")`
-and is skipped on that backend with the reason shown.
+A backend declares the behaviours it lacks in its store class's `capabilities`
+(cache_service/core/store/capabilities.py); a test that depends on one carries
+`@pytest.mark.needs("capability")`: it must pass on every backend that declares it, and is
+expected to fail on the others (a pass there shows as XPASS: working, but not declared). A
+test facility a backend lacks (tests/store/capabilities.py) skips the test with the reason.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from cache_service.core.store.codec import decode_meta
 from cache_service.core.store.lmdb import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 from cache_service.core.store.redis_store import RedisStore
-from tests.store.capabilities import ELSEWHERE, lacking
+from tests.store.capabilities import ELSEWHERE, lacking, undeclared
 from tests.store.redis_backend import RedisRawAccess, open_redis_store, start_contract_cluster
 
 # Fixtures of real servers following real engine publishers (tests/integration, tests/kv_events).
@@ -88,8 +90,9 @@ def contract_redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "needs(*capabilities): the test depends on store behaviours some backends lack "
-        "(tests/store/capabilities.py LACKS); it is skipped there with the reason",
+        "needs(*capabilities): the test depends on store behaviours some backends declare "
+        "they lack (expected to fail there: XPASS if it works) or test facilities some "
+        "backends lack (skipped there); see tests/store/capabilities.py",
     )
     config.addinivalue_line(
         "markers",
@@ -113,6 +116,10 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlockStore
     reasons = lacking(request.param, request.node)
     if reasons:
         pytest.skip(f"not on {request.param}: " + "; ".join(reasons))
+    lacks = undeclared(request.param, request.node)
+    if lacks:  # a pass shows as XPASS: the backend does what it declares it does not
+        reason = f"{request.param} declares it lacks: " + "; ".join(lacks)
+        request.applymarker(pytest.mark.xfail(reason=reason, strict=False))
     for mark in request.node.iter_markers("bug_on"):
         backend, reason = mark.args
         if backend == request.param:

@@ -1,7 +1,10 @@
-"""What each store backend deliberately does not do, and why: the one switch the contract
-suite reads. A test that depends on a behaviour carries `@pytest.mark.needs("name")`; the
-`store` fixture (tests/conftest.py) skips it on a backend that lacks the behaviour, with the
-reason in the skip message. Deleting a line of `LACKS` turns those tests on for that backend.
+"""Which tests each store backend must pass: the contract suite reads the backends' own
+declared capabilities (cache_service/core/store/capabilities.py) and two facilities of the
+tests themselves. A test that depends on a behaviour carries `@pytest.mark.needs("name")`;
+the `store` fixture (tests/conftest.py) runs it on every backend that declares the behaviour
+(it must pass there), and on a backend that declares it lacks one, expects it to fail: a pass
+there is reported as XPASS, a behaviour that works but is not declared. A test facility a
+backend lacks skips the test, with the reason.
 """
 
 from __future__ import annotations
@@ -9,62 +12,66 @@ from __future__ import annotations
 import pytest
 
 from cache_service.core.store.base import BlockStore
+from cache_service.core.store.capabilities import BEHAVIOURS, Capabilities
 from cache_service.core.store.lmdb import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 from cache_service.core.store.redis_store import RedisStore
 
-# The behaviours a contract test may depend on that not every backend has.
-CAPABILITIES = {
-    "clock_expiry": "expiry follows the `now` each call is given",
-    "store_eviction": "evict() picks victims, and the store stays prefix-closed",
-    "record_upkeep": "records are updated in place (use, hits, children, expiry, retention)",
-    "exact_usage": "usage() counts blocks and payload bytes exactly, at once",
-    "removal_log": "removals are remembered for inspect()",
-    "tenant_bytes": "bytes are counted per tenant (quotas)",
-    "subtree_removal": "removing a block (on request, or as damaged) removes its subtree",
-    "purge_under": "a purge under one block",
-    "pins": "pins",
+DECLARED: dict[str, Capabilities] = {
+    "memory": MemoryStore.capabilities,
+    "lmdb": LmdbStore.capabilities,
+    "redis": RedisStore.capabilities,
+}
+# What a test may do below the BlockStore protocol, which not every backend allows.
+FACILITIES = {
     "byte_records": "records are bytes a test can damage",
     "backend_txn": "the store is composed over a Backend whose transactions a test can use",
 }
-
-LACKS: dict[str, dict[str, str]] = {
+FACILITY_LACKS: dict[str, dict[str, str]] = {
     "memory": {"byte_records": "the memory backend keeps objects, which cannot rot"},
     "lmdb": {},
     "redis": {
-        "clock_expiry": "expiry is Redis's native TTL on the real clock; `now` is not used",
-        "store_eviction": "Redis evicts on its own (maxmemory, volatile-lru): evict() returns "
-        "[] and the store is not prefix-closed (a lookup stops at the first gap)",
-        "record_upkeep": "a block's record is written once (SET NX): its lifetime is the "
-        "key's TTL; use, hits, children and retention are not kept",
-        "exact_usage": "usage() reports Redis's keys and memory (blocks is every key: "
-        "namespace records, pins and pin counts too; payload_bytes is used_memory_dataset), "
-        "and one report is reused for 1 s",
-        "removal_log": "no removal log or first-block hints (explain says less)",
-        "tenant_bytes": "tenant_bytes is 0 (tenant quotas are refused at start-up)",
-        "backend_txn": "RedisStore has no Backend (store.backend) nor subtrees.find to patch",
+        "backend_txn": "RedisStore has no Backend (store.backend) nor subtrees.find to patch"
     },
 }
-
+CAPABILITIES = {**BEHAVIOURS, **FACILITIES}
 BACKEND_OF: dict[type, str] = {MemoryStore: "memory", LmdbStore: "lmdb", RedisStore: "redis"}
 
 
-def lacking(backend: str, node: pytest.Item) -> list[str]:
-    """Why `backend` cannot run the test `node`: one reason per capability it needs and the
-    backend lacks (empty: it can run)."""
+def _needed(node: pytest.Item) -> list[str]:
     needed = [name for mark in node.iter_markers("needs") for name in mark.args]
     unknown = set(needed) - set(CAPABILITIES)
     if unknown:
         raise ValueError(f"needs{tuple(unknown)}: not one of {', '.join(CAPABILITIES)}")
-    lacks = LACKS[backend]
-    return [f"{lacks[name]} [{name}]" for name in dict.fromkeys(needed) if name in lacks]
+    return list(dict.fromkeys(needed))
+
+
+def lacking(backend: str, node: pytest.Item) -> list[str]:
+    """The test facilities `backend` lacks that the test `node` needs, one reason each
+    (empty: the test can run there)."""
+    lacks = FACILITY_LACKS[backend]
+    return [f"{lacks[name]} [{name}]" for name in _needed(node) if name in lacks]
+
+
+def undeclared(backend: str, node: pytest.Item) -> list[str]:
+    """The behaviours the test `node` needs that `backend` declares it lacks, one reason
+    each (empty: the backend declares them all, and the test must pass there)."""
+    declared = DECLARED[backend]
+    return [
+        f"{declared.why_not(name)} [{name}]"
+        for name in _needed(node)
+        if name in BEHAVIOURS and not declared.has(name)
+    ]
 
 
 def capable(store: BlockStore, capability: str) -> bool:
-    """Whether a store's backend has a capability."""
+    """Whether a store's backend has a capability (a behaviour it declares, or a facility)."""
     if capability not in CAPABILITIES:
         raise ValueError(f"{capability!r} is not one of {', '.join(CAPABILITIES)}")
-    return capability not in LACKS[BACKEND_OF[type(store)]]
+    backend = BACKEND_OF[type(store)]
+    if capability in FACILITIES:
+        return capability not in FACILITY_LACKS[backend]
+    return DECLARED[backend].has(capability)
 
 
 # Tests outside tests/store that take the `store` fixture, and what they depend on that the

@@ -1,0 +1,83 @@
+"""Each backend's declared capabilities: its facets agree with them, the registry tells them
+before opening, and a control the declaration lacks answers 501 without touching the store."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from cache_service.core.store import registry
+from cache_service.core.store.base import BlockStore
+from cache_service.core.store.capabilities import BEHAVIOURS, Capabilities
+from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.memory import MemoryStore
+from cache_service.core.store.redis_store import RedisStore
+from cache_service.service.api.app import create_app
+from cache_service.service.settings import Settings
+
+
+def test_a_store_has_a_disk_and_a_remote_facet_exactly_when_it_declares_them(
+    store: BlockStore,
+) -> None:
+    declared = store.capabilities
+    assert declared.has("disk") == (store.disk is not None)
+    assert declared.has("remote") == (store.remote is not None)
+    if store.disk is not None:
+        assert store.disk.folder.is_dir()
+        assert store.disk.file_bytes() > 0
+    if store.remote is not None:
+        counts = store.remote.health_counts()
+        assert counts and all(isinstance(count, int) for count in counts.values())
+        assert store.remote.memory_limit_bytes() >= 0
+
+
+def test_every_lacking_is_a_known_behaviour_with_its_reason() -> None:
+    for declared in (MemoryStore.capabilities, LmdbStore.capabilities, RedisStore.capabilities):
+        assert set(declared.lacks) <= set(BEHAVIOURS)
+        assert all(reason.strip() for reason in declared.lacks.values())
+        assert declared.offered() == [name for name in BEHAVIOURS if declared.has(name)]
+    with pytest.raises(ValueError, match="unknown behaviours \\['teleport'\\]"):
+        Capabilities("x", lacks={"teleport": "no"})
+    with pytest.raises(ValueError, match="'teleport' is not one of"):
+        MemoryStore.capabilities.has("teleport")
+
+
+def test_the_registry_tells_a_urls_capabilities_before_opening() -> None:
+    assert registry.capabilities_of("/var/lib/cache") is LmdbStore.capabilities
+    assert registry.capabilities_of("lmdb://cache-data") is LmdbStore.capabilities
+    assert registry.capabilities_of("memory://") is MemoryStore.capabilities
+    assert registry.capabilities_of("rediss://a:1,b:2") is RedisStore.capabilities
+    assert not registry.capabilities_of("redis://a:1").has("store_eviction")
+
+
+class _PinlessStore(MemoryStore):
+    """A backend that declares it keeps no pins and purges no prefix (the 501 path)."""
+
+    capabilities = Capabilities(
+        "pinless",
+        lacks={
+            **MemoryStore.capabilities.lacks,
+            "pins": "this test's backend keeps no pins",
+            "purge_under": "this test's backend purges no prefix",
+        },
+    )
+
+
+def test_a_control_the_store_declares_it_lacks_answers_501_naming_why() -> None:
+    store = _PinlessStore()
+    app = create_app(Settings(store="memory://"), store=store)
+    body = {"model": "m", "tokens": list(range(32)), "block_size": 16}
+    with TestClient(app) as client:
+        for method, path, sent in (
+            ("POST", "/v1/pin", body),
+            ("POST", "/v1/unpin", body),
+            ("GET", "/v1/pins", None),
+            ("POST", "/v1/purge", body),
+        ):
+            answer = client.request(method, path, json=sent)
+            assert answer.status_code == 501, (path, answer.text)
+            problem = answer.json()
+            assert answer.headers["content-type"] == "application/problem+json"
+            assert problem["type"].endswith("not-supported-by-store")
+            assert "pinless store: this test's backend" in problem["detail"]
+        assert client.post("/v1/purge", json={"model": "m"}).status_code == 200  # a whole one
