@@ -3,7 +3,8 @@
     python -m cache_service.tools.docs_reference [--check] [--out docs/content/reference]
 
 configuration.md (every subcommand's flags; `serve`'s from its settings), metrics.md (the
-service's Prometheus registry), http-api.md and openapi.json (its OpenAPI document). A setting,
+service's Prometheus registry), http-api.md and openapi.json (its OpenAPI document),
+backends.md (each store backend's declared capabilities). A setting,
 flag or metric without a description stops the generation, naming it.
 """
 
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from cache_service.tools.reference_backends import backends_page
 from cache_service.tools.reference_cli import configuration_page
 from cache_service.tools.reference_markdown import COMMAND, MissingDescription
 from cache_service.tools.reference_service import (
@@ -34,6 +36,7 @@ def render_pages() -> dict[str, str]:
         "metrics.md": metrics_page(),
         "http-api.md": http_api_page(document),
         "openapi.json": openapi_json(document),
+        "backends.md": backends_page(),
     }
 
 
