@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 from cache_service.core.blocks import Namespace, NewBlock, StoreKey
 from cache_service.core.hashing import BlockHasher, tokens_to_bytes
-from cache_service.core.store.codec import (
+from cache_service.core.store.lmdb.store import LmdbStore
+from cache_service.core.store.parts.codec import (
     RECORD_VERSION,
     SUM_BYTES,
     TOKENS_AT,
@@ -24,7 +25,6 @@ from cache_service.core.store.codec import (
     encode_meta,
     seal,
 )
-from cache_service.core.store.lmdb import LmdbStore
 
 PROMPT_TOKENS = 32768
 BLOCK_SIZE = 64

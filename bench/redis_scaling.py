@@ -73,7 +73,7 @@ CLIENTS = 4  # concurrent client threads: modest, the machine has 2 cores
 # limit Redis evicts even while it answers reads (a 4 MiB reply counts as memory used), so a
 # fetch could lose blocks of the very prefix it reads.
 NODE_MAXMEMORY_BYTES = 2**30
-IDENTITY_KEY = b"pc:identity"  # the services' settings record (redis_values.py): kept
+IDENTITY_KEY = b"pc:identity"  # the services' settings record (core/store/redis/values.py): kept
 TTL_MS = 3_600_000  # Redis's own keys expire as the store's do (volatile-lru needs a TTL)
 RECORD_READ_BYTES = 64  # what the Redis "lookup" reads of each key: about a record
 OPERATIONS = ("lookup", "fetch", "store")

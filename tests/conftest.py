@@ -6,7 +6,7 @@ is a real Redis Cluster (tests/store/redis_backend.py), one for the whole sessio
 only when a redis test first runs and flushed before each.
 
 A backend declares the behaviours it lacks in its store class's `capabilities`
-(cache_service/core/store/capabilities.py); a test that depends on one carries
+(cache_service/core/store/protocols.py); a test that depends on one carries
 `@pytest.mark.needs("capability")`: it must pass on every backend that declares it, and is
 expected to fail on the others (a pass there shows as XPASS: working, but not declared). A
 test facility a backend lacks (tests/store/capabilities.py) skips the test with the reason.
@@ -21,11 +21,11 @@ from typing import Any, Protocol
 import pytest
 
 from cache_service.core.blocks import BlockMeta, StoreKey
-from cache_service.core.store.base import BlockStore
-from cache_service.core.store.codec import decode_meta
-from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
-from cache_service.core.store.redis_store import RedisStore
+from cache_service.core.store.parts.codec import decode_meta
+from cache_service.core.store.protocols import BlockStore
+from cache_service.core.store.redis.store import RedisStore
 from tests.store.capabilities import ELSEWHERE, lacking, undeclared
 from tests.store.redis_backend import RedisRawAccess, open_redis_store, start_contract_cluster
 

@@ -20,7 +20,7 @@ from cache_service.core.errors import (
 from cache_service.core.events import CacheEvents
 from cache_service.core.hashing import BlockHasher, tokens_to_bytes, xxh3_128
 from cache_service.core.retention import RetentionPolicy
-from cache_service.core.store.base import BlockStore
+from cache_service.core.store.protocols import BlockStore
 
 if TYPE_CHECKING:
     from conftest import RawAccess, VirtualClock

@@ -14,8 +14,8 @@ from cache_service.core.cache import PrefixCache
 from cache_service.core.errors import MissingParent
 from cache_service.core.events import CacheEvents
 from cache_service.core.operators import EXPLANATIONS, Operators
-from cache_service.core.store.codec import RECORD_FIELDS
-from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.lmdb.store import LmdbStore
+from cache_service.core.store.parts.codec import RECORD_FIELDS
 from tests.conftest import LmdbRawAccess, VirtualClock
 
 NS = Namespace(model="m", tenant="team-a")

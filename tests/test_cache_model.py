@@ -29,8 +29,8 @@ from hypothesis.stateful import (
 from cache_service.core.blocks import BlockKey, Namespace
 from cache_service.core.cache import PrefixCache
 from cache_service.core.retention import RetentionPolicy
-from cache_service.core.store.base import BlockStore
-from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.lmdb.store import LmdbStore
+from cache_service.core.store.protocols import BlockStore
 from tests.reliability.model_chains import Chain, Recorder, flat
 
 if TYPE_CHECKING:

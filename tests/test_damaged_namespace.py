@@ -13,7 +13,7 @@ from cache_service.core.blocks import BlockKey, Namespace
 from cache_service.core.cache import PrefixCache
 from cache_service.core.events import CacheEvents
 from cache_service.core.hashing import BlockHasher
-from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.lmdb.store import LmdbStore
 
 NS = Namespace("m")
 TOKENS = list(range(8))

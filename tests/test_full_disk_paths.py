@@ -24,9 +24,9 @@ from cache_service.core.capacity import EVICT_BATCH_BLOCKS, Capacity
 from cache_service.core.disk import RESERVE_NAME, DiskRoom, DiskWarning, measure_room
 from cache_service.core.errors import DiskFull, StorageFailure, StoreFull
 from cache_service.core.reserve import DiskReserve, remove_stale_partials
-from cache_service.core.store import lmdb_disk
-from cache_service.core.store.lmdb import LmdbStore
-from cache_service.core.store.lmdb_disk import write_error
+from cache_service.core.store.lmdb import disk as lmdb_disk
+from cache_service.core.store.lmdb.disk import write_error
+from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 from cache_service.service.api.background import repeat
 
@@ -138,7 +138,7 @@ def test_a_store_opens_read_mostly_when_only_its_record_could_not_be_written(
     def full(self: Any, identity: Any) -> bool:
         raise lmdb.DiskError("mdb_txn_commit", "No space left on device")
 
-    monkeypatch.setattr("cache_service.core.store.lmdb.LmdbBackend._check_record", full)
+    monkeypatch.setattr("cache_service.core.store.lmdb.store.LmdbBackend._check_record", full)
     store = LmdbStore(tmp_path / "lmdb", map_size_bytes=MAP_BYTES)
     assert isinstance(store.backend.unrecorded, DiskFull)
     store.close()
@@ -150,7 +150,7 @@ def test_a_new_store_on_a_full_disk_is_refused_with_the_reason(
     def full(self: Any, identity: Any) -> bool:
         raise lmdb.DiskError("mdb_txn_commit", "No space left on device")
 
-    monkeypatch.setattr("cache_service.core.store.lmdb.LmdbBackend._check_record", full)
+    monkeypatch.setattr("cache_service.core.store.lmdb.store.LmdbBackend._check_record", full)
     with pytest.raises(DiskFull):
         LmdbStore(tmp_path / "lmdb", map_size_bytes=MAP_BYTES)
 

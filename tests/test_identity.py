@@ -18,7 +18,7 @@ from cache_service.core.cache import PrefixCache
 from cache_service.core.errors import SettingsMismatch, StorageError
 from cache_service.core.hashing import HASH_SCHEME, HASH_VERSION, seed_fingerprint
 from cache_service.core.identity import StoreIdentity, identity_of
-from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 from cache_service.service.api.app import create_app
 from cache_service.service.settings import Settings

@@ -9,9 +9,9 @@ from prometheus_client import CollectorRegistry
 
 from cache_service.core.blocks import Evicted, Namespace, StoreKey
 from cache_service.core.cache import PrefixCache
-from cache_service.core.store.base import BlockStore
-from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
+from cache_service.core.store.protocols import BlockStore
 from cache_service.service.metrics import EVICTION_REASONS, CacheMetrics, StoreCollector
 
 if TYPE_CHECKING:

@@ -12,8 +12,8 @@ from cache_service.core.cache import PrefixCache
 from cache_service.core.errors import Forbidden, InvalidField, NotStored, QuotaExceeded
 from cache_service.core.hashing import BlockHasher
 from cache_service.core.operators import EXPLANATIONS, Operators
-from cache_service.core.store import subtrees
-from cache_service.core.store.base import BlockStore
+from cache_service.core.store.parts import subtrees
+from cache_service.core.store.protocols import BlockStore
 from tests.store.capabilities import capable
 
 if TYPE_CHECKING:

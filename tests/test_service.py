@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from cache_service.core.blocks import Namespace
 from cache_service.core.errors import Overloaded
-from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 from cache_service.service.api.background import ElectionLock, sweeper
 from cache_service.service.api.service import Service, given_store

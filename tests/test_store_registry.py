@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from cache_service.core.eviction import LruPolicy
-from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 from cache_service.core.store.registry import (
     BACKENDS,

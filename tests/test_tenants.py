@@ -14,9 +14,9 @@ from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache
 from cache_service.core.hashing import BlockHasher
 from cache_service.core.operators import Operators
-from cache_service.core.store.base import BlockStore
-from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
+from cache_service.core.store.protocols import BlockStore
 
 if TYPE_CHECKING:
     from conftest import VirtualClock

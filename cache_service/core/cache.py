@@ -24,7 +24,7 @@ from cache_service.core.hashing import BlockHasher, tokens_to_bytes
 from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.recent import RecentMatch, RecentMatches
 from cache_service.core.retention import RetentionPolicy
-from cache_service.core.store.base import BlockStore
+from cache_service.core.store.protocols import BlockStore
 from cache_service.core.touches import TouchBuffer
 
 Clock = Callable[[], float]

@@ -13,8 +13,8 @@ from cache_service.core.errors import DiskFull, StoreFull
 from cache_service.core.events import CacheEvents
 from cache_service.core.hashing import tenant_partition
 from cache_service.core.reserve import DiskReserve
-from cache_service.core.store.base import BlockStore
-from cache_service.core.store.batches import in_batches
+from cache_service.core.store.parts.batches import in_batches
+from cache_service.core.store.protocols import BlockStore
 
 EVICT_BATCH_BLOCKS = 1024  # blocks per eviction transaction: keeps the write lock short
 DISK_MEASURE_SECONDS = 1.0  # the disk's room is measured at most this often for writes
@@ -212,7 +212,7 @@ class Capacity:
 
     def _in_batches(self, evict: Callable[[int], list[Evicted]], *, now: float) -> list[Evicted]:
         """Run `evict` (one short transaction of up to `max_blocks`) until a batch falls
-        short, smaller on a full disk (see store.batches); the reserve is kept for a purge:
+        short, smaller on a full disk (see store.parts.batches); the reserve is kept for a purge:
         the operator's way out."""
         evicted: list[Evicted] = []
 

@@ -12,7 +12,7 @@ change between runs, and each change is logged.
 The record is a JSON object of named fields, so a new field is one more entry in `FIELDS`
 and one more value in `identity_of`. A field the record lacks (a store made
 before the field existed) is adopted from the opening process; a field this build does not
-know is kept as it is. The store only keeps the bytes (`store.base.IdentityCheck`).
+know is kept as it is. The store only keeps the bytes (`store.protocols.IdentityCheck`).
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from cache_service.core.capacity import Capacity
 from cache_service.core.config import CacheConfig
 from cache_service.core.errors import InvalidField, NotSupportedByStore
 from cache_service.core.hashing import BlockHasher, decode_namespace, tenant_partition
-from cache_service.core.store.base import BlockStore
-from cache_service.core.store.removals import HINT_TOKENS
+from cache_service.core.store.parts.removals import HINT_TOKENS
+from cache_service.core.store.protocols import BlockStore
 
 EXPLANATIONS = {  # why a lookup stopped where it did -> the sentence that says so
     "complete": "every full block of the prompt is cached",

@@ -11,7 +11,7 @@ import threading
 from dataclasses import replace
 
 from cache_service.core.blocks import BlockKey, Touch
-from cache_service.core.store.base import BlockStore
+from cache_service.core.store.protocols import BlockStore
 
 MAX_PENDING_TOUCHES = 100_000  # lookups whose refresh waits; past this the oldest are dropped
 

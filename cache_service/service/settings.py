@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from cache_service.core.eviction import DEFAULT_POLICY, make_policy
 from cache_service.core.hashing import DEFAULT_SEED
 from cache_service.core.retention import RetentionPolicy, parse_retention_table
-from cache_service.core.store.lmdb import SYNC_MODES
+from cache_service.core.store.lmdb.store import SYNC_MODES
 from cache_service.core.store.registry import parse_store_url
 from cache_service.core.units import parse_size
 from cache_service.service.api_keys import KeyFileError, KeyRing, load_key_ring

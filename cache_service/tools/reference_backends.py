@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from cache_service.core.store.capabilities import BEHAVIOURS, Capabilities
+from cache_service.core.store.protocols import BEHAVIOURS, Capabilities
 from cache_service.core.store.registry import BACKENDS
 from cache_service.tools.reference_markdown import code, page, prose, table
 
 INTRO = (
     "Each store backend declares the behaviours it lacks, with the reason, in its store "
-    "class's `capabilities` (`cache_service/core/store/capabilities.py`). Start-up refuses "
+    "class's `capabilities` (`cache_service/core/store/protocols.py`). Start-up refuses "
     "settings a backend cannot honour, capacity enforcement leaves a backend that evicts on "
     "its own alone, the operator routes answer `501` (problem type `not-supported-by-store`) "
     "for a control it lacks, and the contract suite expects each backend to pass exactly "

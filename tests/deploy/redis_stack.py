@@ -29,7 +29,7 @@ from tests.integration.conftest import ServerProcess, free_port
 from tests.redis_cluster.nodes import MEMORY, single_node
 
 FAILED_LOOKUPS = 60  # with Redis gone: enough for a 5-minute rate above the alert's guard
-REFUSED_STORES = 3  # the breaker opens after three refusals in a row (store/breaker.py)
+REFUSED_STORES = 3  # the breaker opens after three refusals in a row (store/redis/breaker.py)
 STORE_SECONDS = 60.0  # a refused store waits out its retries (5 s at least) first
 
 

@@ -21,7 +21,7 @@ import pytest
 from cache_service import __version__
 from cache_service.core.disk import MARGIN_MAX_BYTES
 from cache_service.core.engines.schemes.vllm import ALGORITHMS
-from cache_service.core.store.redis_connect import PASSWORD_ENV, USERNAME_ENV
+from cache_service.core.store.redis.connect import PASSWORD_ENV, USERNAME_ENV
 from cache_service.core.store.registry import parse_store_url
 from cache_service.service.server import exit_bound_seconds
 from cache_service.service.settings import Settings

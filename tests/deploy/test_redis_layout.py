@@ -20,7 +20,7 @@ from typing import IO, Any
 import pytest
 
 from bench.redis_cluster import find_free_port, parse_cluster_nodes, parse_info
-from cache_service.core.store.redis_connect import (
+from cache_service.core.store.redis.connect import (
     GOOD_POLICIES,
     PASSWORD_ENV,
     check_memory_settings,

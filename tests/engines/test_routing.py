@@ -30,7 +30,7 @@ from cache_service.core.engines.schemes import EngineHashScheme, ExtraKeys, sche
 from cache_service.core.engines.views import EngineViews
 from cache_service.core.errors import InvalidField, UnknownInstance
 from cache_service.core.events import CacheEvents
-from cache_service.core.store.base import BlockStore
+from cache_service.core.store.protocols import BlockStore
 
 if TYPE_CHECKING:
     from conftest import VirtualClock

@@ -37,11 +37,11 @@ from cache_service.core.errors import (
 )
 from cache_service.core.hashing import BlockHasher, tenant_partition, tokens_to_bytes
 from cache_service.core.identity import StoreIdentity, identity_of
-from cache_service.core.store.breaker import CircuitBreaker
-from cache_service.core.store.redis_connect import RedisAddress, check_versions, parse_nodes
-from cache_service.core.store.redis_pins import pin_key
-from cache_service.core.store.redis_store import RedisStore
-from cache_service.core.store.redis_values import block_key
+from cache_service.core.store.redis.breaker import CircuitBreaker
+from cache_service.core.store.redis.connect import RedisAddress, check_versions, parse_nodes
+from cache_service.core.store.redis.pins import pin_key
+from cache_service.core.store.redis.store import RedisStore
+from cache_service.core.store.redis.values import block_key
 from cache_service.core.store.registry import open_store, parse_store_url
 from tests.redis_cluster.conftest import require_tools
 from tests.redis_cluster.nodes import MEMORY, single_node

@@ -29,7 +29,7 @@ import httpx
 import lmdb
 
 from cache_service.client import CacheClient
-from cache_service.core.store.codec import RECORD_FIELDS
+from cache_service.core.store.parts.codec import RECORD_FIELDS
 from tests.integration.conftest import ServerProcess
 from tests.reliability.workload import Prompt, PromptSet, Verifier
 

@@ -32,8 +32,8 @@ from cache_service.client import CacheClient
 from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache
 from cache_service.core.operators import Operators
-from cache_service.core.store.base import BlockStore
-from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.lmdb.store import LmdbStore
+from cache_service.core.store.protocols import BlockStore
 from cache_service.service.api.app import create_app
 from cache_service.service.settings import Settings
 from tests.reliability.model_chains import JumpClock

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from cache_service.core.store.backend import REMOVAL_ORDER
-from cache_service.core.store.lmdb import LmdbStore
-from cache_service.core.store.removals import FLOOR_ENTRIES
+from cache_service.core.store.lmdb.store import LmdbStore
+from cache_service.core.store.parts.backend import REMOVAL_ORDER
+from cache_service.core.store.parts.removals import FLOOR_ENTRIES
 from cache_service.service.api.app import create_app
 from cache_service.service.settings import Settings
 from tests.integration.conftest import ServerProcess

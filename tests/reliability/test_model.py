@@ -43,12 +43,12 @@ from cache_service.core.cache import PrefixCache
 from cache_service.core.errors import NotStored
 from cache_service.core.operators import Operators
 from cache_service.core.retention import RetentionPolicy
-from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.lmdb.store import LmdbStore
 from tests.reliability.model_cache import CacheModel, Entry, Hit
 from tests.reliability.model_chains import Chain, JumpClock, Recorder, flat, prefixes
 
 if TYPE_CHECKING:
-    from cache_service.core.store.base import BlockStore
+    from cache_service.core.store.protocols import BlockStore
 
 BLOCK = 2
 TTLS = {"agent": 3.0, "chat": 7.0}  # the shipped classes' proportions, in seconds

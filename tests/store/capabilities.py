@@ -1,5 +1,5 @@
 """Which tests each store backend must pass: the contract suite reads the backends' own
-declared capabilities (cache_service/core/store/capabilities.py) and two facilities of the
+declared capabilities (cache_service/core/store/protocols.py) and two facilities of the
 tests themselves. A test that depends on a behaviour carries `@pytest.mark.needs("name")`;
 the `store` fixture (tests/conftest.py) runs it on every backend that declares the behaviour
 (it must pass there), and on a backend that declares it lacks one, expects it to fail: a pass
@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from cache_service.core.store.base import BlockStore
-from cache_service.core.store.capabilities import BEHAVIOURS, Capabilities
-from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
-from cache_service.core.store.redis_store import RedisStore
+from cache_service.core.store.protocols import BEHAVIOURS, BlockStore, Capabilities
+from cache_service.core.store.redis.store import RedisStore
 
 DECLARED: dict[str, Capabilities] = {
     "memory": MemoryStore.capabilities,

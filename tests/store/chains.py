@@ -12,7 +12,7 @@ from cache_service.core.blocks import (
     NewBlock,
 )
 from cache_service.core.hashing import BlockHasher, tokens_to_bytes
-from cache_service.core.store.base import BlockStore
+from cache_service.core.store.protocols import BlockStore
 from tests.store.capabilities import capable
 
 if TYPE_CHECKING:

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 import pytest
 
 from cache_service.core.blocks import BlockMeta, StoreKey
-from cache_service.core.store.base import BlockStore
-from cache_service.core.store.codec import decode_meta
-from cache_service.core.store.redis_connect import parse_nodes, primaries
-from cache_service.core.store.redis_store import RedisStore
-from cache_service.core.store.redis_values import BLOCK_PREFIX, LENGTH, block_key, split_value
+from cache_service.core.store.parts.codec import decode_meta
+from cache_service.core.store.protocols import BlockStore
+from cache_service.core.store.redis.connect import parse_nodes, primaries
+from cache_service.core.store.redis.store import RedisStore
+from cache_service.core.store.redis.values import BLOCK_PREFIX, LENGTH, block_key, split_value
 
 if TYPE_CHECKING:
     from bench.redis_cluster import LocalRedisCluster

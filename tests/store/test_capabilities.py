@@ -7,11 +7,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from cache_service.core.store import registry
-from cache_service.core.store.base import BlockStore
-from cache_service.core.store.capabilities import BEHAVIOURS, Capabilities
-from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
-from cache_service.core.store.redis_store import RedisStore
+from cache_service.core.store.protocols import BEHAVIOURS, BlockStore, Capabilities
+from cache_service.core.store.redis.store import RedisStore
 from cache_service.service.api.app import create_app
 from cache_service.service.settings import Settings
 

@@ -13,8 +13,8 @@ from cache_service.core.blocks import Namespace, Touch
 from cache_service.core.cache import PrefixCache
 from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
 from cache_service.core.operators import Operators
-from cache_service.core.store.base import BlockStore
-from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.lmdb.store import LmdbStore
+from cache_service.core.store.protocols import BlockStore
 from tests.conftest import VirtualClock
 from tests.store.chains import (
     LMDB_MAP_SIZE_BYTES,

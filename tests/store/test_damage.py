@@ -15,16 +15,16 @@ import pytest
 
 from cache_service.core.blocks import ChainLink, StoreKey, store_key
 from cache_service.core.errors import NotStored
-from cache_service.core.store.backend import EXPIRY, VICTIMS
-from cache_service.core.store.base import BlockStore
-from cache_service.core.store.codec import (
+from cache_service.core.store.lmdb.store import LmdbStore
+from cache_service.core.store.parts.backend import EXPIRY, VICTIMS
+from cache_service.core.store.parts.codec import (
     DAMAGED,
     RECORD_FIELDS,
     CorruptRecord,
     check_record,
     decode_meta,
 )
-from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.protocols import BlockStore
 from tests.store.chains import (
     HASHER,
     LMDB_MAP_SIZE_BYTES,

@@ -11,9 +11,9 @@ import pytest
 
 from cache_service.core.blocks import BlockKey, BlockMeta, Touch
 from cache_service.core.eviction import LruPolicy
-from cache_service.core.store.base import BlockStore
-from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
+from cache_service.core.store.protocols import BlockStore
 from tests.store.chains import (
     LMDB_MAP_SIZE_BYTES,
     T0,

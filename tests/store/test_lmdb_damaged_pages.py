@@ -11,8 +11,8 @@ import pytest
 from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache
 from cache_service.core.errors import StorageFailure
-from cache_service.core.store.lmdb import LmdbStore
-from cache_service.core.store.lmdb_disk import write_error
+from cache_service.core.store.lmdb.disk import write_error
+from cache_service.core.store.lmdb.store import LmdbStore
 
 MAP_BYTES = 64 * 2**20
 BLOCK = 16

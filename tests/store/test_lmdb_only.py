@@ -11,9 +11,9 @@ import pytest
 from cache_service.core.blocks import BlockMeta, Namespace, StoreKey
 from cache_service.core.cache import PrefixCache
 from cache_service.core.errors import InsufficientStorage
-from cache_service.core.store.base import BlockStore
-from cache_service.core.store.codec import decode_meta
-from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.lmdb.store import LmdbStore
+from cache_service.core.store.parts.codec import decode_meta
+from cache_service.core.store.protocols import BlockStore
 from tests.store.chains import LMDB_MAP_SIZE_BYTES, NSID, T0, chain, put
 
 if TYPE_CHECKING:

@@ -12,9 +12,9 @@ import pytest
 
 from cache_service.core.blocks import BlockMeta
 from cache_service.core.errors import StorageError
-from cache_service.core.store import migrations
-from cache_service.core.store.codec import decode_meta, intact
-from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.lmdb import migrations
+from cache_service.core.store.lmdb.store import LmdbStore
+from cache_service.core.store.parts.codec import decode_meta, intact
 from tests.store.chains import LMDB_MAP_SIZE_BYTES, NSID, T0, chain, matched, payload_of, put
 
 # Format 3's record, written out here from its documentation rather than imported.

@@ -9,7 +9,7 @@ import pytest
 
 from cache_service.core.blocks import PinLimits
 from cache_service.core.errors import Forbidden, NotStored, QuotaExceeded
-from cache_service.core.store.base import BlockStore
+from cache_service.core.store.protocols import BlockStore
 from tests.store.chains import NSID, T0, TTL, assert_prefix_closed, chain, matched, put
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from cache_service.core.blocks import store_key
-from cache_service.core.store.base import BlockStore
+from cache_service.core.store.protocols import BlockStore
 from tests.store.capabilities import capable
 from tests.store.chains import (
     NSID,

@@ -9,9 +9,14 @@ import pytest
 
 from cache_service.core.blocks import BlockKey, Namespace, StoreUsage, store_key
 from cache_service.core.hashing import tenant_partition
-from cache_service.core.store.backend import Txn
-from cache_service.core.store.base import BlockStore
-from cache_service.core.store.removals import ENTRY_BYTES, FLOOR_ENTRIES, LOG_SHARE, RemovalLog
+from cache_service.core.store.parts.backend import Txn
+from cache_service.core.store.parts.removals import (
+    ENTRY_BYTES,
+    FLOOR_ENTRIES,
+    LOG_SHARE,
+    RemovalLog,
+)
+from cache_service.core.store.protocols import BlockStore
 from tests.store.chains import (
     HASHER,
     NSID,

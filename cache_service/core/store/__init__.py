@@ -1,6 +1,3 @@
-"""Block stores: one protocol, swappable backends (memory reference model, LMDB)."""
-
-from cache_service.core.store.base import BlockStore
-from cache_service.core.store.memory import MemoryStore
-
-__all__ = ["BlockStore", "MemoryStore"]
+"""Block stores: what a store is (protocols.py: its roles and each backend's declared
+capabilities), registry.py (a store by URL), the parts written once over a backend's
+transaction (parts/), and the backends (memory.py, lmdb/, redis/)."""

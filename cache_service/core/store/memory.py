@@ -12,13 +12,13 @@ from dataclasses import replace
 from cache_service.core.blocks import KEY_BYTES, BlockMeta, StoreKey, StoreUsage
 from cache_service.core.eviction import EvictionPolicy
 from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
-from cache_service.core.store import generic
-from cache_service.core.store.backend import AUX_TABLES, INDEXES, SORT_KEY_BYTES
-from cache_service.core.store.capabilities import Capabilities
-from cache_service.core.store.codec import COLLISION, HIT, MISSING, record_size
-from cache_service.core.store.composed import ComposedStore
-from cache_service.core.store.damage import DamageLog, Salvage
-from cache_service.core.store.removals import DEFAULT_REMOVAL_LOG_ENTRIES
+from cache_service.core.store.parts import generic
+from cache_service.core.store.parts.backend import AUX_TABLES, INDEXES, SORT_KEY_BYTES
+from cache_service.core.store.parts.codec import COLLISION, HIT, MISSING, record_size
+from cache_service.core.store.parts.composed import ComposedStore
+from cache_service.core.store.parts.damage import DamageLog, Salvage
+from cache_service.core.store.parts.removals import DEFAULT_REMOVAL_LOG_ENTRIES
+from cache_service.core.store.protocols import Capabilities
 
 # What a block costs beyond its payload and tokens here (dict slots, objects): an estimate,
 # so that a byte capacity means roughly the same on this backend as on LMDB.

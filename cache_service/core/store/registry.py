@@ -8,12 +8,12 @@ A store is named by a URL or a plain folder path:
     lmdb://cache-data                a path relative to the working directory
     memory://                        a store in process memory (one process; gone on exit)
     redis://HOST:PORT[,HOST:PORT]    Redis: a Cluster (any of its nodes) or one node; the
-    rediss://HOST:PORT[,...]         same over TLS (store/redis_connect.py: the password
+    rediss://HOST:PORT[,...]         same over TLS (store/redis/connect.py: the password
                                      comes from the environment, never the URL)
 
 A URL is recognised by "<scheme>://"; anything else is a folder, so existing `--data-dir`
 values keep meaning what they meant. What each backend can do is its store class's declared
-`capabilities` (store/capabilities.py), which `capabilities_of` tells before opening.
+`capabilities` (store/protocols.py), which `capabilities_of` tells before opening.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cache_service.core.eviction import EvictionPolicy
-from cache_service.core.store.base import BlockStore, IdentityCheck
-from cache_service.core.store.capabilities import Capabilities
-from cache_service.core.store.lmdb import LmdbStore
+from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
-from cache_service.core.store.redis_connect import parse_nodes
-from cache_service.core.store.redis_store import RedisStore
+from cache_service.core.store.protocols import BlockStore, Capabilities, IdentityCheck
+from cache_service.core.store.redis.connect import parse_nodes
+from cache_service.core.store.redis.store import RedisStore
 
 FOLDER_SCHEME = "lmdb"  # what a plain folder path opens
 

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cache_service import __version__
 from cache_service.core.cache import Clock
-from cache_service.core.store.base import BlockStore
+from cache_service.core.store.protocols import BlockStore
 from cache_service.service.api.auth import Authenticator
 from cache_service.service.api.cancels import AnswerCancelled
 from cache_service.service.api.docs import install_docs

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from functools import wraps
 from typing import Any, TypeVar, cast
 
-from cache_service.core.store.base import BlockStore
+from cache_service.core.store.protocols import BlockStore
 from cache_service.service.api.state import NotReady
 
 _IDLE_POLL_SECONDS = 0.01

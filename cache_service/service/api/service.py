@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from cache_service.core.cache import Clock, PrefixCache
 from cache_service.core.hashing import BlockHasher
-from cache_service.core.store.base import BlockStore
+from cache_service.core.store.protocols import BlockStore
 from cache_service.core.store.registry import OpenedStore, describe_store
 from cache_service.service.api.background import (
     DISK_CHECK_SECONDS,

@@ -1,0 +1,103 @@
+"""A store assembled from a backend and the parts written once over it.
+
+    backend (records, payloads, indexes, small tables, transactions)
+      -> parts: victims index (with the policy), expiry index, tenant accounts, pins,
+         removal log and first-block hints, kept together by `Records`
+      -> operations: `DataPath` (match, insert, touch, payload reads, usage),
+         `Evictions` (evict, evict_tenant, remove_subtree), `Controls` (operator controls),
+         `Repairs` (drop_damaged: blocks that failed verification, with their subtrees)
+
+A backend module adds only its backend and a thin class that hands it to `ComposedStore`.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, TypeVar
+
+from cache_service.core.eviction import EvictionPolicy, make_policy
+from cache_service.core.lifetimes import Lifetimes
+from cache_service.core.store.parts.backend import Backend
+from cache_service.core.store.parts.controls import Controls
+from cache_service.core.store.parts.data_path import DataPath
+from cache_service.core.store.parts.evictions import Evictions
+from cache_service.core.store.parts.records import Records
+from cache_service.core.store.parts.removals import DEFAULT_REMOVAL_LOG_ENTRIES, RemovalLog
+from cache_service.core.store.parts.repairs import Repairs
+from cache_service.core.store.parts.tenants import TenantAccounts
+from cache_service.core.store.parts.txns import Transactions
+from cache_service.core.store.parts.victims import VictimIndex
+from cache_service.core.store.protocols import OnDisk, Remote
+
+B = TypeVar("B", bound=Backend)
+
+
+class ComposedStore(Generic[B]):
+    """A BlockStore (data path and operator controls) over one backend."""
+
+    disk: OnDisk | None = None  # see store.protocols.Capabilities
+    remote: Remote | None = None
+
+    def __init__(
+        self,
+        backend: B,
+        *,
+        policy: EvictionPolicy | None = None,
+        removal_log_entries: int = DEFAULT_REMOVAL_LOG_ENTRIES,
+    ) -> None:
+        self.backend = backend
+        self.policy: EvictionPolicy = policy or make_policy()
+        self.space = backend.space
+        self._removal_log = RemovalLog(removal_log_entries)
+        txns = Transactions(backend, self.policy)
+        records = Records(VictimIndex(self.policy), TenantAccounts(self.space), self._removal_log)
+        data, evictions, controls, repairs = (
+            DataPath(txns, records, backend.damage),
+            Evictions(txns, records),
+            Controls(txns, records),
+            Repairs(txns, records, backend.damage),
+        )
+        # The operations are the parts' own bound methods: a call costs no extra frame.
+        self.match = data.match
+        self.get_payloads = data.get_payloads
+        self.read_payloads = data.read_payloads
+        self.insert = data.insert
+        self.touch = data.touch
+        self.usage = data.usage
+        self.tenant_bytes = data.tenant_bytes
+        self.evict = evictions.evict
+        self.evict_tenant = evictions.evict_tenant
+        self.remove_subtree = evictions.remove_subtree
+        self.batch = txns.batch
+        self.pin = controls.pin
+        self.unpin = controls.unpin
+        self.pins = controls.pins
+        self.links_of = controls.links_of
+        self.encoded_namespace = controls.encoded_namespace
+        self.replace_namespace = controls.replace_namespace
+        self.purge = controls.purge
+        self.inspect = controls.inspect
+        self.first_block_homes = controls.first_block_homes
+        self.drop_damaged = repairs.drop_damaged
+        self.damage_pending = repairs.damage_pending
+
+    @property
+    def lifetimes(self) -> Lifetimes:
+        """How far from now each retention class's blocks may expire (see core.lifetimes)."""
+        return self.backend.lifetimes
+
+    @lifetimes.setter
+    def lifetimes(self, lifetimes: Lifetimes) -> None:
+        self.backend.lifetimes = lifetimes  # transactions begun from now on judge by it
+
+    @property
+    def removal_log_entries(self) -> int:
+        """Recent removals remembered for explanations (0: none)."""
+        return self._removal_log.entries
+
+    @removal_log_entries.setter
+    def removal_log_entries(self, entries: int) -> None:
+        self._removal_log.entries = entries
+
+    def close(self) -> None:
+        """Release the backend's resources."""
+        self.backend.close()

@@ -1,0 +1,1 @@
+"""The Redis backend: a store on a Redis Cluster or one node (redis.store.RedisStore)."""
