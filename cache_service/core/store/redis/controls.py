@@ -33,6 +33,7 @@ from cache_service.core.store.parts.codec import (
     decode_meta,
     intact,
 )
+from cache_service.core.store.redis.connect import primaries
 from cache_service.core.store.redis.pins import (
     PIN_PREFIX,
     count_key,
@@ -73,11 +74,12 @@ class RedisControls:
     """The OperatorControls half of the Redis store (mixed into RedisStore)."""
 
     client: Any
+    clustered: bool
     space: RedisSpace
     lifetimes: Lifetimes
 
     def _primaries(self) -> list[Any]:
-        raise NotImplementedError
+        return primaries(self.client, self.clustered)
 
     @storage_failures
     def pin(

@@ -40,6 +40,7 @@ from cache_service.core.store.redis.values import (
 )
 
 PROBE_BLOCKS = 16  # the first round trip of a lookup: a miss costs little
+MAX_DAMAGED_NOTED = 65536  # damaged keys remembered until the next drop_damaged
 
 
 class RedisReads:
@@ -47,6 +48,7 @@ class RedisReads:
 
     reads: Fanout
     lookup_errors: int
+    _damaged: dict[StoreKey, str]  # noted by reads (record or payload), dropped by writes
     _lock: threading.Lock
 
     def _read_failed(self) -> None:
@@ -56,7 +58,9 @@ class RedisReads:
         self.reads.failed()
 
     def _note_damage(self, key: StoreKey, *, payload: bool = False) -> None:
-        raise NotImplementedError
+        with self._lock:
+            if len(self._damaged) < MAX_DAMAGED_NOTED:
+                self._damaged[key] = "payload" if payload else "record"
 
     def match(
         self,

@@ -36,7 +36,6 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from cache_service.core.blocks import (
     KEY_BYTES,
@@ -56,7 +55,6 @@ from cache_service.core.store.redis.connect import (
     connect,
     failover_seconds,
     memory_settings,
-    primaries,
 )
 from cache_service.core.store.redis.controls import RedisControls
 from cache_service.core.store.redis.fanout import READ_TIMEOUT_SECONDS, Fanout
@@ -278,11 +276,6 @@ class RedisStore(RedisReads, RedisWrites, RedisControls):
         with self._lock:
             return len(self._damaged)
 
-    def _note_damage(self, key: StoreKey, *, payload: bool = False) -> None:
-        with self._lock:
-            if len(self._damaged) < 65536:
-                self._damaged[key] = "payload" if payload else "record"
-
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """No transaction spans calls on Redis: each call stands alone."""
@@ -292,6 +285,3 @@ class RedisStore(RedisReads, RedisWrites, RedisControls):
         """Close the connections."""
         self.reads.close()
         self.client.close()
-
-    def _primaries(self) -> list[Any]:
-        return primaries(self.client, self.clustered)
