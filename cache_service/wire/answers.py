@@ -4,8 +4,8 @@ Each is a frozen dataclass whose fields are the JSON object's, in the order the 
 writes them (orjson writes a dataclass's fields in order, so the bytes on the wire follow this
 file). The service's OpenAPI document is generated from these classes (pydantic reads a
 stdlib dataclass: its docstring is the schema's description, and a field's `metadata` its
-keywords), so a class's name is its schema's name. Keyword-only, so that the client may extend
-an answer with fields of its own (Match adds the payloads).
+keywords), so a class's name is its schema's name. The client's answers are these classes
+(Match adds the payloads), so their positional order is the client's API as well.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import ClassVar, Self
 STORE_MEDIUM = "store"  # the medium of the payload store's row in a route answer
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True)
 class Usage:
     """Per-request token accounting, as OpenAI-style APIs report prompt caching."""
 
@@ -24,6 +24,8 @@ class Usage:
     prompt_cache_miss_tokens: int
 
 
+# Keyword-only: the client's Match adds its payloads, and its fields were once in another
+# order, so a positional call from before fails at once instead of swapping two counts.
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LookupResponse:
     """The longest cached prefix; with fetch, the header of a frame body."""
@@ -52,7 +54,7 @@ class LookupResponse:
         )
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True)
 class StoreResponse:
     """What a store request did."""
 
@@ -103,7 +105,7 @@ class StoreResponse:
         return held == self.requested_blocks and not self.conflicts
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True)
 class FetchHeader:
     """The header of a fetch answer; one frame per requested key (absent = gone)."""
 
@@ -112,7 +114,7 @@ class FetchHeader:
     found: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True)
 class RouteInstance:
     """One instance's hold on the prompt in one medium (or, as `best`, the store's)."""
 
@@ -147,7 +149,7 @@ class RouteInstance:
     )
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True)
 class RouteStore:
     """The payload store as an instance of its own: any worker can load these blocks."""
 
@@ -157,7 +159,7 @@ class RouteStore:
     block_size: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True)
 class RouteUnscored:
     """An engine whose blocks cannot be matched to a prompt, and why."""
 
@@ -165,7 +167,7 @@ class RouteUnscored:
     reason: str
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True)
 class RouteResponse:
     """Per instance and medium, best first; the payload store; the best of all."""
 
