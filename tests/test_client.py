@@ -47,7 +47,9 @@ STORE_ANSWER: dict[str, Any] = {
     "collisions": 0,
     "keys": [KEY_B],
 }
-MISS = Match(
+MISS = Match(  # a fail-open miss of lookup("llama", TOKENS): no retention class named
+    model="llama",
+    retention="",
     matched_blocks=0,
     cached_tokens=0,
     block_size=0,
@@ -193,6 +195,8 @@ def test_lookup_posts_the_tokens_as_a_binary_frame_and_parses_the_match(connect:
         [array("I", TOKENS).tobytes()],
     )
     assert match == Match(
+        model="llama",
+        retention="chat",
         matched_blocks=2,
         cached_tokens=8,
         block_size=4,

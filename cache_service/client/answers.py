@@ -1,22 +1,24 @@
 """What the service answers: Usage, Match, StoreResult (and put_prefix's StoredBlocks), parsers.
 
-A parser takes a 2xx `httpx.Response` and returns the typed answer, or raises
-`ServiceError(502, ...)` for an answer it cannot use; `_problem_error` turns a non-2xx answer
-into the `ServiceError` that carries its problem+json.
+The answers are the service's own declarations (`cache_service.wire.answers`), read by
+`cache_service.wire.reader`; Match adds the payloads a fetch brings. A parser takes a 2xx
+`httpx.Response` and returns the typed answer, or raises `ServiceError(502, ...)` for an
+answer it cannot use; `_problem_error` turns a non-2xx answer into the `ServiceError` that
+carries its problem+json.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, replace
+from typing import Any
 
 import httpx
 import orjson
 
 from cache_service.core.errors import MalformedBody, ServiceError
 from cache_service.core.framing import MEDIA_TYPE, decode_frames
-
-_T = TypeVar("_T")
+from cache_service.wire import answers
+from cache_service.wire.reader import UnreadableAnswer, read_fields
 
 MAX_ERROR_TEXT_CHARS = 2000  # a non-JSON error body (an HTML page from a proxy) is cut here
 
@@ -24,52 +26,15 @@ MAX_ERROR_TEXT_CHARS = 2000  # a non-JSON error body (an HTML page from a proxy)
 Payload = bytes | memoryview  # bytes, or with copy=False a view into the answer
 
 
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """Token accounting of one lookup, as OpenAI-style APIs report prompt caching."""
-
-    prompt_cache_hit_tokens: int
-    prompt_cache_miss_tokens: int
+Usage = answers.Usage
+StoreResult = answers.StoreResponse  # with identical_blocks and as_sent
 
 
-@dataclass(frozen=True, slots=True)
-class Match:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Match(answers.LookupResponse):
     """A lookup's answer: the longest cached prefix, and its payloads if fetched."""
 
-    matched_blocks: int
-    cached_tokens: int
-    block_size: int  # 0 in a fail-open miss when the caller did not name one
-    prompt_tokens: int
-    keys: list[str]  # 32 lowercase hex characters each, as the API sends them
-    usage: Usage
     payloads: list[Payload] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class StoreResult:
-    """A store request's answer: what happened to each block sent."""
-
-    model: str
-    block_size: int  # 0 in a fail-open miss when the caller did not name one
-    start_block: int
-    requested_blocks: int
-    stored_blocks: int  # newly stored with the bytes sent
-    refreshed_blocks: int  # already stored (by anyone): kept as first written
-    conflicts: int  # of the refreshed, how many hold other bytes than the ones sent
-    truncated_blocks: int
-    collisions: int
-    keys: list[str]
-
-    @property
-    def identical_blocks(self) -> int:
-        """Blocks already stored with the very bytes sent."""
-        return self.refreshed_blocks - self.conflicts
-
-    @property
-    def as_sent(self) -> bool:
-        """Whether the cache now holds every block sent, each with the bytes sent."""
-        held = self.stored_blocks + self.refreshed_blocks
-        return held == self.requested_blocks and not self.conflicts
 
 
 class StoredBlocks(int):
@@ -173,18 +138,12 @@ def _frames(response: httpx.Response) -> tuple[dict[str, Any], list[memoryview |
         raise _invalid_answer(exc.detail) from None
 
 
-def _field(body: dict[str, Any], name: str, kind: type[_T]) -> _T:
-    value = body.get(name)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise _invalid_answer(f"field {name!r} is missing or not of type {kind.__name__}")
-    return value
-
-
-def _strings(body: dict[str, Any], name: str) -> list[str]:
-    value = _field(body, name, list)
-    if not set(map(type, value)) <= {str}:  # one pass in C: answers carry hundreds of keys
-        raise _invalid_answer(f"field {name!r} must be a list of strings")
-    return value
+def _read_fields(kind: type[Any], body: object) -> dict[str, Any]:
+    """The fields of answer `kind` in `body`, or the 502 naming the one it cannot use."""
+    try:
+        return read_fields(kind, body)
+    except UnreadableAnswer as exc:
+        raise _invalid_answer(str(exc)) from None
 
 
 def _payload(frame: memoryview, copy: bool) -> Payload:
@@ -200,56 +159,33 @@ def _parse_match(response: httpx.Response, *, fetch: bool, copy: bool = True) ->
         payloads = [_payload(frame, copy) for frame in frames if frame is not None]
     else:
         body = _json_object(response)
-    usage = _field(body, "usage", dict)
-    match = Match(
-        matched_blocks=_field(body, "matched_blocks", int),
-        cached_tokens=_field(body, "cached_tokens", int),
-        block_size=_field(body, "block_size", int),
-        prompt_tokens=_field(body, "prompt_tokens", int),
-        keys=_strings(body, "keys"),
-        usage=Usage(
-            prompt_cache_hit_tokens=_field(usage, "prompt_cache_hit_tokens", int),
-            prompt_cache_miss_tokens=_field(usage, "prompt_cache_miss_tokens", int),
-        ),
-        payloads=payloads,
-    )
+    match = Match(**_read_fields(answers.LookupResponse, body), payloads=payloads)
     if payloads is not None and len(payloads) != match.matched_blocks:
         raise _invalid_answer(f"{len(payloads)} frames for {match.matched_blocks} matched blocks")
     return match
 
 
-def _missed_match(prompt_tokens: int, block_size: int | None, fetch: bool) -> Match:
-    return Match(
-        matched_blocks=0,
-        cached_tokens=0,
-        block_size=block_size or 0,
+def _missed_match(
+    model: str, prompt_tokens: int, block_size: int | None, retention: str | None, fetch: bool
+) -> Match:
+    miss = Match.miss(
+        model=model,
         prompt_tokens=prompt_tokens,
-        keys=[],
-        usage=Usage(prompt_cache_hit_tokens=0, prompt_cache_miss_tokens=prompt_tokens),
-        payloads=[] if fetch else None,
+        block_size=block_size or 0,
+        retention=retention or "",
     )
+    return replace(miss, payloads=[]) if fetch else miss
 
 
 def _parse_store(response: httpx.Response) -> StoreResult:
-    body = _json_object(response)
-    return StoreResult(
-        model=_field(body, "model", str),
-        block_size=_field(body, "block_size", int),
-        start_block=_field(body, "start_block", int),
-        requested_blocks=_field(body, "requested_blocks", int),
-        stored_blocks=_field(body, "stored_blocks", int),
-        refreshed_blocks=_field(body, "refreshed_blocks", int),
-        conflicts=_field(body, "conflicts", int),
-        truncated_blocks=_field(body, "truncated_blocks", int),
-        collisions=_field(body, "collisions", int),
-        keys=_strings(body, "keys"),
-    )
+    return StoreResult(**_read_fields(answers.StoreResponse, _json_object(response)))
 
 
 def _parse_blocks(
     response: httpx.Response, *, count: int, copy: bool = True
 ) -> list[Payload | None]:
-    _, frames = _frames(response)
+    header, frames = _frames(response)
+    _read_fields(answers.FetchHeader, header)  # held to its declaration, though not kept
     if len(frames) != count:
         raise _invalid_answer(f"{len(frames)} frames for {count} requested keys")
     return [None if frame is None else _payload(frame, copy) for frame in frames]

@@ -140,7 +140,7 @@ class _BaseCacheClient:
             partial(_parse_match, fetch=fetch, copy=copy),
             content=join_frames(encode_frames(header, [token_bytes])),
             headers=FRAME_HEADERS,
-            miss=partial(_missed_match, len(token_bytes) // 4, block_size, fetch),
+            miss=partial(_missed_match, model, len(token_bytes) // 4, block_size, retention, fetch),
         )
 
     def _build_store(
@@ -162,17 +162,11 @@ class _BaseCacheClient:
             ),
             "start_block": start_block,
         }
-        miss = StoreResult(
+        miss = StoreResult.miss(
             model=model,
             block_size=block_size or 0,
             start_block=start_block,
             requested_blocks=len(payloads),
-            stored_blocks=0,
-            refreshed_blocks=0,
-            conflicts=0,
-            truncated_blocks=0,
-            collisions=0,
-            keys=[],
         )
         return _Call(
             "POST",

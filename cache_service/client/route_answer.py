@@ -10,35 +10,12 @@ from typing import Any
 
 import httpx
 
-from cache_service.client.answers import _field, _invalid_answer, _json_object
+from cache_service.client.answers import _json_object, _read_fields
 from cache_service.client.base import Tokens, _Call, _token_bytes
+from cache_service.wire import answers
 
-STORE_MEDIUM = "store"  # the medium of `best` when the payload store holds the most
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceHold:
-    """One instance's hold on the prompt in one medium (as `best`, maybe the store's)."""
-
-    instance: str | None  # None: the payload store (medium "store")
-    medium: str  # GPU, CPU, DISK, or "store"
-    matched_blocks: int
-    cached_tokens: int
-    tokens_to_prefill: int
-    block_size: int
-    data_parallel_rank: int | None
-    stale: bool  # the engine lost events: its view may be wrong
-    live: bool = True  # False: the engine's publisher went away (never best)
-
-
-@dataclass(frozen=True, slots=True)
-class StoreHold:
-    """The payload store's prefix of the prompt: any worker can load these blocks."""
-
-    matched_blocks: int
-    cached_tokens: int
-    tokens_to_prefill: int
-    block_size: int
+InstanceHold = answers.RouteInstance  # instance None: the payload store (medium "store")
+StoreHold = answers.RouteStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,53 +60,6 @@ def build_route_call(
 
 def parse_route(response: httpx.Response) -> RouteAnswer:
     """A RouteAnswer from a 2xx answer; ServiceError(502) for one it cannot use."""
-    body = _json_object(response)
-    rows = _field(body, "instances", list)
-    best = body.get("best")
-    unscored = _field(body, "unscored", list)
-    return RouteAnswer(
-        model=_field(body, "model", str),
-        prompt_tokens=_field(body, "prompt_tokens", int),
-        instances=[_hold(row) for row in rows],
-        store=_store(_field(body, "store", dict)),
-        best=None if best is None else _hold(best),
-        unscored={
-            _field(_object(item), "instance", str): _field(_object(item), "reason", str)
-            for item in unscored
-        },
-    )
-
-
-def _object(value: object) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _invalid_answer("a route answer's rows are JSON objects")
-    return value
-
-
-def _optional(body: dict[str, Any], name: str, kind: type[Any]) -> Any:
-    return None if body.get(name) is None else _field(body, name, kind)
-
-
-def _hold(value: object) -> InstanceHold:
-    row = _object(value)
-    return InstanceHold(
-        instance=_optional(row, "instance", str),
-        medium=_field(row, "medium", str),
-        matched_blocks=_field(row, "matched_blocks", int),
-        cached_tokens=_field(row, "cached_tokens", int),
-        tokens_to_prefill=_field(row, "tokens_to_prefill", int),
-        block_size=_field(row, "block_size", int),
-        data_parallel_rank=_optional(row, "data_parallel_rank", int),
-        stale=_field(row, "stale", bool),
-        # Absent from services before liveness: taken as live.
-        live=row.get("live") is not False,
-    )
-
-
-def _store(row: dict[str, Any]) -> StoreHold:
-    return StoreHold(
-        matched_blocks=_field(row, "matched_blocks", int),
-        cached_tokens=_field(row, "cached_tokens", int),
-        tokens_to_prefill=_field(row, "tokens_to_prefill", int),
-        block_size=_field(row, "block_size", int),
-    )
+    fields = _read_fields(answers.RouteResponse, _json_object(response))
+    unscored: list[answers.RouteUnscored] = fields.pop("unscored")
+    return RouteAnswer(**fields, unscored={row.instance: row.reason for row in unscored})

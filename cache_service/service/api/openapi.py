@@ -6,24 +6,23 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
-from pydantic.json_schema import models_json_schema
+from pydantic import TypeAdapter
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaMode
 
 from cache_service.core.framing import MEDIA_TYPE
 from cache_service.service.api.schemas import (
     REQUEST_MODELS,
     ExplainResponse,
-    FetchHeader,
-    LookupResponse,
     PinResponse,
     Problem,
     PurgeResponse,
-    StoreResponse,
     UnpinResponse,
 )
+from cache_service.wire.answers import FetchHeader, LookupResponse, StoreResponse
 
 REF = "#/components/schemas/{model}"
-RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
+# pydantic models, and the wire's plain dataclasses (whose schemas pydantic derives as well)
+RESPONSE_MODELS: tuple[type, ...] = (
     LookupResponse,
     StoreResponse,
     FetchHeader,
@@ -131,6 +130,15 @@ def _document_key_refusals(schema: dict[str, Any]) -> None:
                 answers.setdefault(str(status), problem_answer(status))
 
 
+def _component_schemas() -> dict[str, Any]:
+    """The JSON schemas of the request bodies (as read) and the answers (as written)."""
+    pairs: list[tuple[type, JsonSchemaMode]] = [(m, "validation") for m in REQUEST_MODELS]
+    pairs += [(m, "serialization") for m in RESPONSE_MODELS]
+    inputs = [(model, mode, TypeAdapter(model).core_schema) for model, mode in pairs]
+    _, defs = GenerateJsonSchema(ref_template=REF).generate_definitions(inputs)
+    return {str(name): schema for name, schema in defs.items()}
+
+
 def install_openapi(app: FastAPI, *, bearer_auth: bool = False) -> None:
     """Add the request and response models to the schema's components (and, with keys, the
     bearer scheme every route but the health checks needs)."""
@@ -141,11 +149,8 @@ def install_openapi(app: FastAPI, *, bearer_auth: bool = False) -> None:
         schema = get_openapi(
             title=app.title, version=app.version, description=app.description, routes=app.routes
         )
-        pairs = [(m, "validation") for m in REQUEST_MODELS]
-        pairs += [(m, "serialization") for m in RESPONSE_MODELS]
-        _, defs = models_json_schema(pairs, ref_template=REF)  # type: ignore[arg-type]
         components = schema.setdefault("components", {})
-        components.setdefault("schemas", {}).update(defs.get("$defs", {}))
+        components.setdefault("schemas", {}).update(_component_schemas())
         if bearer_auth:
             components["securitySchemes"] = {
                 "apiKey": {"type": "http", "scheme": "bearer", "description": "An API key."}

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter
-from pydantic import BaseModel, Field
+from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
@@ -32,9 +32,15 @@ from cache_service.service.api.schemas import Name, PromptOptions, Token
 from cache_service.service.api.state import ServiceState, service_state
 from cache_service.service.kv_events.config import EngineConfig
 from cache_service.service.kv_events.liveness import EngineLiveness
+from cache_service.wire.answers import (
+    STORE_MEDIUM,
+    RouteInstance,
+    RouteResponse,
+    RouteStore,
+    RouteUnscored,
+)
 
 router = APIRouter()
-STORE = "store"  # the medium of the payload store's row: any worker can load from it
 INLINE_TOKENS = 4096  # longer prompts are hashed in a worker thread, off the event loop
 MAX_INSTANCES = 1024
 
@@ -58,56 +64,6 @@ class RouteRequest(PromptOptions):
     instances: Annotated[list[Name], Field(max_length=MAX_INSTANCES)] | None = Field(
         None, description=INSTANCES_DOC
     )
-
-
-class RouteInstance(BaseModel):
-    """One instance's hold on the prompt in one medium (or, as `best`, the store's)."""
-
-    instance: str | None = Field(description="The engine; null for the payload store.")
-    medium: str = Field(description="GPU, CPU or DISK; `store` for the payload store.")
-    matched_blocks: int
-    cached_tokens: int = Field(description="matched_blocks x block_size.")
-    tokens_to_prefill: int = Field(description="prompt_tokens - cached_tokens.")
-    block_size: int
-    data_parallel_rank: int | None = Field(description="The rank holding them; null if none.")
-    stale: bool = Field(description="The engine lost events: its view may be wrong.")
-    live: bool = Field(
-        description="False when the engine's publisher went away (disconnected, or silent "
-        "past the timeout): ranked after live engines, never best, and left out of answers "
-        "once down past the grace (then listed in unscored)."
-    )
-
-
-class RouteStore(BaseModel):
-    """The payload store as an instance of its own: any worker can load these blocks."""
-
-    matched_blocks: int
-    cached_tokens: int
-    tokens_to_prefill: int
-    block_size: int
-
-
-class RouteUnscored(BaseModel):
-    """An engine whose blocks cannot be matched to a prompt, and why."""
-
-    instance: str
-    reason: str
-
-
-class RouteResponse(BaseModel):
-    """Per instance and medium, best first; the payload store; the best of all."""
-
-    model: str
-    prompt_tokens: int
-    instances: list[RouteInstance]
-    store: RouteStore
-    best: RouteInstance | None = Field(
-        description="The row holding the most tokens, an instance before the store on a "
-        "tie, a sound instance before a stale one (whatever their tokens; a stale one only "
-        "when no sound instance holds a block); null when nothing holds a single block of "
-        "the prompt."
-    )
-    unscored: list[RouteUnscored]
 
 
 def _request_body() -> dict[str, Any]:
@@ -141,7 +97,7 @@ async def route(request: Request) -> Response:
     return Response(orjson.dumps(answer), media_type=JSON)
 
 
-def _answer(state: ServiceState, body: RouteRequest, namespace: Namespace) -> dict[str, Any]:
+def _answer(state: ServiceState, body: RouteRequest, namespace: Namespace) -> RouteResponse:
     state.cache.config.resolve_retention(body.retention)  # an unknown class is a 422
     token_bytes = as_token_bytes(body.tokens)  # encoded once, for the store and the engines
     store = score_store(state.cache, namespace, token_bytes, block_size=body.block_size)
@@ -192,53 +148,53 @@ def _gone_reason(liveness: EngineLiveness, now: float, grace: float) -> str:
     )
 
 
-def route_answer(model: str, scores: EngineScores, store: StoreScore) -> dict[str, Any]:
-    """The JSON answer of POST /v1/route."""
-    rows = [_row(score) for score in scores.instances]
-    best: dict[str, Any] | None = None
+def route_answer(model: str, scores: EngineScores, store: StoreScore) -> RouteResponse:
+    """The answer of POST /v1/route."""
+    best: RouteInstance | None = None
     leader = scores.best
     if store.matched_blocks and (leader is None or store.cached_tokens > leader.cached_tokens):
         best = _store_row(store)
     elif leader is not None:
         best = _row(leader)
-    return {
-        "model": model,
-        "prompt_tokens": scores.prompt_tokens,
-        "instances": rows,
-        "store": {
-            "matched_blocks": store.matched_blocks,
-            "cached_tokens": store.cached_tokens,
-            "tokens_to_prefill": store.tokens_to_prefill,
-            "block_size": store.block_size,
-        },
-        "best": best,
-        "unscored": [{"instance": u.instance, "reason": u.reason} for u in scores.unscored],
-    }
+    return RouteResponse(
+        model=model,
+        prompt_tokens=scores.prompt_tokens,
+        instances=[_row(score) for score in scores.instances],
+        store=RouteStore(
+            matched_blocks=store.matched_blocks,
+            cached_tokens=store.cached_tokens,
+            tokens_to_prefill=store.tokens_to_prefill,
+            block_size=store.block_size,
+        ),
+        best=best,
+        unscored=[RouteUnscored(instance=u.instance, reason=u.reason) for u in scores.unscored],
+    )
 
 
-def _row(score: InstanceScore) -> dict[str, Any]:
-    return {
-        "instance": score.instance,
-        "medium": score.medium,
-        "matched_blocks": score.matched_blocks,
-        "cached_tokens": score.cached_tokens,
-        "tokens_to_prefill": score.tokens_to_prefill,
-        "block_size": score.block_size,
-        "data_parallel_rank": score.data_parallel_rank,
-        "stale": score.stale,
-        "live": score.live,
-    }
+def _row(score: InstanceScore) -> RouteInstance:
+    return RouteInstance(
+        instance=score.instance,
+        medium=score.medium,
+        matched_blocks=score.matched_blocks,
+        cached_tokens=score.cached_tokens,
+        tokens_to_prefill=score.tokens_to_prefill,
+        block_size=score.block_size,
+        data_parallel_rank=score.data_parallel_rank,
+        stale=score.stale,
+        live=score.live,
+    )
 
 
-def _store_row(store: StoreScore) -> dict[str, Any]:
-    return {
-        "instance": None,
-        "medium": STORE,
-        "matched_blocks": store.matched_blocks,
-        "cached_tokens": store.cached_tokens,
-        "tokens_to_prefill": store.tokens_to_prefill,
-        "block_size": store.block_size,
-        "data_parallel_rank": None,
-        "stale": False,
-        "live": True,
-    }
+def _store_row(store: StoreScore) -> RouteInstance:
+    # The payload store as an instance of its own: any worker can load from it.
+    return RouteInstance(
+        instance=None,
+        medium=STORE_MEDIUM,
+        matched_blocks=store.matched_blocks,
+        cached_tokens=store.cached_tokens,
+        tokens_to_prefill=store.tokens_to_prefill,
+        block_size=store.block_size,
+        data_parallel_rank=None,
+        stale=False,
+        live=True,
+    )

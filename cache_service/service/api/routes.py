@@ -32,34 +32,30 @@ from cache_service.service.api.bodies import (
     tokens_frame,
 )
 from cache_service.service.api.openapi import binary_body, json_body, lookup_body, responses
-from cache_service.service.api.responses import FramesResponse
-from cache_service.service.api.schemas import (
-    FetchRequest,
-    LookupHeader,
-    LookupResponse,
-    StoreHeader,
-)
+from cache_service.service.api.responses import FramesResponse, json_object
+from cache_service.service.api.schemas import FetchRequest, LookupHeader, StoreHeader
 from cache_service.service.api.state import ServiceState, service_state
 from cache_service.service.api_keys import ApiKey
+from cache_service.wire.answers import FetchHeader, LookupResponse, StoreResponse, Usage
 
 router = APIRouter()
 
 
-def lookup_answer(model: str, found: PrefixMatch) -> dict[str, Any]:
-    """The JSON answer of a lookup (also the frame header when payloads are fetched)."""
-    return {
-        "model": model,
-        "block_size": found.block_size,
-        "prompt_tokens": found.prompt_tokens,
-        "matched_blocks": found.matched_blocks,
-        "cached_tokens": found.cached_tokens,
-        "keys": found.hex_keys,
-        "retention": found.retention,
-        "usage": {
-            "prompt_cache_hit_tokens": found.cached_tokens,
-            "prompt_cache_miss_tokens": found.miss_tokens,
-        },
-    }
+def lookup_answer(model: str, found: PrefixMatch) -> LookupResponse:
+    """The answer of a lookup (also the frame header when payloads are fetched)."""
+    return LookupResponse(
+        model=model,
+        block_size=found.block_size,
+        prompt_tokens=found.prompt_tokens,
+        matched_blocks=found.matched_blocks,
+        cached_tokens=found.cached_tokens,
+        keys=found.hex_keys,
+        retention=found.retention,
+        usage=Usage(
+            prompt_cache_hit_tokens=found.cached_tokens,
+            prompt_cache_miss_tokens=found.miss_tokens,
+        ),
+    )
 
 
 @router.post(
@@ -121,7 +117,7 @@ def _lookup(
     "/v1/blocks",
     summary="Store a prefix's blocks",
     openapi_extra=binary_body("StoreHeader"),
-    responses=responses({JSON: "StoreResponse"}, 400, 408, 409, 413, 415, 422, 503, 507),
+    responses=responses({JSON: StoreResponse}, 400, 408, 409, 413, 415, 422, 503, 507),
 )
 async def store_blocks(request: Request) -> Response:
     """Store payloads for blocks start_block.. of a prompt; the parent must be stored."""
@@ -164,20 +160,19 @@ def _store(state: ServiceState, tenant: str, raw: bytes) -> Response:
         retention=body.retention,
         block_size=body.block_size,
     )
-    return JSONResponse(
-        {
-            "model": body.model,
-            "block_size": state.cache.config.block_size_for(body.model),
-            "start_block": body.start_block,
-            "requested_blocks": outcome.requested,
-            "stored_blocks": outcome.stored,
-            "refreshed_blocks": outcome.refreshed,
-            "conflicts": outcome.conflicts,
-            "truncated_blocks": outcome.truncated,
-            "collisions": outcome.collisions,
-            "keys": [key_hex(key) for key in outcome.keys],
-        }
+    answer = StoreResponse(
+        model=body.model,
+        block_size=state.cache.config.block_size_for(body.model),
+        start_block=body.start_block,
+        requested_blocks=outcome.requested,
+        stored_blocks=outcome.stored,
+        refreshed_blocks=outcome.refreshed,
+        conflicts=outcome.conflicts,
+        truncated_blocks=outcome.truncated,
+        collisions=outcome.collisions,
+        keys=[key_hex(key) for key in outcome.keys],
     )
+    return JSONResponse(json_object(answer))
 
 
 @router.post(
@@ -185,7 +180,7 @@ def _store(state: ServiceState, tenant: str, raw: bytes) -> Response:
     summary="Fetch payloads by key",
     openapi_extra=json_body("FetchRequest"),
     response_class=Response,
-    responses=responses({MEDIA_TYPE: "FetchHeader"}, 400, 408, 413, 415, 422),
+    responses=responses({MEDIA_TYPE: FetchHeader}, 400, 408, 413, 415, 422),
 )
 async def fetch_blocks(request: Request) -> Response:
     """Payloads of blocks of the caller's namespace, checked against their checksums."""
@@ -204,7 +199,7 @@ async def fetch_blocks(request: Request) -> Response:
 
     namespace = namespace_of(body, principal(request).tenant)
     await run_in_threadpool(state.cache.read_payloads, namespace, keys, add)
-    return FramesResponse({"model": body.model, "requested": len(keys), "found": found}, frames)
+    return FramesResponse(FetchHeader(model=body.model, requested=len(keys), found=found), frames)
 
 
 @router.get("/v1/info", summary="Hashing scheme, block sizes and retention classes")

@@ -1,4 +1,5 @@
-"""Request and response bodies of the HTTP API (pydantic models; also the OpenAPI schema)."""
+"""Request bodies and the other answers of the HTTP API (pydantic models; also the OpenAPI
+schema). The answers the Python client reads are declared in `cache_service.wire.answers`."""
 
 from __future__ import annotations
 
@@ -192,53 +193,6 @@ class ExplainResponse(BaseModel):
         description="When and under which class (removed_at, expired_at, retention), or "
         "where the block is stored instead (model, kv_layout, salt, block_size)."
     )
-
-
-class Usage(BaseModel):
-    """Per-request token accounting, as OpenAI-style APIs report prompt caching."""
-
-    prompt_cache_hit_tokens: int
-    prompt_cache_miss_tokens: int
-
-
-class LookupResponse(BaseModel):
-    """The longest cached prefix; with fetch, the header of a frame body."""
-
-    model: str
-    block_size: int
-    prompt_tokens: int
-    matched_blocks: int
-    cached_tokens: int
-    keys: list[str]
-    retention: str
-    usage: Usage
-
-
-class StoreResponse(BaseModel):
-    """What a store request did."""
-
-    model: str
-    block_size: int
-    start_block: int
-    requested_blocks: int
-    stored_blocks: int = Field(description="Blocks newly stored (and still held).")
-    refreshed_blocks: int = Field(
-        description="Blocks already stored; refreshed, kept as first written."
-    )
-    conflicts: int = Field(
-        description="Refreshed blocks whose bytes differed from the stored ones."
-    )
-    truncated_blocks: int = Field(description="Blocks not stored: the request exceeds the cache.")
-    collisions: int = Field(description="Blocks refused: another block holds their key.")
-    keys: list[str] = Field(description="Keys of the blocks sent, in order.")
-
-
-class FetchHeader(BaseModel):
-    """The header of a fetch answer; one frame per requested key (absent = gone)."""
-
-    model: str
-    requested: int
-    found: int
 
 
 class ProblemField(BaseModel):
