@@ -3,8 +3,10 @@ before opening, and a control the declaration lacks answers 501 without touching
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
 import pytest
-from fastapi.testclient import TestClient
 
 from cache_service.core.store import registry
 from cache_service.core.store.lmdb.store import LmdbStore
@@ -63,20 +65,30 @@ class _PinlessStore(MemoryStore):
 
 
 def test_a_control_the_store_declares_it_lacks_answers_501_naming_why() -> None:
-    store = _PinlessStore()
-    app = create_app(Settings(store="memory://"), store=store)
+    app = create_app(Settings(store="memory://"), store=_PinlessStore())
     body = {"model": "m", "tokens": list(range(32)), "block_size": 16}
-    with TestClient(app) as client:
-        for method, path, sent in (
-            ("POST", "/v1/pin", body),
-            ("POST", "/v1/unpin", body),
-            ("GET", "/v1/pins", None),
-            ("POST", "/v1/purge", body),
+    calls = [
+        ("POST", "/v1/pin", body),
+        ("POST", "/v1/unpin", body),
+        ("GET", "/v1/pins", None),
+        ("POST", "/v1/purge", body),
+        ("POST", "/v1/purge", {"model": "m"}),  # a whole namespace's: no pin, no prefix
+    ]
+
+    async def answers() -> list[httpx.Response]:
+        # The app in this process with its lifespan (the store) running; no server needed.
+        transport = httpx.ASGITransport(app=app)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=transport, base_url="http://service") as client,
         ):
-            answer = client.request(method, path, json=sent)
-            assert answer.status_code == 501, (path, answer.text)
-            problem = answer.json()
-            assert answer.headers["content-type"] == "application/problem+json"
-            assert problem["type"].endswith("not-supported-by-store")
-            assert "pinless store: this test's backend" in problem["detail"]
-        assert client.post("/v1/purge", json={"model": "m"}).status_code == 200  # a whole one
+            return [await client.request(method, path, json=sent) for method, path, sent in calls]
+
+    *refused, whole = asyncio.run(answers())
+    for answer in refused:
+        assert answer.status_code == 501, answer.text
+        assert answer.headers["content-type"] == "application/problem+json"
+        problem = answer.json()
+        assert problem["type"].endswith("not-supported-by-store")
+        assert "pinless store: this test's backend" in problem["detail"]
+    assert whole.status_code == 200, whole.text
