@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi import FastAPI
@@ -18,6 +19,7 @@ from cache_service.service.api.schemas import (
     PurgeResponse,
     UnpinResponse,
 )
+from cache_service.wire import answers
 from cache_service.wire.answers import FetchHeader, LookupResponse, StoreResponse
 
 REF = "#/components/schemas/{model}"
@@ -139,6 +141,17 @@ def _component_schemas() -> dict[str, Any]:
     return {str(name): schema for name, schema in defs.items()}
 
 
+def _require_every_answer_field(schemas: dict[str, Any]) -> None:
+    """Mark every field of the wire's answers required: the service always writes them all
+    (a field's default says what a reader assumes of an older service). pydantic 2.6, the
+    lowest allowed, leaves a field with a default out of `required` even for what it writes."""
+    for answer in vars(answers).values():
+        if isinstance(answer, type) and dataclasses.is_dataclass(answer):
+            component = schemas.get(answer.__name__)
+            if component is not None:
+                component["required"] = list(component["properties"])
+
+
 def install_openapi(app: FastAPI, *, bearer_auth: bool = False) -> None:
     """Add the request and response models to the schema's components (and, with keys, the
     bearer scheme every route but the health checks needs)."""
@@ -151,6 +164,7 @@ def install_openapi(app: FastAPI, *, bearer_auth: bool = False) -> None:
         )
         components = schema.setdefault("components", {})
         components.setdefault("schemas", {}).update(_component_schemas())
+        _require_every_answer_field(components["schemas"])
         if bearer_auth:
             components["securitySchemes"] = {
                 "apiKey": {"type": "http", "scheme": "bearer", "description": "An API key."}
