@@ -66,8 +66,8 @@ async def explain(request: Request) -> Response:
     assert isinstance(options, ExplainHeader)
     caller = principal(request)
     namespace = namespace_of(options, tenant_for(caller, options.tenant))
-    count = len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)
-    check_count("tokens", count, state.settings.max_tokens_per_request, "max_tokens_per_request")
+    limit = state.settings.max_tokens_per_request
+    check_count("tokens", tokens.token_count, limit, "max_tokens_per_request")
     found = await run_in_threadpool(
         lambda: state.operators.explain(
             namespace,
