@@ -81,8 +81,7 @@ def tokens_to_bytes(tokens: Sequence[int] | array[int]) -> TokenBytes:
         raise RuntimeError("no 4-byte unsigned array type on this platform")
     if sys.byteorder == "big":  # pragma: no cover - the wire format is little-endian
         packed.byteswap()
-    # Whole tokens by construction: bytes.__new__ skips TokenBytes' length check.
-    return bytes.__new__(TokenBytes, packed)
+    return _checked(packed)  # whole tokens by construction
 
 
 def bytes_to_tokens(data: bytes) -> list[int]:
@@ -103,15 +102,17 @@ def as_token_bytes(tokens: TokenInput | None, field: str = "tokens") -> TokenByt
     if isinstance(tokens, TokenBytes):
         return tokens  # checked where it came in
     if tokens is None or isinstance(tokens, bytes | memoryview):
-        try:
-            if tokens is not None:
-                return TokenBytes(tokens)
-        except ValueError:
-            pass
-        raise InvalidField(
-            field, f"binary tokens are uint32 little-endian: {TOKEN_BYTES} bytes a token"
-        )
+        if tokens is None or not whole_tokens(tokens):
+            raise InvalidField(
+                field, f"binary tokens are uint32 little-endian: {TOKEN_BYTES} bytes a token"
+            )
+        return _checked(tokens)
     try:
         return tokens_to_bytes(tokens)
     except (ValueError, TypeError) as exc:
         raise InvalidField(field, f"token ids are integers in 0..{MAX_TOKEN_ID} ({exc})") from None
+
+
+def _checked(data: bytes | memoryview | array[int]) -> TokenBytes:
+    """TokenBytes of data already known to be whole tokens (bytes.__new__ skips the check)."""
+    return bytes.__new__(TokenBytes, data)
