@@ -36,7 +36,7 @@ from cache_service.client.failures import (
 from cache_service.core.blocks import KEY_BYTES, BlockKey, key_from_hex, key_hex
 from cache_service.core.errors import InvalidField, ServiceError, ServiceUnavailable
 from cache_service.core.framing import MEDIA_TYPE, encode_frames, join_frames
-from cache_service.core.tokens import TokenInput, as_token_bytes
+from cache_service.core.tokens import TokenInput, as_token_bytes, tokens_in
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -139,7 +139,7 @@ class _BaseCacheClient:
             partial(_parse_match, fetch=fetch, copy=copy),
             content=join_frames(encode_frames(header, [token_bytes])),
             headers=FRAME_HEADERS,
-            miss=partial(_missed_match, token_bytes.token_count, block_size, fetch),
+            miss=partial(_missed_match, tokens_in(token_bytes), block_size, fetch),
         )
 
     def _build_store(

@@ -11,7 +11,7 @@ import httpx
 
 from cache_service.client.answers import _field, _invalid_answer, _json_object
 from cache_service.client.base import _Call
-from cache_service.core.tokens import TokenInput, as_token_bytes
+from cache_service.core.tokens import TokenInput, as_token_bytes, bytes_to_tokens
 
 STORE_MEDIUM = "store"  # the medium of `best` when the payload store holds the most
 
@@ -69,7 +69,7 @@ def build_route_call(
     token_bytes = as_token_bytes(tokens)  # validates; the JSON body carries the ids
     body: dict[str, Any] = {
         "model": model,
-        "tokens": token_bytes.ids(),
+        "tokens": bytes_to_tokens(token_bytes),
         "kv_layout": kv_layout,
         "salt": salt or "",
         "retention": retention,

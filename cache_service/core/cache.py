@@ -25,7 +25,7 @@ from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.recent import RecentMatch, RecentMatches
 from cache_service.core.retention import RetentionPolicy
 from cache_service.core.store.protocols import BlockStore
-from cache_service.core.tokens import TokenInput, as_token_bytes
+from cache_service.core.tokens import TokenInput, as_token_bytes, tokens_in
 from cache_service.core.touches import TouchBuffer
 
 Clock = Callable[[], float]
@@ -135,7 +135,7 @@ class PrefixCache:
             namespace,
             links,
             block_size=size,
-            prompt_tokens=token_bytes.token_count,
+            prompt_tokens=tokens_in(token_bytes),
             retention=retention_class,
             with_payloads=with_payloads,
             sink=sink,
@@ -241,7 +241,7 @@ class PrefixCache:
                 namespace,
                 links,
                 block_size=size,
-                prompt_tokens=token_bytes.token_count,
+                prompt_tokens=tokens_in(token_bytes),
                 retention=retention_class,
             )
             if found.keys:

@@ -21,7 +21,7 @@ from functools import lru_cache
 import xxhash
 
 from cache_service.core.blocks import BlockKey, Chain, ChainLink, Namespace, NamespaceId
-from cache_service.core.tokens import TokenBytes, bytes_of_tokens, tokens_to_bytes
+from cache_service.core.tokens import TokenBytes, block_of, bytes_of_tokens, tokens_to_bytes
 
 HASH_SCHEME = "xxh3-128-chained"
 HASH_VERSION = 1
@@ -138,7 +138,7 @@ class BlockHasher:
         keys = self._keys_after(parent, token_bytes, block_size)
         parents = [parent, *keys][: len(keys)]
         return [
-            ChainLink(key, up, token_bytes.block(i, block_size), start_depth + i)
+            ChainLink(key, up, block_of(token_bytes, i, block_size), start_depth + i)
             for i, (key, up) in enumerate(zip(keys, parents, strict=True))
         ]
 

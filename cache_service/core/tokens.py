@@ -2,9 +2,9 @@
 
 A prompt is checked once where it comes in (an HTTP body, the client, an engine's event, a
 direct `PrefixCache` call), by `as_token_bytes` or `tokens_to_bytes`, into `TokenBytes`:
-bytes holding whole tokens, which know how many they hold. Past that point no code counts
-bytes per token: `bytes_of_tokens` gives a block's stride, `tokens_in` the tokens in any
-bytes of this encoding (a stored block's, say).
+bytes holding whole tokens. Past that point no code counts bytes per token: `tokens_in`
+gives a prompt's (or a stored block's) length in tokens, `bytes_of_tokens` a block's stride
+and `block_of` a block's bytes.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
+from typing import NewType
 
 from cache_service.core.errors import InvalidField
 
@@ -23,33 +24,10 @@ TokenInput = Sequence[int] | bytes | memoryview  # ids, or already uint32 little
 _TOKEN_TYPECODE = "I" if array("I").itemsize == TOKEN_BYTES else "L"
 
 
-class TokenBytes(bytes):
-    """A prompt's token ids as uint32 little-endian bytes: a whole number of tokens long.
-
-    Made once where a prompt comes in (wrapping other bytes copies them); from then on it is
-    a `bytes` that slicing, hashing and the stores take as it is. ValueError for bytes that
-    are not whole tokens."""
-
-    __slots__ = ()
-
-    def __new__(cls, data: bytes | memoryview = b"") -> TokenBytes:
-        if not whole_tokens(data):
-            raise ValueError(f"token bytes are a multiple of {TOKEN_BYTES} long")
-        return super().__new__(cls, data)
-
-    @property
-    def token_count(self) -> int:
-        """The tokens held."""
-        return tokens_in(self)
-
-    def block(self, index: int, block_size: int) -> bytes:
-        """The bytes of block `index` (of `block_size` tokens); short or empty past the end."""
-        stride = bytes_of_tokens(block_size)
-        return self[index * stride : (index + 1) * stride]
-
-    def ids(self) -> list[int]:
-        """The token ids."""
-        return bytes_to_tokens(self)
+TokenBytes = NewType("TokenBytes", bytes)
+"""A prompt's token ids as uint32 little-endian bytes, a whole number of tokens long: made
+only by `as_token_bytes` and `tokens_to_bytes` (where a prompt comes in), and a plain `bytes`
+at run time, as vLLM's BlockHash is: a subclass would copy every prompt once more."""
 
 
 def bytes_of_tokens(token_count: int) -> int:
@@ -63,8 +41,14 @@ def whole_tokens(data: bytes | memoryview) -> bool:
 
 
 def tokens_in(data: bytes | memoryview) -> int:
-    """The whole tokens in bytes of this encoding (a stored block's tokens, say)."""
+    """The whole tokens in bytes of this encoding: a prompt's length, or a stored block's."""
     return len(data) // TOKEN_BYTES
+
+
+def block_of(token_bytes: TokenBytes, index: int, block_size: int) -> bytes:
+    """The bytes of block `index` (of `block_size` tokens); short or empty past the end."""
+    stride = bytes_of_tokens(block_size)
+    return token_bytes[index * stride : (index + 1) * stride]
 
 
 def tokens_to_bytes(tokens: Sequence[int] | array[int]) -> TokenBytes:
@@ -81,7 +65,7 @@ def tokens_to_bytes(tokens: Sequence[int] | array[int]) -> TokenBytes:
         raise RuntimeError("no 4-byte unsigned array type on this platform")
     if sys.byteorder == "big":  # pragma: no cover - the wire format is little-endian
         packed.byteswap()
-    return _checked(packed)  # whole tokens by construction
+    return TokenBytes(packed.tobytes())
 
 
 def bytes_to_tokens(data: bytes) -> list[int]:
@@ -99,20 +83,16 @@ def as_token_bytes(tokens: TokenInput | None, field: str = "tokens") -> TokenByt
     """A prompt's tokens, given as ids or as uint32 little-endian bytes, as TokenBytes;
     InvalidField naming `field` for bytes that are not whole tokens, for None (an absent
     frame) and for ids that are not integers in 0..2^32-1."""
-    if isinstance(tokens, TokenBytes):
-        return tokens  # checked where it came in
-    if tokens is None or isinstance(tokens, bytes | memoryview):
-        if tokens is None or not whole_tokens(tokens):
+    if isinstance(tokens, bytes | memoryview):
+        if whole_tokens(tokens):
+            return TokenBytes(bytes(tokens))  # bytes(b) is b itself: no copy of a bytes
+    elif tokens is not None:
+        try:
+            return tokens_to_bytes(tokens)
+        except (ValueError, TypeError) as exc:
             raise InvalidField(
-                field, f"binary tokens are uint32 little-endian: {TOKEN_BYTES} bytes a token"
-            )
-        return _checked(tokens)
-    try:
-        return tokens_to_bytes(tokens)
-    except (ValueError, TypeError) as exc:
-        raise InvalidField(field, f"token ids are integers in 0..{MAX_TOKEN_ID} ({exc})") from None
-
-
-def _checked(data: bytes | memoryview | array[int]) -> TokenBytes:
-    """TokenBytes of data already known to be whole tokens (bytes.__new__ skips the check)."""
-    return bytes.__new__(TokenBytes, data)
+                field, f"token ids are integers in 0..{MAX_TOKEN_ID} ({exc})"
+            ) from None
+    raise InvalidField(
+        field, f"binary tokens are uint32 little-endian: {TOKEN_BYTES} bytes a token"
+    )

@@ -44,7 +44,7 @@ from cache_service.core.engines.schemes import (
 )
 from cache_service.core.engines.views import CPU, DISK, GPU, EngineViews
 from cache_service.core.errors import UnknownInstance
-from cache_service.core.tokens import TokenBytes, TokenInput, tokens_to_bytes
+from cache_service.core.tokens import TokenBytes, TokenInput, tokens_in, tokens_to_bytes
 
 SchemeFactory = Callable[[str, str | None, str], EngineHashScheme]  # name, seed, form
 GroupKey = tuple[str, str | None, str | None, int, str | None]  # + block size, LoRA path
@@ -132,7 +132,7 @@ def score_store(
     size = cache.config.block_size_for(namespace.model, block_size)
     links = cache.chain(namespace, tokens, block_size=size)
     matched = cache.store.match(cache.hasher.namespace_id(namespace), links, now=cache.clock())
-    prompt_tokens = links.token_bytes.token_count
+    prompt_tokens = tokens_in(links.token_bytes)
     cached = matched.matched * size
     return StoreScore(matched.matched, cached, prompt_tokens - cached, size)
 

@@ -16,7 +16,7 @@ from cache_service.core.blocks import KEY_BYTES, PrefixMatch, key_from_hex, key_
 from cache_service.core.errors import InvalidField
 from cache_service.core.framing import MEDIA_TYPE, FrameWriter, decode_frames, frame_header_length
 from cache_service.core.hashing import HASH_SCHEME, HASH_VERSION
-from cache_service.core.tokens import TokenBytes, as_token_bytes
+from cache_service.core.tokens import TokenBytes, as_token_bytes, tokens_in
 from cache_service.service.api.auth import principal
 from cache_service.service.api.bodies import (
     INLINE_BODY_BYTES,
@@ -93,7 +93,7 @@ def _lookup(
     state: ServiceState, caller: ApiKey, options: LookupHeader, tokens: TokenBytes
 ) -> Response:
     limit = state.settings.max_tokens_per_request
-    check_count("tokens", tokens.token_count, limit, "max_tokens_per_request")
+    check_count("tokens", tokens_in(tokens), limit, "max_tokens_per_request")
     frames = FrameWriter()
     found = state.cache.match_prefix(
         namespace_of(options, caller.tenant),
@@ -147,7 +147,7 @@ def _store(state: ServiceState, tenant: str, raw: bytes) -> Response:
     else:
         tokens = as_token_bytes(body.tokens)
     check_count(
-        "tokens", tokens.token_count, settings.max_tokens_per_request, "max_tokens_per_request"
+        "tokens", tokens_in(tokens), settings.max_tokens_per_request, "max_tokens_per_request"
     )
     payloads = frames[first_payload:]
     check_count("blocks", len(payloads), settings.max_blocks_per_request, "max_blocks_per_request")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from cache_service.core.blocks import Namespace
-from cache_service.core.tokens import TokenBytes
+from cache_service.core.tokens import TokenBytes, tokens_in
 from cache_service.tools.replay.traces import TraceRequest
 
 DEFAULT_TOKEN_BLOCK_SIZE = 64
@@ -72,7 +72,7 @@ class BlockUnits:
         if request.hash_ids is not None:
             return len(request.hash_ids)
         assert request.tokens is not None
-        return request.tokens.token_count // self.trace_tokens
+        return tokens_in(request.tokens) // self.trace_tokens
 
     def hit_tokens(self, request: TraceRequest, hit_trace_blocks: int) -> int:
         """Hit tokens as the trace counts them: never more than its input_length."""
