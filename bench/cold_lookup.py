@@ -12,18 +12,19 @@ import argparse
 import statistics
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench.peers.harness import time_calls
 from bench.services import our_service
 from cache_service.client import CacheClient
-from cache_service.core.hashing import tokens_to_bytes
+from cache_service.core.tokens import tokens_to_bytes
 
 MODEL = "bench"
 BLOCKS = 512  # 32k tokens in blocks of 64
 
 
-def one_round(prompts: list[bytes]) -> list[float]:
+def one_round(prompts: Sequence[bytes]) -> list[float]:
     """Seconds of each first lookup after a restart."""
     with tempfile.TemporaryDirectory(prefix="bench-cold-") as folder:
         with our_service(Path(folder)) as service, CacheClient(service.url) as client:

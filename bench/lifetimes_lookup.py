@@ -13,10 +13,11 @@ import tempfile
 import time
 
 from cache_service.core.blocks import Chain, Namespace, NewBlock
-from cache_service.core.hashing import BlockHasher, tokens_to_bytes
+from cache_service.core.hashing import BlockHasher
 from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
 from cache_service.core.retention import DEFAULT_RETENTION
 from cache_service.core.store.lmdb.store import LmdbStore
+from cache_service.core.tokens import tokens_to_bytes
 
 PROMPT_TOKENS = 32768
 BLOCK_SIZE = 64

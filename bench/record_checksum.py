@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from cache_service.core.blocks import Namespace, NewBlock, StoreKey
-from cache_service.core.hashing import BlockHasher, tokens_to_bytes
+from cache_service.core.hashing import BlockHasher
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.parts.codec import (
     RECORD_VERSION,
@@ -25,6 +25,7 @@ from cache_service.core.store.parts.codec import (
     encode_meta,
     seal,
 )
+from cache_service.core.tokens import tokens_to_bytes
 
 PROMPT_TOKENS = 32768
 BLOCK_SIZE = 64

@@ -62,7 +62,7 @@ from bench.report import Row, compare, format_table, latency_row, skipped
 from bench.scenarios.context import Context
 from bench.services import Service, our_service
 from cache_service.client import CacheClient
-from cache_service.core.hashing import tokens_to_bytes
+from cache_service.core.tokens import tokens_to_bytes
 
 SCENARIO = "redis"
 MODEL = "bench"

@@ -18,9 +18,10 @@ from cache_service.core.errors import (
     UnknownRetention,
 )
 from cache_service.core.events import CacheEvents
-from cache_service.core.hashing import BlockHasher, tokens_to_bytes, xxh3_128
+from cache_service.core.hashing import BlockHasher, xxh3_128
 from cache_service.core.retention import RetentionPolicy
 from cache_service.core.store.protocols import BlockStore
+from cache_service.core.tokens import tokens_to_bytes
 
 if TYPE_CHECKING:
     from conftest import RawAccess, VirtualClock

@@ -22,11 +22,11 @@ from cache_service.core.eviction import (
 )
 from cache_service.core.eviction.adaptive import RUNGS
 from cache_service.core.eviction.protected import GHOST_FLOOR
-from cache_service.core.hashing import tokens_to_bytes
 from cache_service.core.operators import Operators
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 from cache_service.core.store.protocols import BlockStore
+from cache_service.core.tokens import tokens_to_bytes
 from tests.store.chains import LMDB_MAP_SIZE_BYTES, T0, chain, put
 
 

@@ -14,14 +14,9 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cache_service.core.blocks import MAX_TOKEN_ID, Namespace
-from cache_service.core.hashing import (
-    DEFAULT_SEED,
-    BlockHasher,
-    bytes_to_tokens,
-    seed_fingerprint,
-    tokens_to_bytes,
-)
+from cache_service.core.blocks import Namespace
+from cache_service.core.hashing import DEFAULT_SEED, BlockHasher, seed_fingerprint
+from cache_service.core.tokens import MAX_TOKEN_ID, bytes_to_tokens, tokens_to_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

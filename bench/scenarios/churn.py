@@ -7,7 +7,7 @@ from bench.report import Row
 from bench.scenarios.context import Context
 from bench.services import our_service
 from cache_service.client import CacheClient
-from cache_service.core.hashing import tokens_to_bytes
+from cache_service.core.tokens import tokens_to_bytes
 
 MODEL = "bench"
 CAPACITY = "128MiB"

@@ -39,7 +39,7 @@ from bench.scenarios.context import Context
 from bench.services import Service, our_service
 from cache_service.client import AsyncCacheClient, CacheClient
 from cache_service.core.eviction import POLICIES
-from cache_service.core.hashing import tokens_to_bytes
+from cache_service.core.tokens import tokens_to_bytes
 
 SCENARIO = "eviction"
 MODEL = "bench"

@@ -8,7 +8,8 @@ from bench.peers.harness import time_calls
 from bench.report import Row, compare, latency_row
 from bench.scenarios.context import Context
 from cache_service.core.blocks import Namespace
-from cache_service.core.hashing import BlockHasher, tokens_to_bytes
+from cache_service.core.hashing import BlockHasher
+from cache_service.core.tokens import tokens_to_bytes
 
 TOKENS = 131072
 BLOCK = 64

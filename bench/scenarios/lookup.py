@@ -19,7 +19,7 @@ from bench.scenarios.context import Context
 from bench.services import Service, floor_service, our_service
 from cache_service.client import AsyncCacheClient, CacheClient
 from cache_service.core.framing import MEDIA_TYPE, encode_frames, join_frames
-from cache_service.core.hashing import tokens_to_bytes
+from cache_service.core.tokens import tokens_to_bytes
 
 SIZES = {"1k": 1024, "8k": 8192, "32k": 32768, "128k": 131072}
 STATES = ("fully cached", "half cached", "uncached")

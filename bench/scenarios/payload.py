@@ -16,7 +16,7 @@ from bench.report import Row, compare, skipped
 from bench.scenarios.context import Context
 from bench.services import Service, our_service
 from cache_service.client import CacheClient
-from cache_service.core.hashing import tokens_to_bytes
+from cache_service.core.tokens import tokens_to_bytes
 
 MODEL = "bench"
 

@@ -13,8 +13,8 @@ from bench.services import our_service
 from cache_service.client import CacheClient
 from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache
-from cache_service.core.hashing import tokens_to_bytes
 from cache_service.core.store.lmdb.store import LmdbStore
+from cache_service.core.tokens import tokens_to_bytes
 
 MODEL = "bench"
 CHAIN_BLOCKS = 512  # stored as 32k-token prompts of 64-token blocks

@@ -11,10 +11,11 @@ import httpx
 
 from cache_service.client.aio_transport import AsyncStreamTransport
 from cache_service.client.answers import Match, Payload, StoredBlocks, StoreResult
-from cache_service.client.base import _T, Clock, Tokens, _BaseCacheClient, _Call
+from cache_service.client.base import _T, Clock, _BaseCacheClient, _Call
 from cache_service.client.route_answer import RouteAnswer, build_route_call
 from cache_service.core.blocks import BlockKey
 from cache_service.core.errors import ServiceError
+from cache_service.core.tokens import TokenInput
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -79,7 +80,7 @@ class AsyncCacheClient(_BaseCacheClient):
     async def lookup(
         self,
         model: str,
-        tokens: Tokens,
+        tokens: TokenInput,
         *,
         kv_layout: str = "",
         salt: str | None = None,
@@ -105,7 +106,7 @@ class AsyncCacheClient(_BaseCacheClient):
     async def store(
         self,
         model: str,
-        tokens: Tokens,
+        tokens: TokenInput,
         payloads: Sequence[bytes | memoryview],
         *,
         kv_layout: str = "",
@@ -131,7 +132,7 @@ class AsyncCacheClient(_BaseCacheClient):
     async def put_prefix(
         self,
         model: str,
-        tokens: Tokens,
+        tokens: TokenInput,
         payloads: Sequence[bytes | memoryview],
         *,
         kv_layout: str = "",
@@ -173,7 +174,7 @@ class AsyncCacheClient(_BaseCacheClient):
     async def route(
         self,
         model: str,
-        tokens: Tokens,
+        tokens: TokenInput,
         *,
         instances: Sequence[str] | None = None,
         lora_name: str | None = None,

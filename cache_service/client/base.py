@@ -36,13 +36,12 @@ from cache_service.client.failures import (
 from cache_service.core.blocks import KEY_BYTES, BlockKey, key_from_hex, key_hex
 from cache_service.core.errors import InvalidField, ServiceError, ServiceUnavailable
 from cache_service.core.framing import MEDIA_TYPE, encode_frames, join_frames
-from cache_service.core.hashing import tokens_to_bytes
+from cache_service.core.tokens import TokenInput, as_token_bytes, tokens_in
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
 Clock = Callable[[], float]
-Tokens = Sequence[int] | bytes | memoryview  # ids, or already uint32 little-endian bytes
 FRAME_HEADERS = {"Content-Type": MEDIA_TYPE}
 _T = TypeVar("_T")
 
@@ -118,7 +117,7 @@ class _BaseCacheClient:
     def _build_lookup(
         self,
         model: str,
-        tokens: Tokens,
+        tokens: TokenInput,
         *,
         kv_layout: str,
         salt: str | None,
@@ -127,7 +126,7 @@ class _BaseCacheClient:
         fetch: bool,
         copy: bool = True,
     ) -> _Call[Match]:
-        token_bytes = _token_bytes(tokens)
+        token_bytes = as_token_bytes(tokens)
         header = {
             **_prompt_options(
                 model, kv_layout=kv_layout, salt=salt, retention=retention, block_size=block_size
@@ -140,13 +139,15 @@ class _BaseCacheClient:
             partial(_parse_match, fetch=fetch, copy=copy),
             content=join_frames(encode_frames(header, [token_bytes])),
             headers=FRAME_HEADERS,
-            miss=partial(_missed_match, model, len(token_bytes) // 4, block_size, retention, fetch),
+            miss=partial(
+                _missed_match, model, tokens_in(token_bytes), block_size, retention, fetch
+            ),
         )
 
     def _build_store(
         self,
         model: str,
-        tokens: Tokens,
+        tokens: TokenInput,
         payloads: Sequence[bytes | memoryview],
         *,
         kv_layout: str,
@@ -155,7 +156,7 @@ class _BaseCacheClient:
         retention: str | None,
         block_size: int | None,
     ) -> _Call[StoreResult]:
-        token_bytes = _token_bytes(tokens)
+        token_bytes = as_token_bytes(tokens)
         header = {
             **_prompt_options(
                 model, kv_layout=kv_layout, salt=salt, retention=retention, block_size=block_size
@@ -286,18 +287,6 @@ def checked_base_url(base_url: str | httpx.URL) -> httpx.URL:
 
 
 # Request fields ---------------------------------------------------------------------------
-
-
-def _token_bytes(tokens: Tokens) -> bytes:
-    """Token ids as the service's binary encoding (uint32 LE); InvalidField if they are not."""
-    if isinstance(tokens, bytes | memoryview):
-        if len(tokens) % 4:
-            raise InvalidField("tokens", "binary tokens are uint32 little-endian: 4 bytes each")
-        return bytes(tokens)
-    try:
-        return tokens_to_bytes(tokens)
-    except (ValueError, TypeError) as exc:
-        raise InvalidField("tokens", f"token ids are integers in 0..2^32-1 ({exc})") from None
 
 
 def _key_text(key: BlockKey | str) -> str:

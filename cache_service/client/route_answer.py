@@ -3,7 +3,6 @@ the payload store's share, and the best of them; and the call that asks it."""
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +10,8 @@ from typing import Any
 import httpx
 
 from cache_service.client.answers import _json_object, _read_fields
-from cache_service.client.base import Tokens, _Call, _token_bytes
+from cache_service.client.base import _Call
+from cache_service.core.tokens import TokenInput, as_token_bytes, bytes_to_tokens
 from cache_service.wire import answers
 
 InstanceHold = answers.RouteInstance  # instance None: the payload store (medium "store")
@@ -32,7 +32,7 @@ class RouteAnswer:
 
 def build_route_call(
     model: str,
-    tokens: Tokens,
+    tokens: TokenInput,
     *,
     kv_layout: str,
     salt: str | None,
@@ -43,10 +43,10 @@ def build_route_call(
     instances: Sequence[str] | None,
 ) -> _Call[RouteAnswer]:
     """The POST /v1/route call (no fail-open miss: a router must know it had no answer)."""
-    token_bytes = _token_bytes(tokens)  # validates; the JSON body carries the ids
+    token_bytes = as_token_bytes(tokens)  # validates; the JSON body carries the ids
     body: dict[str, Any] = {
         "model": model,
-        "tokens": struct.unpack(f"<{len(token_bytes) // 4}I", token_bytes),
+        "tokens": bytes_to_tokens(token_bytes),
         "kv_layout": kv_layout,
         "salt": salt or "",
         "retention": retention,

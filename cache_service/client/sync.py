@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Any, Self
 import httpx
 
 from cache_service.client.answers import Match, Payload, StoredBlocks, StoreResult
-from cache_service.client.base import _T, Clock, Tokens, _BaseCacheClient, _Call
+from cache_service.client.base import _T, Clock, _BaseCacheClient, _Call
 from cache_service.client.route_answer import RouteAnswer, build_route_call
 from cache_service.client.transport import StdlibTransport
 from cache_service.core.blocks import BlockKey
 from cache_service.core.errors import ServiceError
+from cache_service.core.tokens import TokenInput
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -82,7 +83,7 @@ class CacheClient(_BaseCacheClient):
     def lookup(
         self,
         model: str,
-        tokens: Tokens,
+        tokens: TokenInput,
         *,
         kv_layout: str = "",
         salt: str | None = None,
@@ -108,7 +109,7 @@ class CacheClient(_BaseCacheClient):
     def store(
         self,
         model: str,
-        tokens: Tokens,
+        tokens: TokenInput,
         payloads: Sequence[bytes | memoryview],
         *,
         kv_layout: str = "",
@@ -134,7 +135,7 @@ class CacheClient(_BaseCacheClient):
     def put_prefix(
         self,
         model: str,
-        tokens: Tokens,
+        tokens: TokenInput,
         payloads: Sequence[bytes | memoryview],
         *,
         kv_layout: str = "",
@@ -176,7 +177,7 @@ class CacheClient(_BaseCacheClient):
     def route(
         self,
         model: str,
-        tokens: Tokens,
+        tokens: TokenInput,
         *,
         instances: Sequence[str] | None = None,
         lora_name: str | None = None,

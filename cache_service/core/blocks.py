@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import NewType, overload
 
 from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
+from cache_service.core.tokens import TokenBytes, bytes_of_tokens
 
 BlockKey = NewType("BlockKey", bytes)
 """A 16-byte chained xxh3-128 block key (see `hashing`)."""
@@ -18,7 +19,6 @@ for the default tenant), then its 16-byte `BlockKey`."""
 
 KEY_BYTES = 16
 PARTITION_BYTES = 8  # a tenant's prefix on its stored keys (none for the default tenant)
-MAX_TOKEN_ID = 2**32 - 1
 
 
 def store_key(partition: bytes, key: BlockKey) -> StoreKey:
@@ -80,13 +80,16 @@ class ChainLink:
 class Chain(Sequence[ChainLink]):
     """A prompt's chain links, made on demand: lookups usually read only the matched ones."""
 
-    __slots__ = ("_hex", "_stride", "_tokens", "keys", "root")
+    __slots__ = ("_block_size", "_hex", "_stride", "_tokens", "keys", "root")
 
-    def __init__(self, root: BlockKey, keys: list[BlockKey], token_bytes: bytes, stride: int):
+    def __init__(
+        self, root: BlockKey, keys: list[BlockKey], token_bytes: TokenBytes, block_size: int
+    ):
         self.root = root
         self.keys = keys
         self._tokens = token_bytes
-        self._stride = stride
+        self._block_size = block_size
+        self._stride = bytes_of_tokens(block_size)
         self._hex: list[str] | None = None
 
     def hex_keys(self, count: int) -> list[str]:
@@ -132,7 +135,12 @@ class Chain(Sequence[ChainLink]):
         return self._stride
 
     @property
-    def token_bytes(self) -> bytes:
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._block_size
+
+    @property
+    def token_bytes(self) -> TokenBytes:
         """The prompt's tokens (uint32 LE), full blocks and any partial tail."""
         return self._tokens
 

@@ -20,16 +20,16 @@ from cache_service.core.capacity import Capacity
 from cache_service.core.config import DEFAULT_BLOCK_SIZE, CacheConfig
 from cache_service.core.errors import InsufficientStorage, InvalidField, StoreFull
 from cache_service.core.events import CacheEvents
-from cache_service.core.hashing import BlockHasher, tokens_to_bytes
+from cache_service.core.hashing import BlockHasher
 from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.recent import RecentMatch, RecentMatches
 from cache_service.core.retention import RetentionPolicy
 from cache_service.core.store.protocols import BlockStore
+from cache_service.core.tokens import TokenInput, as_token_bytes, tokens_in
 from cache_service.core.touches import TouchBuffer
 
 Clock = Callable[[], float]
 PayloadSink = Callable[[int, bytes | memoryview | None], None]
-TokenInput = bytes | Sequence[int]
 
 STORE_FULL_RETRIES = 3
 
@@ -135,7 +135,7 @@ class PrefixCache:
             namespace,
             links,
             block_size=size,
-            prompt_tokens=len(token_bytes) // 4,
+            prompt_tokens=tokens_in(token_bytes),
             retention=retention_class,
             with_payloads=with_payloads,
             sink=sink,
@@ -241,7 +241,7 @@ class PrefixCache:
                 namespace,
                 links,
                 block_size=size,
-                prompt_tokens=len(token_bytes) // 4,
+                prompt_tokens=tokens_in(token_bytes),
                 retention=retention_class,
             )
             if found.keys:
@@ -394,7 +394,7 @@ class PrefixCache:
             written = len(result.stored) + result.refreshed
             self._recent.put(
                 namespace_id.scope,
-                links.stride // 4,
+                links.block_size,
                 RecentMatch(links, written, result.last_incarnation),
             )
         if result.collisions:
@@ -448,15 +448,3 @@ class PrefixCache:
         """Without deferred touches (a replay), damage a call found is dropped at once."""
         if not self.touches.defer and self.store.damage_pending():
             self.drop_damaged()
-
-
-def as_token_bytes(tokens: TokenInput) -> bytes:
-    """Token ids as uint32 little-endian bytes; InvalidField for ids out of range."""
-    if isinstance(tokens, bytes):
-        if len(tokens) % 4:
-            raise InvalidField("tokens", "binary tokens must be a multiple of 4 bytes long")
-        return tokens
-    try:
-        return tokens_to_bytes(tokens)
-    except (ValueError, TypeError) as exc:
-        raise InvalidField("tokens", f"token ids are integers in 0..4294967295 ({exc})") from None

@@ -15,21 +15,13 @@ Only full blocks get keys: a trailing partial block is never cached.
 from __future__ import annotations
 
 import struct
-import sys
-from array import array
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import xxhash
 
-from cache_service.core.blocks import (
-    MAX_TOKEN_ID,
-    BlockKey,
-    Chain,
-    ChainLink,
-    Namespace,
-    NamespaceId,
-)
+from cache_service.core.blocks import BlockKey, Chain, ChainLink, Namespace, NamespaceId
+from cache_service.core.tokens import TokenBytes, block_of, bytes_of_tokens, tokens_to_bytes
 
 HASH_SCHEME = "xxh3-128-chained"
 HASH_VERSION = 1
@@ -38,36 +30,6 @@ NAMESPACE_TAG = b"PCNS"
 PARTITION_TAG = b"PCTENANT"
 
 HashFn = Callable[[bytes], bytes]
-
-_TOKEN_TYPECODE = "I" if array("I").itemsize == 4 else "L"
-
-
-def tokens_to_bytes(tokens: Sequence[int] | array[int]) -> bytes:
-    """Encode token ids as uint32 little-endian; ValueError for an id outside 0..2^32-1."""
-    try:
-        if isinstance(tokens, list):  # fromlist: a third faster than array() on a list
-            packed = array(_TOKEN_TYPECODE)
-            packed.fromlist(tokens)
-        else:
-            packed = array(_TOKEN_TYPECODE, tokens)
-    except OverflowError as exc:
-        raise ValueError(f"token ids are 0..{MAX_TOKEN_ID}") from exc
-    if packed.itemsize != 4:  # pragma: no cover - only on platforms with 8-byte 'L'
-        raise RuntimeError("no 4-byte unsigned array type on this platform")
-    if sys.byteorder == "big":  # pragma: no cover - the wire format is little-endian
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def bytes_to_tokens(data: bytes) -> list[int]:
-    """Decode uint32 little-endian bytes back into token ids."""
-    if len(data) % 4:
-        raise ValueError("token bytes must be a multiple of 4 long")
-    packed = array(_TOKEN_TYPECODE)
-    packed.frombytes(data)
-    if sys.byteorder == "big":  # pragma: no cover
-        packed.byteswap()
-    return packed.tolist()
 
 
 def _field(value: str) -> bytes:
@@ -159,15 +121,13 @@ class BlockHasher:
         """The parent key of block 0 in this namespace."""
         return self._ids(namespace).root
 
-    def chain(self, namespace: Namespace, token_bytes: bytes, *, block_size: int) -> Chain:
+    def chain(self, namespace: Namespace, token_bytes: TokenBytes, *, block_size: int) -> Chain:
         """The chain of every full block of a prompt given as uint32 LE bytes."""
         root = self.root(namespace)
-        return Chain(
-            root, self._keys_after(root, token_bytes, block_size), token_bytes, block_size * 4
-        )
+        return Chain(root, self._keys_after(root, token_bytes, block_size), token_bytes, block_size)
 
     def extend(
-        self, parent: BlockKey, token_bytes: bytes, *, block_size: int, start_depth: int
+        self, parent: BlockKey, token_bytes: TokenBytes, *, block_size: int, start_depth: int
     ) -> list[ChainLink]:
         """The links of the full blocks that follow a known block: `parent` is its key (the
         namespace root when `start_depth` is 0) and `start_depth` the depth of the first new
@@ -175,11 +135,10 @@ class BlockHasher:
         events); equal to the same blocks of `chain` over the whole prompt."""
         if start_depth < 0:
             raise ValueError("start_depth must be 0 or more")
-        stride = block_size * 4
         keys = self._keys_after(parent, token_bytes, block_size)
         parents = [parent, *keys][: len(keys)]
         return [
-            ChainLink(key, up, token_bytes[i * stride : (i + 1) * stride], start_depth + i)
+            ChainLink(key, up, block_of(token_bytes, i, block_size), start_depth + i)
             for i, (key, up) in enumerate(zip(keys, parents, strict=True))
         ]
 
@@ -187,7 +146,7 @@ class BlockHasher:
         """The chained keys of every full block of `token_bytes`, after `parent`."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
-        stride = block_size * 4
+        stride = bytes_of_tokens(block_size)
         end = len(token_bytes) // stride * stride
         hash_fn = self._hash
         keys: list[BlockKey] = []

@@ -19,13 +19,14 @@ from cache_service.core.blocks import (
     StoreKey,
     store_key,
 )
-from cache_service.core.cache import Clock, PrefixCache, TokenInput, as_token_bytes
+from cache_service.core.cache import Clock, PrefixCache
 from cache_service.core.capacity import Capacity
 from cache_service.core.config import CacheConfig
 from cache_service.core.errors import InvalidField, NotSupportedByStore
 from cache_service.core.hashing import BlockHasher, decode_namespace, tenant_partition
 from cache_service.core.store.parts.removals import HINT_TOKENS
 from cache_service.core.store.protocols import BlockStore
+from cache_service.core.tokens import TokenInput, as_token_bytes, bytes_of_tokens, tokens_in
 
 EXPLANATIONS = {  # why a lookup stopped where it did -> the sentence that says so
     "complete": "every full block of the prompt is cached",
@@ -259,7 +260,7 @@ class Operators:
         tenant apart, so even that such a block exists is not for them to learn)."""
         size = self.config.block_size_for(namespace.model)
         links = self._chain(namespace, tokens, None)
-        prompt_tokens = len(links.token_bytes) // 4
+        prompt_tokens = tokens_in(links.token_bytes)
         if block_size is not None and block_size != size:
             return Explanation(block_size, prompt_tokens, 0, "block_size_differs", 0,
                                {"service_block_size": size})  # fmt: skip
@@ -312,8 +313,10 @@ class Operators:
         homes = [
             home
             for length in lengths
-            if len(links.token_bytes) >= 4 * length
-            for home in self.store.first_block_homes(partition, links.token_bytes[: 4 * length])
+            if tokens_in(links.token_bytes) >= length
+            for home in self.store.first_block_homes(
+                partition, links.token_bytes[: bytes_of_tokens(length)]
+            )
         ]
         homes.sort(key=lambda home: home[0] != own_root)  # its own namespace first
         damaged = 0

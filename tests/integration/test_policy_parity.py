@@ -24,9 +24,9 @@ from cache_service.client import CacheClient
 from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache
 from cache_service.core.eviction import POLICIES
-from cache_service.core.hashing import bytes_to_tokens, tokens_to_bytes
 from cache_service.core.retention import RetentionPolicy
 from cache_service.core.store.memory import MemoryStore
+from cache_service.core.tokens import bytes_to_tokens, tokens_to_bytes
 from cache_service.service.api.app import create_app
 from cache_service.service.settings import Settings
 from cache_service.tools.replay.block_units import plan_units, request_namespace, request_tokens

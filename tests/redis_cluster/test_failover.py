@@ -27,8 +27,8 @@ from redis.crc import key_slot
 
 from bench.redis_cluster import Address, LocalRedisCluster
 from cache_service.core.framing import MEDIA_TYPE, decode_frames, encode_frames, join_frames
-from cache_service.core.hashing import tokens_to_bytes
 from cache_service.core.store.redis.writes import WRITE_RETRY_SECONDS
+from cache_service.core.tokens import tokens_to_bytes
 from tests.integration.conftest import ServerProcess
 from tests.redis_cluster.conftest import require_tools
 

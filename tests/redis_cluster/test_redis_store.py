@@ -35,7 +35,7 @@ from cache_service.core.errors import (
     StorageFailure,
     StoreFull,
 )
-from cache_service.core.hashing import BlockHasher, tenant_partition, tokens_to_bytes
+from cache_service.core.hashing import BlockHasher, tenant_partition
 from cache_service.core.identity import StoreIdentity, identity_of
 from cache_service.core.store.redis.breaker import CircuitBreaker
 from cache_service.core.store.redis.connect import RedisAddress, check_versions, parse_nodes
@@ -43,6 +43,7 @@ from cache_service.core.store.redis.pins import pin_key
 from cache_service.core.store.redis.store import RedisStore
 from cache_service.core.store.redis.values import block_key
 from cache_service.core.store.registry import open_store, parse_store_url
+from cache_service.core.tokens import tokens_to_bytes
 from tests.redis_cluster.conftest import require_tools
 from tests.redis_cluster.nodes import MEMORY, single_node
 

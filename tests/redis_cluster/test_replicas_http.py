@@ -14,7 +14,7 @@ import httpx
 from bench.redis_cluster import LocalRedisCluster
 from cache_service.client import CacheClient
 from cache_service.core.framing import MEDIA_TYPE, encode_frames, join_frames
-from cache_service.core.hashing import tokens_to_bytes
+from cache_service.core.tokens import tokens_to_bytes
 from cache_service.service.api_keys import Role, key_file_entry, new_key
 from tests.integration.conftest import ServerProcess, free_port, service_command
 from tests.redis_cluster.conftest import start_cluster

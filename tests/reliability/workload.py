@@ -18,7 +18,8 @@ from functools import cached_property
 
 from cache_service.client.answers import Match, Payload
 from cache_service.core.blocks import Namespace, key_hex
-from cache_service.core.hashing import BlockHasher, tokens_to_bytes
+from cache_service.core.hashing import BlockHasher
+from cache_service.core.tokens import tokens_to_bytes
 
 HASHER = BlockHasher()  # the service's default seed: the tests' servers run with it
 

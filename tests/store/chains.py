@@ -11,8 +11,9 @@ from cache_service.core.blocks import (
     Namespace,
     NewBlock,
 )
-from cache_service.core.hashing import BlockHasher, tokens_to_bytes
+from cache_service.core.hashing import BlockHasher
 from cache_service.core.store.protocols import BlockStore
+from cache_service.core.tokens import tokens_to_bytes
 from tests.store.capabilities import capable
 
 if TYPE_CHECKING:

@@ -8,8 +8,8 @@ import pytest
 
 from cache_service.core.blocks import BlockKey, ChainLink, NamespaceId, NewBlock
 from cache_service.core.errors import MissingParent
-from cache_service.core.hashing import tokens_to_bytes
 from cache_service.core.store.protocols import BlockStore
+from cache_service.core.tokens import tokens_to_bytes
 from tests.store.capabilities import capable
 from tests.store.chains import (
     BLOCK,

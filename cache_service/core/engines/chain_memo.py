@@ -42,7 +42,7 @@ import xxhash
 from cache_service.core.engines.block_hashes import EngineBlockHash, normalize_block_hash
 from cache_service.core.engines.schemes import EngineHashScheme
 from cache_service.core.engines.schemes.scheme import ChainState
-from cache_service.core.hashing import tokens_to_bytes
+from cache_service.core.tokens import TokenBytes, bytes_of_tokens, tokens_to_bytes
 
 DEFAULT_MAX_BLOCKS = 200_000
 DEFAULT_SEGMENT_BLOCKS = 16
@@ -175,7 +175,7 @@ def prompt_chain(
     memo: ChainMemo | None = None,
     held_prefix: HeldPrefix | None = None,
     segment_blocks: int = DEFAULT_SEGMENT_BLOCKS,
-    token_bytes: bytes | None = None,
+    token_bytes: TokenBytes | None = None,
 ) -> list[EngineBlockHash]:
     """The prompt's block hashes in 64-bit form, as `scheme.normalized` gives them, but cut
     at the first block `held_prefix` says nobody holds (when given) and reusing `memo`.
@@ -184,6 +184,7 @@ def prompt_chain(
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     full = len(tokens) // block_size
+    stride = bytes_of_tokens(block_size)
     per_segment = memo.segment_blocks if memo is not None else segment_blocks
     prefix: memoryview | None = None
     if memo is not None:
@@ -203,7 +204,7 @@ def prompt_chain(
         end = min(start + per_segment, full)
         key: MemoKey | None = None
         if memo is not None and prefix is not None:
-            running.update(prefix[start * block_size * 4 : end * block_size * 4])
+            running.update(prefix[start * stride : end * stride])
             key = (context, end, running.intdigest())
             hit = memo.get(key)
             if hit is not None:

@@ -44,7 +44,7 @@ from cache_service.core.engines.schemes import (
     EventExtraKeys,
     ExtraKeys,
 )
-from cache_service.core.hashing import tokens_to_bytes
+from cache_service.core.tokens import bytes_of_tokens, tokens_to_bytes
 
 Context = tuple[object, ...]
 
@@ -136,7 +136,7 @@ class MemoFeed:
             self.skipped += 1
             return 0
         per_segment = self.memo.segment_blocks
-        width = block_size * 4
+        width = bytes_of_tokens(block_size)
         recorded = 0
         for offset in range(blocks):
             index = first_index + offset

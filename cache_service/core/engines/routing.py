@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from cache_service.core.blocks import Namespace
-from cache_service.core.cache import PrefixCache, TokenInput
+from cache_service.core.cache import PrefixCache
 from cache_service.core.engines.block_hashes import EngineBlockHash
 from cache_service.core.engines.chain_memo import ChainMemo, prompt_chain
 from cache_service.core.engines.schemes import (
@@ -44,7 +44,7 @@ from cache_service.core.engines.schemes import (
 )
 from cache_service.core.engines.views import CPU, DISK, GPU, EngineViews
 from cache_service.core.errors import UnknownInstance
-from cache_service.core.hashing import tokens_to_bytes
+from cache_service.core.tokens import TokenBytes, TokenInput, tokens_in, tokens_to_bytes
 
 SchemeFactory = Callable[[str, str | None, str], EngineHashScheme]  # name, seed, form
 GroupKey = tuple[str, str | None, str | None, int, str | None]  # + block size, LoRA path
@@ -132,7 +132,7 @@ def score_store(
     size = cache.config.block_size_for(namespace.model, block_size)
     links = cache.chain(namespace, tokens, block_size=size)
     matched = cache.store.match(cache.hasher.namespace_id(namespace), links, now=cache.clock())
-    prompt_tokens = len(links.token_bytes) // 4
+    prompt_tokens = tokens_in(links.token_bytes)
     cached = matched.matched * size
     return StoreScore(matched.matched, cached, prompt_tokens - cached, size)
 
@@ -185,7 +185,7 @@ class RouteScorer:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
-        token_bytes: bytes | None = None,
+        token_bytes: TokenBytes | None = None,
     ) -> EngineScores:
         """Each engine's rows for the prompt `tokens` (with a LoRA name and a cache salt as
         the engines hash them), best first. `token_bytes`, the prompt's `tokens_to_bytes`

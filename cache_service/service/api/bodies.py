@@ -21,6 +21,7 @@ from cache_service.core.errors import (
     UnsupportedMediaType,
 )
 from cache_service.core.framing import MEDIA_TYPE, decode_frames, frame_header_length
+from cache_service.core.tokens import TokenBytes, as_token_bytes
 from cache_service.service.api.schemas import LookupHeader, LookupRequest, NamespaceFields
 from cache_service.service.settings import Settings
 
@@ -180,11 +181,9 @@ def integral_floats_as_ints(data: Any, errors: Sequence[Mapping[str, Any]]) -> b
     return rewritten
 
 
-def tokens_frame(frame: memoryview | None, field: str) -> bytes:
+def tokens_frame(frame: memoryview | None, field: str) -> TokenBytes:
     """Token ids sent as a frame of uint32 little-endian (any 32-bit value is a valid id)."""
-    if frame is None or len(frame) % 4:
-        raise InvalidField(field, "binary tokens are uint32 little-endian: 4 bytes a token")
-    return bytes(frame)
+    return as_token_bytes(frame, field)
 
 
 def check_token_room(json_bytes: int, max_tokens: int) -> None:
@@ -258,11 +257,11 @@ def parse_lookup(
     binary: bool,
     json_model: type[LookupRequest] = LookupRequest,
     header_model: type[LookupHeader] = LookupHeader,
-) -> tuple[LookupHeader, list[int] | bytes]:
+) -> tuple[LookupHeader, TokenBytes]:
     """The options and tokens of a lookup-shaped body (JSON, or a frame body)."""
     if not binary:
         body = parse_json(json_model, raw)
-        return body, body.tokens
+        return body, as_token_bytes(body.tokens)
     header, frames = decode_frames(raw)
     if len(frames) != 1:
         raise InvalidField("frames", f"a lookup carries one frame (its tokens), not {len(frames)}")

@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from cache_service.core.blocks import BlockKey, Namespace, key_from_hex
 from cache_service.core.errors import Forbidden, InvalidField
+from cache_service.core.tokens import tokens_in
 from cache_service.service.api.auth import principal
 from cache_service.service.api.bodies import (
     JSON,
@@ -66,8 +67,8 @@ async def explain(request: Request) -> Response:
     assert isinstance(options, ExplainHeader)
     caller = principal(request)
     namespace = namespace_of(options, tenant_for(caller, options.tenant))
-    count = len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)
-    check_count("tokens", count, state.settings.max_tokens_per_request, "max_tokens_per_request")
+    limit = state.settings.max_tokens_per_request
+    check_count("tokens", tokens_in(tokens), limit, "max_tokens_per_request")
     found = await run_in_threadpool(
         lambda: state.operators.explain(
             namespace,

@@ -14,7 +14,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from cache_service.core.blocks import Namespace
-from cache_service.core.cache import as_token_bytes
 from cache_service.core.engines.routing import (
     EngineScores,
     EngineSpec,
@@ -25,6 +24,7 @@ from cache_service.core.engines.routing import (
     score_store,
     select_engines,
 )
+from cache_service.core.tokens import as_token_bytes
 from cache_service.service.api.auth import principal
 from cache_service.service.api.bodies import JSON, namespace_of, read_request_json
 from cache_service.service.api.openapi import problem_answer

@@ -16,6 +16,7 @@ from cache_service.core.blocks import KEY_BYTES, PrefixMatch, key_from_hex, key_
 from cache_service.core.errors import InvalidField
 from cache_service.core.framing import MEDIA_TYPE, FrameWriter, decode_frames, frame_header_length
 from cache_service.core.hashing import HASH_SCHEME, HASH_VERSION
+from cache_service.core.tokens import TokenBytes, as_token_bytes, tokens_in
 from cache_service.service.api.auth import principal
 from cache_service.service.api.bodies import (
     INLINE_BODY_BYTES,
@@ -85,11 +86,10 @@ async def lookup(request: Request) -> Response:
 
 
 def _lookup(
-    state: ServiceState, caller: ApiKey, options: LookupHeader, tokens: list[int] | bytes
+    state: ServiceState, caller: ApiKey, options: LookupHeader, tokens: TokenBytes
 ) -> Response:
     limit = state.settings.max_tokens_per_request
-    count = len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)
-    check_count("tokens", count, limit, "max_tokens_per_request")
+    check_count("tokens", tokens_in(tokens), limit, "max_tokens_per_request")
     frames = FrameWriter()
     found = state.cache.match_prefix(
         namespace_of(options, caller.tenant),
@@ -135,16 +135,16 @@ def _store(state: ServiceState, tenant: str, raw: bytes) -> Response:
     header, frames = decode_frames(raw)
     body = parse_object(StoreHeader, header)
     settings = state.settings
-    tokens: list[int] | bytes
     first_payload = 0
     if body.tokens is None:  # binary tokens: the first frame
         if not frames:
             raise InvalidField("frames[0]", "without `tokens` in the header, frame 0 holds them")
         tokens, first_payload = tokens_frame(frames[0], "frames[0]"), 1
-        count = len(tokens) // 4
     else:
-        tokens, count = body.tokens, len(body.tokens)
-    check_count("tokens", count, settings.max_tokens_per_request, "max_tokens_per_request")
+        tokens = as_token_bytes(body.tokens)
+    check_count(
+        "tokens", tokens_in(tokens), settings.max_tokens_per_request, "max_tokens_per_request"
+    )
     payloads = frames[first_payload:]
     check_count("blocks", len(payloads), settings.max_blocks_per_request, "max_blocks_per_request")
     present: list[memoryview] = []

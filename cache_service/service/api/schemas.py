@@ -7,8 +7,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cache_service.core.blocks import MAX_TOKEN_ID
 from cache_service.core.operators import EXPLANATIONS
+from cache_service.core.tokens import MAX_TOKEN_ID
 
 Token = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
 HexKey = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$", description="32 lowercase hex chars")]

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cache_service.core.hashing import BlockHasher, bytes_to_tokens
+from cache_service.core.hashing import BlockHasher
+from cache_service.core.tokens import bytes_to_tokens
 from cache_service.tools.replay.block_units import BlockUnits, request_namespace
 from cache_service.tools.replay.traces import TraceRequest
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from cache_service.core.blocks import Namespace
+from cache_service.core.tokens import TokenBytes, tokens_in
 from cache_service.tools.replay.traces import TraceRequest
 
 DEFAULT_TOKEN_BLOCK_SIZE = 64
@@ -37,12 +38,12 @@ def hash_id_block(hash_id: int, block_tokens: int) -> bytes:
     return struct.pack("<II", hash_id & 0xFFFFFFFF, hash_id >> 32) + _tail(block_tokens)
 
 
-def request_tokens(request: TraceRequest) -> bytes:
+def request_tokens(request: TraceRequest) -> TokenBytes:
     """The request's prompt as uint32 LE tokens (synthesized for a hash-id trace)."""
     if request.tokens is not None:
         return request.tokens
     assert request.hash_ids is not None
-    return b"".join(hash_id_block(i, request.block_tokens) for i in request.hash_ids)
+    return TokenBytes(b"".join(hash_id_block(i, request.block_tokens) for i in request.hash_ids))
 
 
 def request_namespace(request: TraceRequest) -> Namespace:
@@ -71,7 +72,7 @@ class BlockUnits:
         if request.hash_ids is not None:
             return len(request.hash_ids)
         assert request.tokens is not None
-        return len(request.tokens) // 4 // self.trace_tokens
+        return tokens_in(request.tokens) // self.trace_tokens
 
     def hit_tokens(self, request: TraceRequest, hit_trace_blocks: int) -> int:
         """Hit tokens as the trace counts them: never more than its input_length."""

@@ -11,11 +11,11 @@ from pathlib import Path
 from cache_service.client import CacheClient
 from cache_service.core.cache import PrefixCache
 from cache_service.core.eviction import DEFAULT_POLICY, make_policy
-from cache_service.core.hashing import bytes_to_tokens
 from cache_service.core.retention import RetentionPolicy
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 from cache_service.core.store.protocols import BlockStore
+from cache_service.core.tokens import bytes_to_tokens
 from cache_service.tools.replay.block_units import BlockUnits, request_namespace, request_tokens
 from cache_service.tools.replay.stats import Outcome
 from cache_service.tools.replay.traces import TraceRequest

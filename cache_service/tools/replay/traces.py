@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cache_service.core.blocks import MAX_TOKEN_ID
-from cache_service.core.hashing import tokens_to_bytes
+from cache_service.core.tokens import MAX_TOKEN_ID, TokenBytes, tokens_to_bytes
 
 FORMATS = ("auto", "mooncake", "jsonl")
 MOONCAKE_BLOCK_TOKENS = 512
@@ -48,7 +47,7 @@ class TraceRequest:
     output_length: int
     hash_ids: tuple[int, ...] | None  # prefix ids, one per block of `block_tokens` tokens
     block_tokens: int  # tokens per hash id; 0 for a token trace
-    tokens: bytes | None  # uint32 LE token ids, for a token trace
+    tokens: TokenBytes | None  # uint32 LE token ids, for a token trace
     retention: str | None
     tenant: str
     model: str
@@ -145,7 +144,7 @@ def parse_record(record: Any, fmt: str, *, source: int, line: int) -> TraceReque
         _str(record, "model", DEFAULT_MODEL),
         _str(record, "salt", ""),
     )
-    token_bytes: bytes | None = None
+    token_bytes: TokenBytes | None = None
     prefix_ids: tuple[int, ...] | None = None
     block_tokens = 0
     if "tokens" in record:

@@ -32,7 +32,7 @@ from cache_service.core.engines.schemes.scheme import (
     ExtraKeys,
     PublishedHash,
 )
-from cache_service.core.hashing import tokens_to_bytes
+from cache_service.core.tokens import tokens_to_bytes
 
 NAME = "sglang"
 DIGEST_SIZE = 32

@@ -17,6 +17,7 @@ from typing import Any
 
 from cache_service.core.blocks import BlockKey, BlockMeta, StoreKey
 from cache_service.core.store.parts.codec import encode_meta, intact
+from cache_service.core.tokens import whole_tokens
 
 log = logging.getLogger("cache_service")
 
@@ -38,7 +39,7 @@ def decode_v3(key: StoreKey, raw: bytes) -> BlockMeta | None:
     except UnicodeDecodeError:
         return None
     tokens = raw[tokens_at:]
-    if tokens_at > len(raw) or not tokens or len(tokens) % 4:
+    if tokens_at > len(raw) or not tokens or not whole_tokens(tokens):
         return None
     return BlockMeta(
         key=key,

@@ -28,6 +28,7 @@ import xxhash
 
 from cache_service.core.blocks import BlockKey, BlockMeta, StoreKey
 from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
+from cache_service.core.tokens import whole_tokens
 
 RECORD_VERSION = 4
 SUM_BYTES = 8
@@ -104,7 +105,7 @@ def decode_meta(key: StoreKey, record: bytes | memoryview) -> BlockMeta:
     ) = _BODY.unpack_from(raw, SUM_BYTES)
     tokens_at = TOKENS_AT + retention_len
     tokens = raw[tokens_at:]
-    if tokens_at > len(raw) or not tokens or len(tokens) % 4:
+    if tokens_at > len(raw) or not tokens or not whole_tokens(tokens):
         raise CorruptRecord("block record's retention name or tokens are cut short")
     if depth == 0 and parent != namespace_root:
         raise CorruptRecord("a first block's parent is not its namespace root")

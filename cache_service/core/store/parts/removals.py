@@ -23,6 +23,7 @@ from cache_service.core.blocks import (
     StoreKey,
 )
 from cache_service.core.store.parts.backend import FIRSTS, REMOVAL_ORDER, REMOVALS, Txn
+from cache_service.core.tokens import bytes_of_tokens, tokens_in
 
 DEFAULT_REMOVAL_LOG_ENTRIES = 0  # off unless the owner turns it on (the service does)
 HINT_TOKENS = 16  # a first-block hint fingerprints this many leading tokens (or the block)
@@ -104,13 +105,13 @@ class RemovalLog:
 
 def fingerprint(token_bytes: bytes) -> bytes:
     """The fingerprint of a first block's leading tokens (uint32 LE bytes)."""
-    return bytes(xxhash.xxh3_64_digest(token_bytes[: 4 * HINT_TOKENS]))
+    return bytes(xxhash.xxh3_64_digest(token_bytes[: bytes_of_tokens(HINT_TOKENS)]))
 
 
 def first_hint_key(meta: BlockMeta) -> bytes:
     """The hint of a first block: its partition, the fingerprint of its leading tokens,
     its namespace root and its block size."""
-    size = _SIZE.pack(len(meta.tokens) // 4)
+    size = _SIZE.pack(tokens_in(meta.tokens))
     return meta.partition + fingerprint(meta.tokens) + meta.namespace_root + size
 
 
