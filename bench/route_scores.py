@@ -37,7 +37,7 @@ from bench.report import Row, compare, format_table, latency_row
 from bench.scenarios.context import Context
 from cache_service.core.engines.block_hashes import EngineBlockHash, normalize_block_hash
 from cache_service.core.engines.chain_memo import ChainMemo, prompt_chain
-from cache_service.core.engines.events import BlockStored
+from cache_service.core.engines.decoding import BlockStored
 from cache_service.core.engines.memo_feed import MemoFeed
 from cache_service.core.engines.routing import EngineSpec, RouteScorer
 from cache_service.core.engines.schemes import scheme_named

@@ -146,7 +146,7 @@ def serve(settings: Settings) -> int:
         "log_config": logging_config,
         "access_log": settings.access_log,
         # Open connections get this long to finish; then the lifespan's stop gives the
-        # store calls still running as long again (Service.stop). A watchdog bounds the
+        # store calls still running as long again (ServiceLifecycle.stop). A watchdog bounds the
         # whole (service/server.py: exit_bound_seconds).
         "timeout_graceful_shutdown": settings.shutdown_timeout,
     }

@@ -95,7 +95,7 @@ def test_the_tree_keeps_every_contract() -> None:
             {"store-never-hashes"},
         ),
         ("core/hashing.py", "import cache_service.core.store.protocols", {"hashing-never-stores"}),
-        ("core/events.py", "import cache_service.core.cache", {"no-cycles"}),
+        ("core/cache_observer.py", "import cache_service.core.cache", {"no-cycles"}),
         (
             "core/store/redis/values.py",
             "import cache_service.core.store.lmdb.store",

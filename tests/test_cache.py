@@ -10,6 +10,7 @@ import pytest
 
 from cache_service.core.blocks import Evicted, Namespace
 from cache_service.core.cache import InsertOutcome, PrefixCache
+from cache_service.core.cache_observer import CacheObserver
 from cache_service.core.errors import (
     BlockSizeMismatch,
     InsufficientStorage,
@@ -17,7 +18,6 @@ from cache_service.core.errors import (
     MissingParent,
     UnknownRetention,
 )
-from cache_service.core.events import CacheEvents
 from cache_service.core.hashing import BlockHasher, xxh3_128
 from cache_service.core.retention import RetentionPolicy
 from cache_service.core.store.protocols import BlockStore
@@ -32,8 +32,8 @@ CHAT_TTL = 7 * DAY
 NS = Namespace(model="llama-3-8b")
 
 
-class RecordingEvents(CacheEvents):
-    """A CacheEvents implementation that keeps every call."""
+class RecordingEvents(CacheObserver):
+    """A CacheObserver implementation that keeps every call."""
 
     def __init__(self) -> None:
         self.lookups: list[tuple[str, int, int, bool]] = []

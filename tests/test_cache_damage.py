@@ -11,8 +11,8 @@ import pytest
 
 from cache_service.core.blocks import Evicted, Namespace, store_key
 from cache_service.core.cache import PrefixCache
+from cache_service.core.cache_observer import CacheObserver
 from cache_service.core.errors import MissingParent
-from cache_service.core.events import CacheEvents
 from cache_service.core.operators import EXPLANATIONS, Operators
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.parts.codec import RECORD_FIELDS
@@ -24,7 +24,7 @@ PROMPT = [label for label in range(1, 7) for _ in range(BLOCK)]  # six blocks
 PAYLOADS = [b"kv-%d" % i * 8 for i in range(6)]
 
 
-class Counting(CacheEvents):
+class Counting(CacheObserver):
     """Counts what the cache reports about damage."""
 
     def __init__(self) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from cache_service.core.blocks import BlockKey, Namespace
 from cache_service.core.cache import PrefixCache
-from cache_service.core.events import CacheEvents
+from cache_service.core.cache_observer import CacheObserver
 from cache_service.core.hashing import BlockHasher
 from cache_service.core.store.lmdb.store import LmdbStore
 
@@ -19,7 +19,7 @@ NS = Namespace("m")
 TOKENS = list(range(8))
 
 
-class Counts(CacheEvents):
+class Counts(CacheObserver):
     """Counts corrupt records and collisions."""
 
     def __init__(self) -> None:

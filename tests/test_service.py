@@ -1,4 +1,4 @@
-"""The Service: started and stopped as one, and a stop that never waits forever."""
+"""The ServiceLifecycle: started and stopped as one, and a stop that never waits forever."""
 
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ from cache_service.core.errors import Overloaded
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 from cache_service.service.api.background import ElectionLock, sweeper
-from cache_service.service.api.service import Service, given_store
+from cache_service.service.api.lifecycle import ServiceLifecycle, given_store
 from cache_service.service.api.state import ServiceState, WriteGate
 from cache_service.service.metrics import CacheMetrics
 from cache_service.service.settings import Settings
 
 
-def service(settings: Settings, store: MemoryStore | None = None) -> Service:
+def service(settings: Settings, store: MemoryStore | None = None) -> ServiceLifecycle:
     """A service on `settings` with a fresh metrics registry."""
-    return Service(settings, metrics=CacheMetrics(CollectorRegistry()), store=store)
+    return ServiceLifecycle(settings, metrics=CacheMetrics(CollectorRegistry()), store=store)
 
 
 def test_a_memory_url_serves_with_no_files_beside_any_data(

@@ -1,4 +1,4 @@
-"""StoreGuard and the Service's stop: no store call, read or write, is in progress when the
+"""StoreGuard and the ServiceLifecycle's stop: no store call, read or write, is in progress when the
 store closes, and a stop that finds one still running at its deadline leaves the store open."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from cache_service.core.blocks import Namespace
 from cache_service.core.store.memory import MemoryStore
 from cache_service.service.api.guard import StoreGuard
-from cache_service.service.api.service import Service
+from cache_service.service.api.lifecycle import ServiceLifecycle
 from cache_service.service.api.state import NotReady, ServiceState
 from cache_service.service.metrics import CacheMetrics
 from cache_service.service.settings import Settings
@@ -89,9 +89,9 @@ def _slow_reader(state: ServiceState, inside: threading.Event, release: threadin
     return copied
 
 
-def _service(tmp_path: Path, timeout: float) -> Service:
+def _service(tmp_path: Path, timeout: float) -> ServiceLifecycle:
     settings = Settings(store=str(tmp_path / "data"), shutdown_timeout=timeout)
-    return Service(settings, metrics=CacheMetrics(CollectorRegistry()))
+    return ServiceLifecycle(settings, metrics=CacheMetrics(CollectorRegistry()))
 
 
 def test_stop_waits_for_a_read_inside_its_transaction_before_closing(tmp_path: Path) -> None:

@@ -16,10 +16,10 @@ from cache_service.core.blocks import (
     PrefixMatch,
     Touch,
 )
+from cache_service.core.cache_observer import CacheObserver
 from cache_service.core.capacity import Capacity
 from cache_service.core.config import DEFAULT_BLOCK_SIZE, CacheConfig
 from cache_service.core.errors import InsufficientStorage, InvalidField, StoreFull
-from cache_service.core.events import CacheEvents
 from cache_service.core.hashing import BlockHasher
 from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.recent import RecentMatch, RecentMatches
@@ -69,7 +69,7 @@ class PrefixCache:
         touch_resolution_seconds: float = 1.0,
         ttl_slide_fraction: float = 0.0,
         tenant_capacity_bytes: Mapping[str, int] | None = None,
-        events: CacheEvents | None = None,
+        events: CacheObserver | None = None,
     ) -> None:
         self.store = store
         self.hasher = hasher or BlockHasher()
@@ -80,7 +80,7 @@ class PrefixCache:
         # The store reads a block whose expiry is further than its class's TTL from now as
         # expired (stored while the clock ran ahead), and its sweeper removes such blocks.
         store.lifetimes = Lifetimes(dict(self.config.retention.ttl_seconds))
-        self.events = events or CacheEvents()
+        self.events = events or CacheObserver()
         self.capacity = Capacity(
             store,
             capacity_bytes=capacity_bytes,

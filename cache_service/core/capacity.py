@@ -8,9 +8,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from cache_service.core.blocks import Evicted, NewBlock, StoreKey, StoreUsage
+from cache_service.core.cache_observer import CacheObserver
 from cache_service.core.disk import DiskRoom, DiskWarning, measure_room
 from cache_service.core.errors import DiskFull, StoreFull
-from cache_service.core.events import CacheEvents
 from cache_service.core.hashing import tenant_partition
 from cache_service.core.reserve import DiskReserve
 from cache_service.core.store.parts.batches import in_batches
@@ -37,7 +37,7 @@ class Capacity:
         low_water: float = 0.85,
         tenant_capacity_bytes: Mapping[str, int] | None = None,
         clock: Callable[[], float] = time.time,
-        events: CacheEvents | None = None,
+        events: CacheObserver | None = None,
     ) -> None:
         if capacity_bytes is not None and capacity_blocks is not None:
             raise ValueError("give capacity_bytes or capacity_blocks, not both")
@@ -54,7 +54,7 @@ class Capacity:
         # A tenant over its quota evicts its own least recently used blocks, first.
         self.tenant_capacity_bytes = dict(tenant_capacity_bytes or {})
         self.clock = clock
-        self.events = events or CacheEvents()
+        self.events = events or CacheObserver()
         self.disk_warning = DiskWarning()
         self._folder = store.disk.folder if store.disk is not None else None
         self.reserve = DiskReserve(self._folder) if self._folder is not None else None

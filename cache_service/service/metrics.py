@@ -18,8 +18,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from cache_service.core.blocks import REMOVAL_REASONS, Evicted, StoreUsage
+from cache_service.core.cache_observer import CacheObserver
 from cache_service.core.disk import DiskRoom
-from cache_service.core.events import CacheEvents
 
 # Purges are not evictions: an operator's purge answers with what it removed.
 EVICTION_REASONS = tuple(reason for reason in REMOVAL_REASONS if reason != "purged")
@@ -28,7 +28,7 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
-class CacheMetrics(CacheEvents):
+class CacheMetrics(CacheObserver):
     """The service's metrics, counted from the cache's events."""
 
     def __init__(self, registry: CollectorRegistry) -> None:

@@ -23,7 +23,7 @@ import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import multiprocess
 
-from cache_service.service.api.service import FINAL_FLUSH_SECONDS
+from cache_service.service.api.lifecycle import FINAL_FLUSH_SECONDS
 
 log = logging.getLogger("cache_service")
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from cache_service.core.engines.events import BlockStored
+from cache_service.core.engines.decoding import BlockStored
 from cache_service.core.engines.schemes import SCHEMES, Diagnosis, diagnose_stored_event
 from cache_service.core.engines.views import EngineViews
 from cache_service.service.kv_events.config import EngineConfig

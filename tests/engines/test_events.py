@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cache_service.core.engines.block_hashes import normalize_block_hash
-from cache_service.core.engines.events import (
+from cache_service.core.engines.decoding import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

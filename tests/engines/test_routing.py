@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache
+from cache_service.core.cache_observer import CacheObserver
 from cache_service.core.engines.block_hashes import EngineBlockHash
 from cache_service.core.engines.chain_memo import ChainMemo
-from cache_service.core.engines.events import BlockStored
+from cache_service.core.engines.decoding import BlockStored
 from cache_service.core.engines.routing import (
     EngineSpec,
     InstanceScore,
@@ -29,7 +30,6 @@ from cache_service.core.engines.routing import (
 from cache_service.core.engines.schemes import EngineHashScheme, ExtraKeys, scheme_named
 from cache_service.core.engines.views import EngineViews
 from cache_service.core.errors import InvalidField, UnknownInstance
-from cache_service.core.events import CacheEvents
 from cache_service.core.store.protocols import BlockStore
 
 if TYPE_CHECKING:
@@ -412,7 +412,7 @@ def test_a_shared_memo_spares_a_later_scorer_the_hashing() -> None:
     assert again == first and factory.steps == 64
 
 
-class LookupCounter(CacheEvents):
+class LookupCounter(CacheObserver):
     """Counts the lookups a cache reports."""
 
     def __init__(self) -> None:

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cache_service.core.engines.block_hashes import EngineBlockHash
-from cache_service.core.engines.events import AllBlocksCleared, BlockRemoved, BlockStored
+from cache_service.core.engines.decoding import AllBlocksCleared, BlockRemoved, BlockStored
 from cache_service.core.engines.views import EngineViews, PrefixHold, normalize_medium
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cache_service.core.engines.block_hashes import normalize_block_hash
-from cache_service.core.engines.events import BlockStored, decode_batch
+from cache_service.core.engines.decoding import BlockStored, decode_batch
 from cache_service.core.engines.schemes import scheme_named
 from tests.kv_events.publisher import WIRES, encode_batch, stored
 

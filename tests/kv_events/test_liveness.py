@@ -11,7 +11,7 @@ from typing import Any
 import zmq
 
 from cache_service.core.engines.block_hashes import EngineBlockHash
-from cache_service.core.engines.events import BlockStored
+from cache_service.core.engines.decoding import BlockStored
 from cache_service.core.engines.views import EngineViews
 from cache_service.service.kv_events.config import EngineConfig
 from cache_service.service.kv_events.liveness import (

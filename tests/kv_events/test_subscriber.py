@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from cache_service.core.engines.block_hashes import EngineBlockHash
-from cache_service.core.engines.events import BlockStored
+from cache_service.core.engines.decoding import BlockStored
 from cache_service.core.engines.views import EngineViews, PrefixHold
 from cache_service.service.kv_events.config import EngineConfig
 from cache_service.service.kv_events.subscriber import KvEventSubscriber

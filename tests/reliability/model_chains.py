@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from cache_service.core.blocks import Evicted
-from cache_service.core.events import CacheEvents
+from cache_service.core.cache_observer import CacheObserver
 
 Chain = tuple[tuple[int, ...], ...]
 
@@ -41,7 +41,7 @@ class JumpClock:
         return self.now
 
 
-class Recorder(CacheEvents):
+class Recorder(CacheObserver):
     """A cache's events observer: collects evicted blocks; a collision, a corrupt payload or a
     conflicting payload fails the test (payloads are a function of the prefix, the hash is
     real and nothing damages the store)."""

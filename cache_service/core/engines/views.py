@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from cache_service.core.engines.block_hashes import EngineBlockHash
-from cache_service.core.engines.events import (
+from cache_service.core.engines.decoding import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

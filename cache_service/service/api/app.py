@@ -1,5 +1,5 @@
 """The application factory: routes, middleware and a lifespan that starts and stops the
-Service (the store, the cache and the background workers)."""
+ServiceLifecycle (the store, the cache and the background workers)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ from cache_service.core.store.protocols import BlockStore
 from cache_service.service.api.auth import Authenticator
 from cache_service.service.api.cancels import AnswerCancelled
 from cache_service.service.api.docs import install_docs
+from cache_service.service.api.lifecycle import ServiceLifecycle
 from cache_service.service.api.limits import QuotaGate
 from cache_service.service.api.openapi import install_openapi
 from cache_service.service.api.operator_routes import router as operator_router
 from cache_service.service.api.problems import install_problem_handlers
-from cache_service.service.api.route_routes import router as route_router
 from cache_service.service.api.routes import router
-from cache_service.service.api.service import Service
+from cache_service.service.api.routing_routes import router as route_router
 from cache_service.service.api.status_page import router as status_router
 from cache_service.service.metrics import CacheMetrics
 from cache_service.service.settings import Settings
@@ -85,7 +85,7 @@ def create_app(
     metrics.declare_retention(settings.retention_policy().classes)
     keys = settings.key_ring() if settings.auth == "keys" else None
     metrics.declare_tenants(sorted(keys.tenants) if keys is not None else [])
-    service = Service(settings, metrics=metrics, keys=keys, store=store, clock=clock)
+    service = ServiceLifecycle(settings, metrics=metrics, keys=keys, store=store, clock=clock)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -41,7 +41,7 @@ import xxhash
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from cache_service.core.engines.events import (
+from cache_service.core.engines.decoding import (
     AllBlocksCleared,
     BlockStored,
     MalformedEvent,

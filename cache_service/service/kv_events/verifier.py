@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 from cache_service.core.engines.block_hashes import EngineBlockHash, normalize_block_hash
 from cache_service.core.engines.chain_memo import ChainMemo
-from cache_service.core.engines.events import BlockStored
+from cache_service.core.engines.decoding import BlockStored
 from cache_service.core.engines.memo_feed import MemoFeed
 from cache_service.core.engines.schemes import (
     ChainState,

@@ -69,7 +69,7 @@ class _Running:
     workers: list[asyncio.Task[None]] = field(default_factory=list)
 
 
-class Service:
+class ServiceLifecycle:
     """Owns what one service process runs; `state` is what the routes see while it runs."""
 
     def __init__(

@@ -1,4 +1,4 @@
-"""CacheEvents: what the cache reports as it works, for metrics and the replay to count.
+"""CacheObserver: what the cache reports as it works, for metrics and the replay to count.
 
 A module of its own so that the cache, its capacity and the metrics that count their events
 all import it, and none of them imports another for it.
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from cache_service.core.blocks import Evicted
 
 
-class CacheEvents:
+class CacheObserver:
     """The observer of a cache: every method does nothing here; metrics and the replay
     override what they count."""
 
