@@ -3,15 +3,17 @@
     backend (records, payloads, indexes, small tables, transactions)
       -> parts: victims index (with the policy), expiry index, tenant accounts, pins,
          removal log and first-block hints, kept together by `Records`
-      -> operations: `DataPath` (match, insert, touch, payload reads, usage),
-         `Evictions` (evict, evict_tenant, remove_subtree), `Controls` (operator controls),
-         `Repairs` (drop_damaged: blocks that failed verification, with their subtrees)
+      -> operations, the bases of `ComposedStore` (its methods are theirs, no wrapper):
+         `DataPath` (match, insert, touch, payload reads, usage), `Evictions` (evict,
+         evict_tenant, remove_subtree), `Controls` (operator controls), `Repairs`
+         (drop_damaged: blocks that failed verification, with their subtrees)
 
 A backend module adds only its backend and a thin class that hands it to `ComposedStore`.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Generic, TypeVar
 
 from cache_service.core.eviction import EvictionPolicy, make_policy
@@ -31,8 +33,9 @@ from cache_service.core.store.protocols import OnDisk, Remote
 B = TypeVar("B", bound=Backend)
 
 
-class ComposedStore(Generic[B]):
-    """A BlockStore (data path and operator controls) over one backend."""
+class ComposedStore(DataPath, Evictions, Controls, Repairs, Generic[B]):
+    """A BlockStore (data path and operator controls) over one backend: its methods are
+    those of the operations it is made of."""
 
     disk: OnDisk | None = None  # see store.protocols.Capabilities
     remote: Remote | None = None
@@ -48,37 +51,15 @@ class ComposedStore(Generic[B]):
         self.policy: EvictionPolicy = policy or make_policy()
         self.space = backend.space
         self._removal_log = RemovalLog(removal_log_entries)
-        txns = Transactions(backend, self.policy)
-        records = Records(VictimIndex(self.policy), TenantAccounts(self.space), self._removal_log)
-        data, evictions, controls, repairs = (
-            DataPath(txns, records, backend.damage),
-            Evictions(txns, records),
-            Controls(txns, records),
-            Repairs(txns, records, backend.damage),
+        self.txns = Transactions(backend, self.policy)
+        self.records = Records(
+            VictimIndex(self.policy), TenantAccounts(self.space), self._removal_log
         )
-        # The operations are the parts' own bound methods: a call costs no extra frame.
-        self.match = data.match
-        self.get_payloads = data.get_payloads
-        self.read_payloads = data.read_payloads
-        self.insert = data.insert
-        self.touch = data.touch
-        self.usage = data.usage
-        self.tenant_bytes = data.tenant_bytes
-        self.evict = evictions.evict
-        self.evict_tenant = evictions.evict_tenant
-        self.remove_subtree = evictions.remove_subtree
-        self.batch = txns.batch
-        self.pin = controls.pin
-        self.unpin = controls.unpin
-        self.pins = controls.pins
-        self.links_of = controls.links_of
-        self.encoded_namespace = controls.encoded_namespace
-        self.replace_namespace = controls.replace_namespace
-        self.purge = controls.purge
-        self.inspect = controls.inspect
-        self.first_block_homes = controls.first_block_homes
-        self.drop_damaged = repairs.drop_damaged
-        self.damage_pending = repairs.damage_pending
+        self.damage = backend.damage
+
+    def batch(self) -> AbstractContextManager[None]:
+        """Run several operations of this thread in one write transaction (see Transactions)."""
+        return self.txns.batch()
 
     @property
     def lifetimes(self) -> Lifetimes:

@@ -25,19 +25,15 @@ from cache_service.core.store.parts import pins, subtrees
 from cache_service.core.store.parts.backend import FIRSTS, Txn
 from cache_service.core.store.parts.batches import in_batches
 from cache_service.core.store.parts.codec import COLLISION, HIT
-from cache_service.core.store.parts.records import Records, release
+from cache_service.core.store.parts.records import release
 from cache_service.core.store.parts.removals import hint_prefix, parse_hint
-from cache_service.core.store.parts.txns import Transactions
+from cache_service.core.store.parts.store_parts import StoreParts
 
 PURGE_BATCH_BLOCKS = 1024  # blocks per write transaction at most: writers never wait long
 
 
-class Controls:
+class Controls(StoreParts):
     """OperatorControls over transactions and block records."""
-
-    def __init__(self, txns: Transactions, records: Records) -> None:
-        self.txns = txns
-        self.records = records
 
     # -- pins ---------------------------------------------------------------------------------
 

@@ -31,10 +31,8 @@ from cache_service.core.errors import MissingParent
 from cache_service.core.eviction import Use
 from cache_service.core.store.parts.backend import Txn
 from cache_service.core.store.parts.codec import checksum
-from cache_service.core.store.parts.damage import DamageLog
-from cache_service.core.store.parts.records import Records
 from cache_service.core.store.parts.removals import record_first_block
-from cache_service.core.store.parts.txns import Transactions
+from cache_service.core.store.parts.store_parts import StoreParts
 
 PayloadSink = Callable[[int, "bytes | memoryview | None"], None]
 
@@ -52,13 +50,8 @@ def collect_payloads(
     return out, read(keep)
 
 
-class DataPath:
+class DataPath(StoreParts):
     """match, payload reads, insert and touch over transactions and block records."""
-
-    def __init__(self, txns: Transactions, records: Records, damage: DamageLog) -> None:
-        self.txns = txns
-        self.records = records
-        self.damage = damage
 
     def match(
         self,

@@ -29,23 +29,18 @@ from cache_service.core.blocks import KEY_BYTES, BlockKey, BlockMeta, Evicted, S
 from cache_service.core.store.parts import pins, subtrees
 from cache_service.core.store.parts.backend import Txn
 from cache_service.core.store.parts.codec import checksum, record_size
-from cache_service.core.store.parts.damage import DamageLog, Salvage
-from cache_service.core.store.parts.records import Records, evicted_record, release
+from cache_service.core.store.parts.damage import Salvage
+from cache_service.core.store.parts.records import evicted_record, release
+from cache_service.core.store.parts.store_parts import StoreParts
 from cache_service.core.store.parts.subtrees import REMOVE_BATCH_BLOCKS, Target
-from cache_service.core.store.parts.txns import Transactions
 from cache_service.core.store.protocols import Dropped
 
 log = logging.getLogger("cache_service")
 REASON = "corrupt"
 
 
-class Repairs:
+class Repairs(StoreParts):
     """drop_damaged over transactions, block records and the backend's damage log."""
-
-    def __init__(self, txns: Transactions, records: Records, damage: DamageLog) -> None:
-        self.txns = txns
-        self.records = records
-        self.damage = damage
 
     def damage_pending(self) -> int:
         """How many damaged blocks wait for `drop_damaged`."""
