@@ -25,28 +25,32 @@ TOKENS = list(range(64 * 3))
 PAYLOADS = [bytes([n]) * 4096 for n in range(3)]
 
 
-def test_a_closed_guard_refuses_new_calls_and_counts_those_in_progress() -> None:
+def test_a_closed_guard_refuses_new_work_and_counts_that_in_progress() -> None:
     guard = StoreGuard()
-    store = guard.wrap(MemoryStore())
+    usage = guard.counted(MemoryStore().usage)
     with guard.call():
         guard.close()
         assert guard.active == 1
         with pytest.raises(NotReady) as refused:
-            store.usage()
+            usage()
         assert refused.value.status == 503
     assert guard.active == 0
-    assert guard.admitted(store.usage)().blocks == 0  # the stop's own last calls pass
+    assert guard.admitted(usage)().blocks == 0  # the stop's own last calls pass
 
 
-def test_the_guarded_store_passes_attributes_through_and_counts_a_batch() -> None:
+def test_counted_work_is_held_in_its_own_thread_only() -> None:
     guard = StoreGuard()
-    inner = MemoryStore()
-    store = guard.wrap(inner)
-    store.removal_log_entries = 7
-    assert inner.removal_log_entries == 7 and store.policy is inner.policy
-    with store.batch():
-        assert guard.active == 1
-    assert guard.active == 0
+    seen: list[tuple[bool, int]] = []
+
+    def work() -> None:
+        seen.append((guard.held_here, guard.active))
+        other = threading.Thread(target=lambda: seen.append((guard.held_here, guard.active)))
+        other.start()
+        other.join()
+
+    asyncio.run(guard.in_thread(work))
+    assert seen == [(True, 1), (False, 1)]
+    assert not guard.held_here and guard.active == 0
 
 
 def test_wait_idle_returns_at_the_deadline_while_a_call_runs() -> None:
@@ -79,9 +83,11 @@ def _slow_reader(state: ServiceState, inside: threading.Event, release: threadin
         release.wait(10)
         copied.append(bytes(payload) if payload is not None else None)  # reads the mapped page
 
-    def run() -> None:
+    def run() -> None:  # as a route hands its store work to a thread
         try:
-            state.cache.match_prefix(NAMESPACE, TOKENS, with_payloads=True, sink=sink)
+            state.guard.counted(state.cache.match_prefix)(
+                NAMESPACE, TOKENS, with_payloads=True, sink=sink
+            )
         except Exception as exc:
             copied.append(exc)
 
@@ -110,7 +116,7 @@ def test_stop_waits_for_a_read_inside_its_transaction_before_closing(tmp_path: P
         await running.stop()
         took = time.monotonic() - started
         with pytest.raises(NotReady):  # a read after the stop is refused, not a crash
-            state.cache.match_prefix(NAMESPACE, TOKENS, with_payloads=True)
+            await state.in_thread(state.cache.match_prefix, NAMESPACE, TOKENS, with_payloads=True)
         return copied, took, release.is_set()
 
     copied, took, released = asyncio.run(run())

@@ -15,7 +15,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from cache_service.core.capacity import EVICT_BATCH_BLOCKS, Capacity
+from cache_service.core.capacity import EVICT_BATCH_BLOCKS
 from cache_service.core.errors import StorageError
 
 log = logging.getLogger("cache_service")
@@ -49,12 +49,13 @@ async def repeat(interval_seconds: float, job: Callable[[], Awaitable[Any]], nam
                 logged_at = None
 
 
-def disk_check(capacity: Capacity) -> Callable[[], Awaitable[None]]:
-    """The disk check job: measure the room the store's file system has left (its warning,
-    rate-limited, is the capacity's; the gauges read the same measure at scrape time)."""
+def disk_check(measure: Callable[[], object]) -> Callable[[], Awaitable[None]]:
+    """The disk check job: `measure` (the capacity's `disk`, counted by the store guard) the
+    room the store's file system has left (its warning, rate-limited, is the capacity's; the
+    gauges read the same measure at scrape time)."""
 
     async def check() -> None:
-        await asyncio.to_thread(capacity.disk)
+        await asyncio.to_thread(measure)
 
     return check
 

@@ -13,8 +13,8 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cache_service.service.api.guard import NotReady
 from cache_service.service.api.problems import refuse
-from cache_service.service.api.state import NotReady
 
 
 class AnswerCancelled:

@@ -1,13 +1,16 @@
-"""StoreGuard: counts every call inside the store, from any thread, so that a stop closes the
-store only when no thread holds a transaction.
+"""StoreGuard: counts the store work handed to threads, so that a stop closes the store only
+when no thread holds a transaction.
 
 Why: a request or job runs its store work in a worker thread, and cancelling the task that
 awaits it does not stop the thread. py-lmdb 3.0's `Environment.close()` under a live write
 transaction waits for its owner forever (the owner's next call raises and the traceback keeps
 the transaction alive); under a live read transaction it unmaps the file beneath the reader
-(a payload view read after that is a segmentation fault). So every store call is counted
-here, wherever it comes from (routes, operators, /metrics collectors, background jobs), and
-once the stop closes the guard new calls are refused with 503 instead of starting.
+(a payload view read after that is a segmentation fault). So every piece of work that may
+call the store is counted where it is handed to a thread (`in_thread`, `counted`: routes,
+operators, the write gate, background jobs, the /metrics collectors), and once the stop
+closes the guard new work is refused with 503 instead of starting. Calls made on the event
+loop's own thread need no count: the stop runs there too, so none can be in progress when
+it closes the store.
 """
 
 from __future__ import annotations
@@ -18,49 +21,82 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import wraps
-from typing import Any, TypeVar, cast
+from typing import ParamSpec, TypeVar
 
-from cache_service.core.store.protocols import BlockStore
-from cache_service.service.api.state import NotReady
+from starlette.concurrency import run_in_threadpool
+
+from cache_service.core.errors import StorageError
 
 _IDLE_POLL_SECONDS = 0.01
 T = TypeVar("T")
+P = ParamSpec("P")
+
+
+class NotReady(StorageError):
+    """The service is starting or stopping; its store is not open."""
+
+    status = 503
+    problem = "not-ready"
+    title = "Service not ready"
 
 
 class StoreGuard:
-    """Counts the calls in progress inside one store; once closed, refuses new ones."""
+    """Counts the store work in progress in threads; once closed, refuses new work."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._active = 0
         self._closed = False
-        self._admitted = threading.local()  # the stop's own last calls, let through
+        self._thread = threading.local()  # this thread's depth of counted work; admitted
 
     @property
     def active(self) -> int:
-        """Store calls in progress, in any thread."""
+        """Pieces of store work in progress, in any thread."""
         return self._active
 
     @property
     def closed(self) -> bool:
-        """Whether new calls are refused."""
+        """Whether new work is refused."""
         return self._closed
+
+    @property
+    def held_here(self) -> bool:
+        """Whether the calling thread is inside counted work (what a check of the hand-offs
+        asserts for every store call off the event loop)."""
+        return getattr(self._thread, "depth", 0) > 0
 
     @contextmanager
     def call(self) -> Iterator[None]:
-        """Count one store call; NotReady (503) if the guard is closed."""
+        """Count one piece of store work; NotReady (503) if the guard is closed."""
+        here = self._thread
         with self._lock:
-            if self._closed and not getattr(self._admitted, "yes", False):
+            if self._closed and not getattr(here, "admitted", False):
                 raise NotReady("the service is stopping; its store takes no new work")
             self._active += 1
+        here.depth = getattr(here, "depth", 0) + 1
         try:
             yield
         finally:
+            here.depth -= 1
             with self._lock:
                 self._active -= 1
 
+    def counted(self, work: Callable[P, T]) -> Callable[P, T]:
+        """`work` counted by this guard whenever it runs (for a thread to run)."""
+
+        @wraps(work)
+        def run(*args: P.args, **kwargs: P.kwargs) -> T:
+            with self.call():
+                return work(*args, **kwargs)
+
+        return run
+
+    async def in_thread(self, work: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run `work` in a worker thread, counted: the hand-off of every route's store work."""
+        return await run_in_threadpool(self.counted(work), *args, **kwargs)
+
     def close(self) -> None:
-        """Refuse every store call from now on (calls in progress go on)."""
+        """Refuse new store work from now on (work in progress goes on)."""
         with self._lock:
             self._closed = True
 
@@ -68,53 +104,18 @@ class StoreGuard:
         """`work` run past a closed guard (still counted): the stop's final touch flush."""
 
         def run() -> T:
-            self._admitted.yes = True
+            self._thread.admitted = True
             try:
-                return work()
+                with self.call():
+                    return work()
             finally:
-                self._admitted.yes = False
+                self._thread.admitted = False
 
         return run
 
     async def wait_idle(self, deadline: float) -> bool:
-        """Wait until no store call is in progress, at most until `deadline` (monotonic);
-        whether none is. Polled: the calls end in threads that cannot wake the loop."""
+        """Wait until no store work is in progress, at most until `deadline` (monotonic);
+        whether none is. Polled: the work ends in threads that cannot wake the loop."""
         while self._active and time.monotonic() < deadline:
             await asyncio.sleep(min(_IDLE_POLL_SECONDS, max(deadline - time.monotonic(), 0)))
         return not self._active
-
-    def wrap(self, store: BlockStore) -> BlockStore:
-        """The store as the cache should see it: each method call counted by this guard."""
-        return cast(BlockStore, GuardedStore(store, self))
-
-
-class GuardedStore:
-    """A store whose every method call (a transaction, or a batch of them) is counted by a
-    StoreGuard; attributes read and written pass through to the store."""
-
-    def __init__(self, store: BlockStore, guard: StoreGuard) -> None:
-        object.__setattr__(self, "_store", store)
-        object.__setattr__(self, "_guard", guard)
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._store, name)
-        if not callable(value):
-            return value
-        if name == "batch":  # a context manager: counted for the whole `with` block
-            return self._batch
-        guard = self._guard
-
-        @wraps(value)
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            with guard.call():
-                return value(*args, **kwargs)
-
-        return counted
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._store, name, value)
-
-    @contextmanager
-    def _batch(self) -> Iterator[None]:
-        with self._guard.call(), self._store.batch():
-            yield

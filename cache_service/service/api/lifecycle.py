@@ -108,7 +108,7 @@ class ServiceLifecycle:
             raise
         try:
             # The capacity may have been lowered since the data was written.
-            await run_in_threadpool(self._running.state.cache.capacity.enforce)
+            await self._running.state.in_thread(self._running.state.cache.capacity.enforce)
             hub = self._running.state.kv_events
             if hub is not None:  # its start waits for the subscriber's sockets: off the loop
                 await run_in_threadpool(hub.start)
@@ -142,12 +142,14 @@ class ServiceLifecycle:
     def _wire(self, opened: OpenedStore) -> _Running:
         settings, metrics = self.settings, self.metrics
         engines = settings.kv_event_engines()  # first: a file gone since validation opens nothing
-        # Everything reaches the store through the guard (routes, operators, collectors,
-        # jobs), so that the stop knows when no thread is inside it.
+        # Store work reaches a thread only through the guard (routes, operators, the write
+        # gate, jobs, the collectors that scrapes run), so that the stop knows when no thread
+        # is inside the store.
         guard = StoreGuard()
         capacity_bytes = store_capacity(opened, settings)
-        cache = self._build_cache(guard.wrap(opened.store), capacity_bytes)
-        collector = StoreCollector(cache.capacity.usage, capacity_bytes, disk=cache.capacity.disk)
+        cache = self._build_cache(opened.store, capacity_bytes)
+        usage, disk = guard.counted(cache.capacity.usage), guard.counted(cache.capacity.disk)
+        collector = StoreCollector(usage, capacity_bytes, disk=disk)
         metrics.scrape_registry.register(collector)
         # Jobs one worker process runs are elected through lock files beside the data;
         # a store with no such folder has a single process, which runs them all.
@@ -166,7 +168,7 @@ class ServiceLifecycle:
             else None
         )
         quotas = QuotaBook(list(self.keys), folder) if self.keys is not None else None
-        writes = WriteGate(settings.max_pending_writes)
+        writes = WriteGate(settings.max_pending_writes, guard)
         state = ServiceState(cache, metrics, settings, opened.kind, writes, usage_log, quotas)
         running = _Running(opened, state, guard, collector, sweeper_lock, metrics_port)
         remote = opened.store.remote
@@ -203,7 +205,11 @@ class ServiceLifecycle:
         # follows it even while nothing is written or scraped.
         workers.append(
             asyncio.create_task(
-                repeat(DISK_CHECK_SECONDS, disk_check(cache.capacity), "disk check")
+                repeat(
+                    DISK_CHECK_SECONDS,
+                    disk_check(running.guard.counted(cache.capacity.disk)),
+                    "disk check",
+                )
             )
         )
         workers.append(

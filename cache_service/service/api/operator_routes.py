@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -61,7 +60,7 @@ async def explain(request: Request) -> Response:
     """The same body as a lookup; answers the first unmatched block and the reason."""
     state = service_state(request)
     raw, binary = await read_prompt_body(request, state.settings)
-    options, tokens = await run_in_threadpool(
+    options, tokens = await state.in_thread(
         parse_lookup, raw, binary, ExplainRequest, ExplainHeader
     )
     assert isinstance(options, ExplainHeader)
@@ -69,7 +68,7 @@ async def explain(request: Request) -> Response:
     namespace = namespace_of(options, tenant_for(caller, options.tenant))
     limit = state.settings.max_tokens_per_request
     check_count("tokens", tokens_in(tokens), limit, "max_tokens_per_request")
-    found = await run_in_threadpool(
+    found = await state.in_thread(
         lambda: state.operators.explain(
             namespace,
             tokens,
@@ -133,7 +132,7 @@ async def pin(request: Request) -> Response:
             pinned_share=state.settings.pinned_share,
             tenants=len(state.metrics.tenants),
         )
-    record, new = await run_in_threadpool(
+    record, new = await state.in_thread(
         lambda: state.operators.pin(
             call.namespace, call.body.tokens, keys=call.keys, block_size=call.body.block_size,
             by=caller.id, rank=int(caller.role), limits=limits,
@@ -155,7 +154,7 @@ async def unpin(request: Request) -> Response:
     """Release the pin of exactly this prefix; its blocks then expire as if just used under
     the longest retention class, unless another pin holds them."""
     call = await _pin_request(request)
-    released = await run_in_threadpool(
+    released = await call.state.in_thread(
         lambda: call.state.operators.unpin(
             call.namespace, call.body.tokens, keys=call.keys, block_size=call.body.block_size,
             rank=int(call.caller.role),
@@ -174,7 +173,7 @@ async def pins(request: Request, tenant: str | None = None) -> dict[str, Any]:
     state = service_state(request)
     caller = principal(request)
     chosen = tenant_for(caller, tenant)
-    found = await run_in_threadpool(
+    found = await state.in_thread(
         lambda: state.operators.pins(chosen, reveal_salts=caller.role >= Role.ADMIN)
     )
     return {"tenant": chosen, "pins": found}
@@ -199,7 +198,7 @@ async def purge(request: Request) -> Response:
     elif body.kv_layout is not None or body.salt is not None or body.tokens is not None:
         raise InvalidField("model", "a namespace or prefix purge names its model")
     # On a full disk a purge may need the disk reserve to start: it frees room, for good.
-    result = await run_in_threadpool(
+    result = await state.in_thread(
         state.cache.capacity.on_full_disk,
         lambda: state.operators.purge(
             tenant, namespace=namespace, tokens=body.tokens, block_size=body.block_size

@@ -7,7 +7,6 @@ from typing import Any
 import orjson
 from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -78,10 +77,10 @@ async def lookup(request: Request) -> Response:
     caller = principal(request)
     raw, binary = await read_prompt_body(request, state.settings)
     if not binary and len(raw) >= INLINE_BODY_BYTES:  # parsing a long JSON array takes a while
-        return await run_in_threadpool(lambda: _lookup(state, caller, *parse_lookup(raw, binary)))
+        return await state.in_thread(lambda: _lookup(state, caller, *parse_lookup(raw, binary)))
     options, tokens = parse_lookup(raw, binary)
     if options.fetch:  # copies payloads: never on the event loop
-        return await run_in_threadpool(_lookup, state, caller, options, tokens)
+        return await state.in_thread(_lookup, state, caller, options, tokens)
     return _lookup(state, caller, options, tokens)
 
 
@@ -198,7 +197,7 @@ async def fetch_blocks(request: Request) -> Response:
         found += payload is not None
 
     namespace = namespace_of(body, principal(request).tenant)
-    await run_in_threadpool(state.cache.read_payloads, namespace, keys, add)
+    await state.in_thread(state.cache.read_payloads, namespace, keys, add)
     return FramesResponse(FetchHeader(model=body.model, requested=len(keys), found=found), frames)
 
 
@@ -251,7 +250,7 @@ async def stats_report(state: ServiceState) -> dict[str, Any]:
     """The body of GET /v1/stats; the status page shows this very report, so the two cannot
     disagree."""
     capacity = state.cache.capacity
-    usage = await run_in_threadpool(capacity.usage)
+    usage = await state.in_thread(capacity.usage)
     by_class = {}
     for name in state.cache.config.retention.classes:
         hits, misses = state.metrics.token_totals(name)
@@ -262,10 +261,10 @@ async def stats_report(state: ServiceState) -> dict[str, Any]:
         by_tenant[tenant] = {
             "hit_tokens": hits,
             "miss_tokens": misses,
-            "estimated_bytes": await run_in_threadpool(capacity.tenant_bytes, tenant),
+            "estimated_bytes": await state.in_thread(capacity.tenant_bytes, tenant),
             "capacity_bytes": capacity.tenant_capacity_bytes.get(tenant),
         }
-    room = await run_in_threadpool(capacity.disk)  # a statvfs; None for a store not on disk
+    room = await state.in_thread(capacity.disk)  # a statvfs; None for a store not on disk
     return {
         "blocks": usage.blocks,
         "payload_bytes": usage.payload_bytes,
@@ -299,7 +298,7 @@ async def healthz() -> dict[str, str]:
 async def readyz(request: Request) -> Response:
     """Readiness: the store is open and a read succeeds."""
     state = service_state(request)  # 503 problem while starting or stopping
-    await run_in_threadpool(state.cache.capacity.usage)  # a store error becomes a problem answer
+    await state.in_thread(state.cache.capacity.usage)  # a store error becomes a problem answer
     return JSONResponse({"status": "ready"})
 
 
@@ -307,5 +306,5 @@ async def readyz(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     """Prometheus text exposition of the service's registry."""
     state = service_state(request)
-    output = await run_in_threadpool(generate_latest, state.metrics.scrape_registry)
+    output = await state.in_thread(generate_latest, state.metrics.scrape_registry)
     return Response(output, media_type=CONTENT_TYPE_LATEST)

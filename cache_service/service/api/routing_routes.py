@@ -9,7 +9,6 @@ from typing import Annotated, Any
 import orjson
 from fastapi import APIRouter
 from pydantic import Field
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -91,7 +90,7 @@ async def route(request: Request) -> Response:
     body = await read_request_json(request, state.settings, RouteRequest)
     namespace = namespace_of(body, principal(request).tenant)
     if len(body.tokens) >= INLINE_TOKENS:
-        answer = await run_in_threadpool(_answer, state, body, namespace)
+        answer = await state.in_thread(_answer, state, body, namespace)
     else:
         answer = _answer(state, body, namespace)
     return Response(orjson.dumps(answer), media_type=JSON)

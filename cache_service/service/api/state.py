@@ -6,14 +6,15 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import ParamSpec, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from cache_service.core.cache import PrefixCache
-from cache_service.core.errors import Overloaded, StorageError
+from cache_service.core.errors import Overloaded
 from cache_service.core.operators import Operators
+from cache_service.service.api.guard import NotReady, StoreGuard
 from cache_service.service.kv_events.hub import KvEventsHub
 from cache_service.service.metrics import CacheMetrics
 from cache_service.service.quotas import QuotaBook
@@ -23,6 +24,7 @@ from cache_service.service.usage import UsageLog
 
 _IDLE_POLL_SECONDS = 0.01
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class WriteGate:
@@ -31,9 +33,10 @@ class WriteGate:
     single writer, and the threads it would have held stay free for reads. It also counts
     every write still running in a thread, so that a stop can wait for them all."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, guard: StoreGuard | None = None) -> None:
         self.limit = limit
         self.pending = 0
+        self.guard = guard or StoreGuard()  # the service's: every write is counted there too
 
     async def run(self, work: Callable[[], T], *, refusable: bool = True) -> T:
         """Run one store write's `work` in a worker thread, holding a place until the
@@ -55,7 +58,7 @@ class WriteGate:
 
         async def held() -> T:
             try:
-                return await run_in_threadpool(work)
+                return await run_in_threadpool(self.guard.counted(work))
             finally:
                 self.pending -= 1
 
@@ -94,13 +97,14 @@ class ServiceState:
     def __post_init__(self) -> None:
         self.operators = Operators.for_cache(self.cache)
 
+    @property
+    def guard(self) -> StoreGuard:
+        """What a stop waits on: the store work in threads (the write gate's guard)."""
+        return self.writes.guard
 
-class NotReady(StorageError):
-    """The service is starting or stopping; its store is not open."""
-
-    status = 503
-    problem = "not-ready"
-    title = "Service not ready"
+    async def in_thread(self, work: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run store work in a worker thread, counted by the guard (see api.guard)."""
+        return await self.writes.guard.in_thread(work, *args, **kwargs)
 
 
 def service_state(request: Request) -> ServiceState:
