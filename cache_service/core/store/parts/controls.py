@@ -25,15 +25,18 @@ from cache_service.core.store.parts import pins, subtrees
 from cache_service.core.store.parts.backend import FIRSTS, Txn
 from cache_service.core.store.parts.batches import in_batches
 from cache_service.core.store.parts.codec import COLLISION, HIT
-from cache_service.core.store.parts.records import release
+from cache_service.core.store.parts.records import Records, release
 from cache_service.core.store.parts.removals import hint_prefix, parse_hint
-from cache_service.core.store.parts.store_parts import StoreParts
+from cache_service.core.store.parts.txns import Transactions
 
 PURGE_BATCH_BLOCKS = 1024  # blocks per write transaction at most: writers never wait long
 
 
-class Controls(StoreParts):
+class Controls:
     """OperatorControls over transactions and block records."""
+
+    txns: Transactions  # both set by ComposedStore, whose base this is
+    records: Records
 
     # -- pins ---------------------------------------------------------------------------------
 

@@ -31,8 +31,10 @@ from cache_service.core.errors import MissingParent
 from cache_service.core.eviction import Use
 from cache_service.core.store.parts.backend import Txn
 from cache_service.core.store.parts.codec import checksum
+from cache_service.core.store.parts.damage import DamageLog
+from cache_service.core.store.parts.records import Records
 from cache_service.core.store.parts.removals import record_first_block
-from cache_service.core.store.parts.store_parts import StoreParts
+from cache_service.core.store.parts.txns import Transactions
 
 PayloadSink = Callable[[int, "bytes | memoryview | None"], None]
 
@@ -50,8 +52,12 @@ def collect_payloads(
     return out, read(keep)
 
 
-class DataPath(StoreParts):
+class DataPath:
     """match, payload reads, insert and touch over transactions and block records."""
+
+    txns: Transactions  # these three are set by ComposedStore, whose base this is
+    records: Records
+    damage: DamageLog
 
     def match(
         self,

@@ -12,14 +12,17 @@ from cache_service.core.blocks import BlockKey, BlockMeta, Evicted, NamespaceId,
 from cache_service.core.store.parts import expiry, subtrees
 from cache_service.core.store.parts.backend import EXPIRY, SORT_KEY_BYTES, VICTIMS, Txn
 from cache_service.core.store.parts.records import Records, evicted_record
-from cache_service.core.store.parts.store_parts import StoreParts
+from cache_service.core.store.parts.txns import Transactions
 
 SCAN_FIRST = 4  # most scans need one entry: start small, widen when entries are skipped
 SCAN_MOST = 1024
 
 
-class Evictions(StoreParts):
+class Evictions:
     """evict, evict_tenant and remove_subtree over transactions and block records."""
+
+    txns: Transactions  # both set by ComposedStore, whose base this is
+    records: Records
 
     def evict(
         self,

@@ -29,18 +29,22 @@ from cache_service.core.blocks import KEY_BYTES, BlockKey, BlockMeta, Evicted, S
 from cache_service.core.store.parts import pins, subtrees
 from cache_service.core.store.parts.backend import Txn
 from cache_service.core.store.parts.codec import checksum, record_size
-from cache_service.core.store.parts.damage import Salvage
-from cache_service.core.store.parts.records import evicted_record, release
-from cache_service.core.store.parts.store_parts import StoreParts
+from cache_service.core.store.parts.damage import DamageLog, Salvage
+from cache_service.core.store.parts.records import Records, evicted_record, release
 from cache_service.core.store.parts.subtrees import REMOVE_BATCH_BLOCKS, Target
+from cache_service.core.store.parts.txns import Transactions
 from cache_service.core.store.protocols import Dropped
 
 log = logging.getLogger("cache_service")
 REASON = "corrupt"
 
 
-class Repairs(StoreParts):
+class Repairs:
     """drop_damaged over transactions, block records and the backend's damage log."""
+
+    txns: Transactions  # these three are set by ComposedStore, whose base this is
+    records: Records
+    damage: DamageLog
 
     def damage_pending(self) -> int:
         """How many damaged blocks wait for `drop_damaged`."""
