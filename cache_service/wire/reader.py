@@ -12,6 +12,7 @@ taken as decoded, unchecked.
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from typing import Any, NamedTuple, TypeVar
@@ -80,7 +81,10 @@ def _value(kind: Any, value: object, path: str) -> Any:
         _, item = typing.get_args(kind)  # JSON object keys are strings
         if not isinstance(value, dict):
             raise UnreadableAnswer(f"field {path!r} is missing or not an object")
-        return {name: _value(item, element, f"{path}[{name!r}]") for name, element in value.items()}
+        return {
+            name: _value(item, element, f"{path}[{json.dumps(name, ensure_ascii=False)}]")
+            for name, element in value.items()
+        }
     if typing.get_origin(kind) is list:
         (item,) = typing.get_args(kind)
         if not isinstance(value, list):
