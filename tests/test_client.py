@@ -18,8 +18,9 @@ import pytest
 
 from cache_service.client import AsyncCacheClient, CacheClient, Match, StoreResult, Usage
 from cache_service.core.blocks import BlockKey
-from cache_service.core.errors import InvalidField, ServiceError, ServiceUnavailable
+from cache_service.core.errors import InvalidAnswer, InvalidField, ServiceError, ServiceUnavailable
 from cache_service.core.framing import MEDIA_TYPE, decode_frames, encode_frames, join_frames
+from tests.wire_samples import info_body, sample_info
 
 BASE_URL = "http://cache.test"
 KEY_A = "0123456789abcdef0123456789abcdef"
@@ -408,12 +409,26 @@ def test_get_blocks_answer_with_a_frame_per_key_missing_is_invalid(connect: Any)
     assert caught.value.status == 502
 
 
-def test_info_and_stats_return_the_json_objects(connect: Any) -> None:
-    service = Service(lambda request: httpx.Response(200, json={"path": request.url.path}))
+def test_info_reads_the_typed_answer_and_stats_returns_the_json_object(connect: Any) -> None:
+    bodies = {"/v1/info": info_body(models={"llama": 16}), "/v1/stats": {"path": "/v1/stats"}}
+    service = Service(lambda request: httpx.Response(200, json=bodies[request.url.path]))
     client = connect(service)
-    assert client.info() == {"path": "/v1/info"}
+    info = client.info()
+    assert info == sample_info(models={"llama": 16})
+    assert (info.block_size_for("llama"), info.block_size_for("other")) == (16, 64)
     assert client.stats() == {"path": "/v1/stats"}
     assert [request.method for request in service.requests] == ["GET", "GET"]
+
+
+def test_an_info_without_its_declared_shape_is_an_invalid_answer_naming_the_field(
+    connect: Any,
+) -> None:
+    body = info_body()
+    del body["limits"]["max_body_size"]
+    with pytest.raises(InvalidAnswer) as caught:
+        connect(Service(answer_json(body))).info()
+    assert caught.value.status == 502
+    assert "'limits.max_body_size'" in caught.value.detail
 
 
 def test_healthy_asks_healthz_or_readyz(connect: Any) -> None:
@@ -431,7 +446,7 @@ def test_healthy_is_false_when_the_service_is_unreachable(connect: Any) -> None:
 
 def test_the_timeout_applies_to_every_phase(connect: Any) -> None:
     service = Service(answer_json({}))
-    connect(service, timeout=1.5).info()
+    connect(service, timeout=1.5).stats()
     assert service.requests[-1].extensions["timeout"] == dict.fromkeys(
         ("connect", "read", "write", "pool"), 1.5
     )

@@ -93,7 +93,7 @@ def test_a_base_url_without_an_http_scheme_and_host_is_refused_at_creation(
 @pytest.mark.parametrize("url", ["http://cache.test", "https://cache.test/prefix", "HTTP://X:1"])
 def test_http_and_https_base_urls_are_accepted(url: str) -> None:
     with CacheClient(url, transport=httpx.MockTransport(answer_json({}))) as client:
-        assert client.info() == {}
+        assert client.stats() == {}
 
 
 # Errors name the URL ------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from cache_service.integrations.vllm.counters import Counters
 from cache_service.integrations.vllm.options import ConnectorOptions
 from cache_service.integrations.vllm.scheduler_side import PromptRequest, SchedulerSide
 from tests.vllm_layout import TEST_LAYOUT
+from tests.wire_samples import info_body
 
 LAYOUT = TEST_LAYOUT
 KEY = "0" * 32
@@ -40,7 +41,9 @@ def _service(
 ) -> Callable[[httpx.Request], httpx.Response]:
     def answer(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/info":
-            return httpx.Response(200, json={"block_size": {"default": block_size, "models": {}}})
+            body = info_body()
+            body["block_size"]["default"] = block_size  # of any type: answers of other shapes
+            return httpx.Response(200, json=body)
         time.sleep(delay)
         body = {
             "model": "m",

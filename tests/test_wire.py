@@ -1,9 +1,10 @@
 """The client reads what the OpenAPI document says the service sends: answers drawn from the
 document's own schemas parse, keep every field, and the client reads no field the document
-lacks."""
+lacks; the service's reports read back to the very bytes it sent."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 import types
@@ -18,12 +19,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache_service.client import CacheClient, Match, RouteAnswer
+from cache_service.client import AsyncCacheClient, CacheClient, Match, RouteAnswer
 from cache_service.core.framing import MEDIA_TYPE, encode_frames, join_frames
 from cache_service.service.api import create_app
 from cache_service.service.settings import Settings
-from cache_service.wire import answers
+from cache_service.wire import answers, reports
 from cache_service.wire.reader import UnreadableAnswer, read
+from tests.wire_samples import sample_info
 
 JSON = "application/json"
 REF_PREFIX = "#/components/schemas/"
@@ -37,7 +39,21 @@ ANSWERS: list[tuple[str, str, type[Any]]] = [
     ("/v1/blocks", JSON, answers.StoreResponse),
     ("/v1/blocks/fetch", MEDIA_TYPE, answers.FetchHeader),
     ("/v1/route", JSON, answers.RouteResponse),
+    ("/v1/info", JSON, reports.InfoResponse),
+    ("/v1/stats", JSON, reports.StatsResponse),
 ]
+TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=8)  # what JSON can carry
+# Any JSON value, where a schema allows one (the kv_events section of /v1/stats); integers in
+# the range a JSON encoder writes.
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**63 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | TEXT,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
+    max_leaves=8,
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +65,8 @@ def document(tmp_path_factory: pytest.TempPathFactory) -> Document:
 
 def answer_schema(document: Document, path: str, media: str) -> Document:
     """The schema of a route's 200 answer (for frames, of their JSON header)."""
-    content = document["paths"][path]["post"]["responses"]["200"]["content"][media]
+    (operation,) = document["paths"][path].values()  # each answer's path has one method
+    content = operation["responses"]["200"]["content"][media]
     ref = content["x-frame-header"] if media == MEDIA_TYPE else content["schema"]
     return resolve(document, ref)
 
@@ -66,6 +83,10 @@ def instances(document: Document, schema: Document) -> st.SearchStrategy[Any]:
     if "anyOf" in schema:
         return st.one_of([instances(document, branch) for branch in schema["anyOf"]])
     kind = schema.get("type")
+    if kind == "object" and "properties" not in schema:  # a mapping: names to values of a kind
+        values = schema.get("additionalProperties", True)
+        inner = JSON_VALUES if values is True else instances(document, values)
+        return st.dictionaries(TEXT, inner, max_size=3)
     if kind == "object":
         properties = {
             name: instances(document, item) for name, item in schema["properties"].items()
@@ -79,7 +100,8 @@ def instances(document: Document, schema: Document) -> st.SearchStrategy[Any]:
         return st.lists(instances(document, schema["items"]), max_size=3)
     scalars: dict[str, st.SearchStrategy[Any]] = {
         "integer": st.integers(min_value=-1, max_value=6),
-        "string": st.text(st.characters(exclude_categories=("Cs",)), max_size=8),
+        "number": st.integers(min_value=-1, max_value=6) | st.floats(-1e9, 1e9),
+        "string": TEXT,
         "boolean": st.booleans(),
         "null": st.none(),
     }
@@ -115,6 +137,9 @@ def ask(path: str, media: str, body: Document) -> Any:
         ("/v1/blocks", JSON): lambda: client.store("m", [1, 2, 3], [b"kv"]),
         ("/v1/blocks/fetch", MEDIA_TYPE): lambda: client.get_blocks("m", [KEY] * body["requested"]),
         ("/v1/route", JSON): lambda: client.route("m", [1, 2, 3]),
+        ("/v1/info", JSON): client.info,
+        # stats (an admin's call) returns the JSON object: read with the wire's reader here
+        ("/v1/stats", JSON): lambda: read(reports.StatsResponse, client.stats()),
     }
     with client:
         kept = calls[path, media]()
@@ -200,6 +225,8 @@ def _answer_branches(schema: Document) -> list[Document]:
         return [schema]
     if "items" in schema:
         return _answer_branches(schema["items"])
+    if isinstance(schema.get("additionalProperties"), dict):  # a mapping's values
+        return _answer_branches(schema["additionalProperties"])
     return [branch for item in schema.get("anyOf", ()) for branch in _answer_branches(item)]
 
 
@@ -220,6 +247,69 @@ def test_a_miss_is_the_empty_answer() -> None:
     miss = _miss()
     assert (miss.matched_blocks, miss.cached_tokens, miss.keys) == (0, 0, [])
     assert miss.usage == answers.Usage(prompt_cache_hit_tokens=0, prompt_cache_miss_tokens=12)
+
+
+def test_a_value_of_a_mapping_is_named_by_its_key() -> None:
+    body = orjson.loads(orjson.dumps(_stats()))
+    body["retention"]["chat"]["miss_tokens"] = "12"
+    with pytest.raises(UnreadableAnswer, match=re.escape("""'retention["chat"].miss_tokens'""")):
+        read(reports.StatsResponse, body)
+
+
+def test_an_integer_is_a_float_but_a_float_no_integer() -> None:
+    body = orjson.loads(orjson.dumps(_stats()))
+    body["tenants"]["t"]["estimated_bytes"] = 1.0
+    with pytest.raises(UnreadableAnswer, match=re.escape("""'tenants["t"].estimated_bytes'""")):
+        read(reports.StatsResponse, body)
+    info = orjson.loads(orjson.dumps(sample_info()))
+    info["retention"]["classes"]["chat"] = 86400  # a TTL the JSON writes without a fraction
+    ttl = read(reports.InfoResponse, info).retention.classes["chat"]
+    assert (ttl, type(ttl)) == (86400.0, float)
+
+
+def test_the_kv_events_section_is_taken_as_the_hub_reports_it() -> None:
+    body = orjson.loads(orjson.dumps(_stats()))
+    body["kv_events"] = {"e": {"live": True, "endpoints": ["tcp://h:1"], "down_since": None}}
+    assert read(reports.StatsResponse, body).kv_events == body["kv_events"]
+
+
+def test_the_service_s_reports_read_back_to_the_bytes_it_sent() -> None:
+    """What the client reads of /v1/info and /v1/stats is all the service wrote, byte for
+    byte (a service in this process, its store in memory)."""
+    app = create_app(Settings(store="memory://", model_block_size="m=16", retention="chat=1.5d"))
+
+    async def exchange() -> tuple[bytes, reports.InfoResponse, bytes, reports.StatsResponse]:
+        transport = httpx.ASGITransport(app=app)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=transport, base_url="http://service") as http,
+            AsyncCacheClient("http://service", transport=transport) as client,
+        ):
+            info, stats = await http.get("/v1/info"), await http.get("/v1/stats")
+            read_stats = read(reports.StatsResponse, await client.stats())
+            return info.content, await client.info(), stats.content, read_stats
+
+    info_bytes, info, stats_bytes, stats = asyncio.run(exchange())
+    assert orjson.dumps(info) == info_bytes
+    assert (info.block_size_for("m"), info.retention.classes) == (16, {"chat": 129600.0})
+    assert orjson.dumps(stats) == stats_bytes
+
+
+def _stats() -> reports.StatsResponse:
+    tenant = reports.StatsTenant(
+        hit_tokens=1, miss_tokens=2, estimated_bytes=3, capacity_bytes=None
+    )
+    return reports.StatsResponse(
+        blocks=0,
+        payload_bytes=0,
+        used_bytes=0,
+        capacity_bytes=None,
+        disk=None,
+        pending_touches=0,
+        retention={"chat": reports.StatsTokens(hit_tokens=0, miss_tokens=0)},
+        tenants={"t": tenant},
+        kv_events=None,
+    )
 
 
 def _miss() -> answers.LookupResponse:

@@ -5,7 +5,8 @@ The twins share everything but the I/O call (as httpx's BaseClient -> Client / A
 fail-open state; a twin only sends. Errors:
 
 - a problem answer (any non-2xx) raises `ServiceError(status, problem_body)`;
-- a 2xx answer the client cannot parse raises `ServiceError(502, ...)`, as a gateway would;
+- a 2xx answer the client cannot parse raises `InvalidAnswer`, a `ServiceError(502, ...)`, as a
+  gateway would;
 - a transport error or timeout raises `ServiceUnavailable` (503).
 
 With `fail_open=True`, the data-path calls (lookup, get_blocks, store, put_prefix) turn
@@ -23,6 +24,10 @@ naming the URL and the error. A base URL without http:// or https:// is refused 
 `RouteAnswer`: `instances` best first (an `InstanceHold` per engine and medium), `store` (the
 cache's own share), `best`; it never fails open, as a router must know it had no answer.
 
+`info` answers a `ServiceInfo` (GET /v1/info: hashing, block sizes, retention, limits;
+`block_size_for(model)` the tokens per block the service cuts a model's prompts into), read and
+checked as the other answers are; `stats` (an admin's call) returns the JSON object as sent.
+
 `put_prefix` answers a `StoredBlocks`: an int, the blocks newly stored, whose `conflicts`
 counts blocks another writer had stored first with different bytes (the cache keeps those),
 and whose `as_sent` says whether the cache now holds every block sent with the bytes sent.
@@ -33,7 +38,14 @@ memoryviews into the answer, so fetching a prefix copies its bytes only off the 
 """
 
 from cache_service.client.aio import AsyncCacheClient
-from cache_service.client.answers import Match, Payload, StoredBlocks, StoreResult, Usage
+from cache_service.client.answers import (
+    Match,
+    Payload,
+    ServiceInfo,
+    StoredBlocks,
+    StoreResult,
+    Usage,
+)
 from cache_service.client.base import Clock
 from cache_service.client.failures import FailOpenCounts
 from cache_service.client.route_answer import InstanceHold, RouteAnswer, StoreHold
@@ -48,6 +60,7 @@ __all__ = [
     "Match",
     "Payload",
     "RouteAnswer",
+    "ServiceInfo",
     "StoreHold",
     "StoreResult",
     "StoredBlocks",

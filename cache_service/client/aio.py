@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Self
 import httpx
 
 from cache_service.client.aio_transport import AsyncStreamTransport
-from cache_service.client.answers import Match, Payload, StoredBlocks, StoreResult
+from cache_service.client.answers import Match, Payload, ServiceInfo, StoredBlocks, StoreResult
 from cache_service.client.base import _T, Clock, _BaseCacheClient, _Call
 from cache_service.client.route_answer import RouteAnswer, build_route_call
 from cache_service.core.blocks import BlockKey
@@ -200,12 +200,13 @@ class AsyncCacheClient(_BaseCacheClient):
             )
         )
 
-    async def info(self) -> dict[str, Any]:
+    async def info(self) -> ServiceInfo:
         """What a worker must agree with to share the cache: hashing, block sizes, limits."""
-        return await self._send(self._build_get("/v1/info"))
+        return await self._send(self._build_info())
 
     async def stats(self) -> dict[str, Any]:
-        """The store's size and the service's hit and miss tokens."""
+        """The store's size and the service's hit and miss tokens (an admin's call): the JSON
+        object as sent, shaped as `cache_service.wire.reports.StatsResponse`."""
         return await self._send(self._build_get("/v1/stats"))
 
     async def healthy(self, *, ready: bool = False) -> bool:

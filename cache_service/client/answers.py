@@ -1,10 +1,11 @@
-"""What the service answers: Usage, Match, StoreResult (and put_prefix's StoredBlocks), parsers.
+"""What the service answers: Usage, Match, StoreResult (and put_prefix's StoredBlocks),
+ServiceInfo, parsers.
 
-The answers are the service's own declarations (`cache_service.wire.answers`), read by
-`cache_service.wire.reader`; Match adds the payloads a fetch brings. A parser takes a 2xx
-`httpx.Response` and returns the typed answer, or raises `ServiceError(502, ...)` for an
-answer it cannot use; `_problem_error` turns a non-2xx answer into the `ServiceError` that
-carries its problem+json.
+The answers are the service's own declarations (`cache_service.wire.answers` and `.reports`),
+read by `cache_service.wire.reader`; Match adds the payloads a fetch brings. A parser takes a
+2xx `httpx.Response` and returns the typed answer, or raises `InvalidAnswer` (a
+`ServiceError(502, ...)`) for an answer it cannot use; `_problem_error` turns a non-2xx
+answer into the `ServiceError` that carries its problem+json.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from typing import Any
 import httpx
 import orjson
 
-from cache_service.core.errors import MalformedBody, ServiceError
+from cache_service.core.errors import InvalidAnswer, MalformedBody, ServiceError
 from cache_service.core.framing import MEDIA_TYPE, decode_frames
-from cache_service.wire import answers
+from cache_service.wire import answers, reports
 from cache_service.wire.reader import UnreadableAnswer, read_fields
 
 MAX_ERROR_TEXT_CHARS = 2000  # a non-JSON error body (an HTML page from a proxy) is cut here
@@ -28,6 +29,7 @@ Payload = bytes | memoryview  # bytes, or with copy=False a view into the answer
 
 Usage = answers.Usage
 StoreResult = answers.StoreResponse  # with identical_blocks and as_sent
+ServiceInfo = reports.InfoResponse  # with block_size_for(model)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,19 +85,6 @@ class StoredBlocks(int):
         return self.result.as_sent
 
 
-def _invalid_answer(detail: str) -> ServiceError:
-    """A 2xx answer the client cannot use: a 502, as a gateway reports a bad upstream."""
-    return ServiceError(
-        502,
-        {
-            "type": "about:blank",
-            "title": "Invalid answer from the service",
-            "status": 502,
-            "detail": detail,
-        },
-    )
-
-
 def _problem_error(response: httpx.Response) -> ServiceError:
     """The ServiceError of a non-2xx answer: its problem+json, or its text as the detail."""
     body: Any = None
@@ -123,19 +112,19 @@ def _json_object(response: httpx.Response) -> dict[str, Any]:
     try:
         body = orjson.loads(response.content)
     except orjson.JSONDecodeError as exc:
-        raise _invalid_answer(f"the answer is not JSON: {exc}") from None
+        raise InvalidAnswer(f"the answer is not JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise _invalid_answer("the answer is not a JSON object")
+        raise InvalidAnswer("the answer is not a JSON object")
     return body
 
 
 def _frames(response: httpx.Response) -> tuple[dict[str, Any], list[memoryview | None]]:
     if not _is_frames(response):
-        raise _invalid_answer(f"expected {MEDIA_TYPE}, got {response.headers.get('content-type')}")
+        raise InvalidAnswer(f"expected {MEDIA_TYPE}, got {response.headers.get('content-type')}")
     try:
         return decode_frames(response.content)
     except MalformedBody as exc:
-        raise _invalid_answer(exc.detail) from None
+        raise InvalidAnswer(exc.detail) from None
 
 
 def _read_fields(kind: type[Any], body: object) -> dict[str, Any]:
@@ -143,7 +132,7 @@ def _read_fields(kind: type[Any], body: object) -> dict[str, Any]:
     try:
         return read_fields(kind, body)
     except UnreadableAnswer as exc:
-        raise _invalid_answer(str(exc)) from None
+        raise InvalidAnswer(str(exc)) from None
 
 
 def _payload(frame: memoryview, copy: bool) -> Payload:
@@ -155,13 +144,13 @@ def _parse_match(response: httpx.Response, *, fetch: bool, copy: bool = True) ->
     if fetch:
         body, frames = _frames(response)
         if any(frame is None for frame in frames):
-            raise _invalid_answer("a lookup answer has an absent frame")
+            raise InvalidAnswer("a lookup answer has an absent frame")
         payloads = [_payload(frame, copy) for frame in frames if frame is not None]
     else:
         body = _json_object(response)
     match = Match(**_read_fields(answers.LookupResponse, body), payloads=payloads)
     if payloads is not None and len(payloads) != match.matched_blocks:
-        raise _invalid_answer(f"{len(payloads)} frames for {match.matched_blocks} matched blocks")
+        raise InvalidAnswer(f"{len(payloads)} frames for {match.matched_blocks} matched blocks")
     return match
 
 
@@ -181,11 +170,15 @@ def _parse_store(response: httpx.Response) -> StoreResult:
     return StoreResult(**_read_fields(answers.StoreResponse, _json_object(response)))
 
 
+def _parse_info(response: httpx.Response) -> ServiceInfo:
+    return ServiceInfo(**_read_fields(reports.InfoResponse, _json_object(response)))
+
+
 def _parse_blocks(
     response: httpx.Response, *, count: int, copy: bool = True
 ) -> list[Payload | None]:
     header, frames = _frames(response)
     _read_fields(answers.FetchHeader, header)  # held to its declaration, though not kept
     if len(frames) != count:
-        raise _invalid_answer(f"{len(frames)} frames for {count} requested keys")
+        raise InvalidAnswer(f"{len(frames)} frames for {count} requested keys")
     return [None if frame is None else _payload(frame, copy) for frame in frames]

@@ -19,10 +19,12 @@ import orjson
 from cache_service.client.answers import (
     Match,
     Payload,
+    ServiceInfo,
     StoreResult,
     _json_object,
     _missed_match,
     _parse_blocks,
+    _parse_info,
     _parse_match,
     _parse_store,
     _problem_error,
@@ -200,6 +202,10 @@ class _BaseCacheClient:
     @staticmethod
     def _build_get(path: str) -> _Call[dict[str, Any]]:
         return _Call("GET", path, _json_object)
+
+    @staticmethod
+    def _build_info() -> _Call[ServiceInfo]:
+        return _Call("GET", "/v1/info", _parse_info)
 
     def _short_circuit(self, call: _Call[_T]) -> Callable[[], _T] | None:
         """The call's miss while backing off (skip the network), else None."""

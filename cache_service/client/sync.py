@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import httpx
 
-from cache_service.client.answers import Match, Payload, StoredBlocks, StoreResult
+from cache_service.client.answers import Match, Payload, ServiceInfo, StoredBlocks, StoreResult
 from cache_service.client.base import _T, Clock, _BaseCacheClient, _Call
 from cache_service.client.route_answer import RouteAnswer, build_route_call
 from cache_service.client.transport import StdlibTransport
@@ -203,12 +203,13 @@ class CacheClient(_BaseCacheClient):
             )
         )
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> ServiceInfo:
         """What a worker must agree with to share the cache: hashing, block sizes, limits."""
-        return self._send(self._build_get("/v1/info"))
+        return self._send(self._build_info())
 
     def stats(self) -> dict[str, Any]:
-        """The store's size and the service's hit and miss tokens."""
+        """The store's size and the service's hit and miss tokens (an admin's call): the JSON
+        object as sent, shaped as `cache_service.wire.reports.StatsResponse`."""
         return self._send(self._build_get("/v1/stats"))
 
     def healthy(self, *, ready: bool = False) -> bool:

@@ -27,7 +27,8 @@ The hierarchy::
     │   ├── StorageFailure           503  the disk failed a write (I/O error), or LMDB gave up
     │   └── SettingsMismatch         (start-up) the store's data was made with other settings
     └── ServiceError                 raised by the client: the service answered with a problem
-        └── ServiceUnavailable       the service could not be reached or timed out
+        ├── ServiceUnavailable       the service could not be reached or timed out
+        └── InvalidAnswer            502  a 2xx answer the client cannot use (names the field)
 
 A single exception handler on the root maps every error to a problem+json response.
 """
@@ -293,3 +294,19 @@ class ServiceUnavailable(ServiceError):
 
     def __init__(self, detail: str) -> None:
         super().__init__(503, {"title": "Service unavailable", "detail": detail})
+
+
+class InvalidAnswer(ServiceError):
+    """A 2xx answer the client cannot use (not JSON, or not the answer's declared shape): a
+    502, as a gateway reports a bad upstream."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(
+            502,
+            {
+                "type": "about:blank",
+                "title": "Invalid answer from the service",
+                "status": 502,
+                "detail": detail,
+            },
+        )

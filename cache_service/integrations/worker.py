@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from cache_service.client import CacheClient, Match
-from cache_service.core.errors import ServiceError
+from cache_service.core.errors import InvalidAnswer, ServiceError
 from cache_service.integrations.kv_codec import LayerKV, decode_block, encode_block
 from cache_service.integrations.kv_layout import BlockRefused
 from cache_service.integrations.model import CausalLM
@@ -89,13 +89,12 @@ class PrefillWorker:
         if self.client is None:
             return DEFAULT_BLOCK_SIZE
         try:
-            sizes = self.client.info()["block_size"]
-            return int(sizes["models"].get(self.model.name, sizes["default"]))
+            return self.client.info().block_size_for(self.model.name)
+        except InvalidAnswer as exc:  # not our service's answer
+            self.cache_errors["info invalid"] += 1
+            logger.warning("prompt cache info not understood: %s", exc.detail)
         except ServiceError as exc:
             self._count_error("info", exc)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # not our service's
-            self.cache_errors["info invalid"] += 1
-            logger.warning("prompt cache info not understood: %r", exc)
         return DEFAULT_BLOCK_SIZE
 
     def prefill(self, token_ids: Sequence[int]) -> Prefill:

@@ -1,15 +1,18 @@
 """Decoded JSON read into an answer's dataclass, every field's type checked on the way.
 
-The fields and their types are the dataclass's own (`answers.py`), so the reader never lists
-them again. A field the type allows to be null may also be absent, and a field with a default
-may be absent (answers of older services lack it); anything else missing, or of another type,
-is an `UnreadableAnswer` naming the field. Booleans are not integers here, though Python
-says they are.
+The fields and their types are the dataclass's own (`answers.py`, `reports.py`), so the
+reader never lists them again. A field the type allows to be null may also be absent, and a
+field with a default may be absent (answers of older services lack it); anything else
+missing, or of another type, is an `UnreadableAnswer` naming the field. Booleans are not
+integers here, though Python says they are; an integer is a float (JSON has one kind of
+number). A `dict[str, X]` is an object whose every value is an X; a value typed `Any` is
+taken as decoded, unchecked.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from typing import Any, NamedTuple, TypeVar
@@ -72,6 +75,16 @@ def _fields(kind: type[Any]) -> tuple[_FieldSpec, ...]:
 def _value(kind: Any, value: object, path: str) -> Any:
     if isinstance(kind, type) and dataclasses.is_dataclass(kind):
         return kind(**read_fields(kind, value, path + "."))
+    if kind is Any:
+        return value
+    if typing.get_origin(kind) is dict:
+        _, item = typing.get_args(kind)  # JSON object keys are strings
+        if not isinstance(value, dict):
+            raise UnreadableAnswer(f"field {path!r} is missing or not an object")
+        return {
+            name: _value(item, element, f"{path}[{json.dumps(name, ensure_ascii=False)}]")
+            for name, element in value.items()
+        }
     if typing.get_origin(kind) is list:
         (item,) = typing.get_args(kind)
         if not isinstance(value, list):
@@ -81,6 +94,8 @@ def _value(kind: Any, value: object, path: str) -> Any:
                 raise UnreadableAnswer(f"field {path!r} must be a list of strings")
             return value
         return [_value(item, element, f"{path}[{index}]") for index, element in enumerate(value)]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise UnreadableAnswer(f"field {path!r} is missing or not of type {kind.__name__}")
     return value

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cache_service.client import CacheClient
-from cache_service.core.errors import ServiceError
+from cache_service.core.errors import InvalidAnswer, ServiceError
 from cache_service.integrations.vllm.counters import Counters
 from cache_service.integrations.vllm.groups import BlockGroups
 from cache_service.integrations.vllm.layout import EngineLayout
@@ -123,15 +123,14 @@ class SchedulerSide:
     def _service_block_size(self) -> int:
         """The service's block size for the model, or 0 while it cannot be learnt."""
         try:
-            sizes = self.client.info()["block_size"]
-            size = int(sizes["models"].get(self.layout.model, sizes["default"]))
+            size = self.client.info().block_size_for(self.layout.model)
             if size < 1:
                 raise ValueError(f"block size {size}")
             return size
+        except (InvalidAnswer, ValueError) as exc:  # before ServiceError, which InvalidAnswer is
+            logger.warning("prompt cache at %s: /v1/info not understood: %s", self.options.url, exc)
         except ServiceError as exc:
             logger.warning("prompt cache at %s: no block size yet (%s)", self.options.url, exc)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            logger.warning("prompt cache at %s: /v1/info not understood: %r", self.options.url, exc)
         self.counters.miss("no_block_size")
         return 0
 

@@ -19,8 +19,9 @@ from cache_service.service.api.schemas import (
     PurgeResponse,
     UnpinResponse,
 )
-from cache_service.wire import answers
+from cache_service.wire import answers, reports
 from cache_service.wire.answers import FetchHeader, LookupResponse, StoreResponse
+from cache_service.wire.reports import InfoResponse, StatsResponse
 
 REF = "#/components/schemas/{model}"
 # pydantic models, and the wire's plain dataclasses (whose schemas pydantic derives as well)
@@ -28,6 +29,8 @@ RESPONSE_MODELS: tuple[type, ...] = (
     LookupResponse,
     StoreResponse,
     FetchHeader,
+    InfoResponse,
+    StatsResponse,
     ExplainResponse,
     PinResponse,
     PurgeResponse,
@@ -145,7 +148,8 @@ def _require_every_answer_field(schemas: dict[str, Any]) -> None:
     """Mark every field of the wire's answers required: the service always writes them all
     (a field's default says what a reader assumes of an older service). pydantic 2.6, the
     lowest allowed, leaves a field with a default out of `required` even for what it writes."""
-    for answer in vars(answers).values():
+    wire_classes = [*vars(answers).values(), *vars(reports).values()]
+    for answer in wire_classes:
         if isinstance(answer, type) and dataclasses.is_dataclass(answer):
             component = schemas.get(answer.__name__)
             if component is not None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import orjson
 from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -37,6 +35,17 @@ from cache_service.service.api.schemas import FetchRequest, LookupHeader, StoreH
 from cache_service.service.api.state import ServiceState, service_state
 from cache_service.service.api_keys import ApiKey
 from cache_service.wire.answers import FetchHeader, LookupResponse, StoreResponse, Usage
+from cache_service.wire.reports import (
+    InfoBlockSizes,
+    InfoHashing,
+    InfoLimits,
+    InfoResponse,
+    InfoRetention,
+    StatsDisk,
+    StatsResponse,
+    StatsTenant,
+    StatsTokens,
+)
 
 router = APIRouter()
 
@@ -201,91 +210,97 @@ async def fetch_blocks(request: Request) -> Response:
     return FramesResponse(FetchHeader(model=body.model, requested=len(keys), found=found), frames)
 
 
-@router.get("/v1/info", summary="Hashing scheme, block sizes and retention classes")
-async def info(request: Request) -> dict[str, Any]:
+@router.get(
+    "/v1/info",
+    summary="Hashing scheme, block sizes and retention classes",
+    responses=responses({JSON: InfoResponse}),
+)
+async def info(request: Request) -> Response:
     """What a worker must agree with to share this cache."""
-    return info_report(service_state(request))
+    return Response(orjson.dumps(info_report(service_state(request))), media_type=JSON)
 
 
-def info_report(state: ServiceState) -> dict[str, Any]:
-    """The body of GET /v1/info (the status page shows the same)."""
+def info_report(state: ServiceState) -> InfoResponse:
+    """The answer of GET /v1/info (the status page shows the same)."""
     cache, settings = state.cache, state.settings
     config = cache.config
-    return {
-        "service": "prompt-cache-service",
-        "version": __version__,
-        "hashing": {
-            "scheme": HASH_SCHEME,
-            "version": HASH_VERSION,
-            "seed_fingerprint": cache.hasher.fingerprint,
-            "token_encoding": "uint32-le",
-            "key_bytes": KEY_BYTES,
-        },
-        "block_size": {
-            "default": config.default_block_size,
-            "models": dict(config.model_block_sizes),
-        },
-        "retention": {
-            "classes": dict(config.retention.ttl_seconds),
-            "default": config.retention.default_class,
-        },
-        "store": state.store_kind,
-        "capacity_bytes": cache.capacity.capacity_bytes,
-        "limits": {
-            "max_body_size": settings.max_body_size,
-            "max_blocks_per_request": settings.max_blocks_per_request,
-            "max_tokens_per_request": settings.max_tokens_per_request,
-        },
-        "frame_media_type": MEDIA_TYPE,
-    }
+    return InfoResponse(
+        service="prompt-cache-service",
+        version=__version__,
+        hashing=InfoHashing(
+            scheme=HASH_SCHEME,
+            version=HASH_VERSION,
+            seed_fingerprint=cache.hasher.fingerprint,
+            token_encoding="uint32-le",
+            key_bytes=KEY_BYTES,
+        ),
+        block_size=InfoBlockSizes(
+            default=config.default_block_size, models=dict(config.model_block_sizes)
+        ),
+        retention=InfoRetention(
+            classes=dict(config.retention.ttl_seconds), default=config.retention.default_class
+        ),
+        store=state.store_kind,
+        capacity_bytes=cache.capacity.capacity_bytes,
+        limits=InfoLimits(
+            max_body_size=settings.max_body_size,
+            max_blocks_per_request=settings.max_blocks_per_request,
+            max_tokens_per_request=settings.max_tokens_per_request,
+        ),
+        frame_media_type=MEDIA_TYPE,
+    )
 
 
-@router.get("/v1/stats", summary="Blocks, bytes, capacity, hits and misses")
-async def stats(request: Request) -> dict[str, Any]:
+@router.get(
+    "/v1/stats",
+    summary="Blocks, bytes, capacity, hits and misses",
+    responses=responses({JSON: StatsResponse}),
+)
+async def stats(request: Request) -> Response:
     """The store's size, hit and miss tokens by retention class, and by tenant (admin)."""
-    return await stats_report(service_state(request))
+    return Response(orjson.dumps(await stats_report(service_state(request))), media_type=JSON)
 
 
-async def stats_report(state: ServiceState) -> dict[str, Any]:
-    """The body of GET /v1/stats; the status page shows this very report, so the two cannot
+async def stats_report(state: ServiceState) -> StatsResponse:
+    """The answer of GET /v1/stats; the status page shows this very report, so the two cannot
     disagree."""
     capacity = state.cache.capacity
     usage = await state.in_thread(capacity.usage)
     by_class = {}
     for name in state.cache.config.retention.classes:
         hits, misses = state.metrics.token_totals(name)
-        by_class[name] = {"hit_tokens": hits, "miss_tokens": misses}
+        by_class[name] = StatsTokens(hit_tokens=hits, miss_tokens=misses)
     by_tenant = {}
     for tenant in state.metrics.tenants:  # the key file's tenants (none with --auth none)
         hits, misses = state.metrics.tenant_token_totals(tenant)
-        by_tenant[tenant] = {
-            "hit_tokens": hits,
-            "miss_tokens": misses,
-            "estimated_bytes": await state.in_thread(capacity.tenant_bytes, tenant),
-            "capacity_bytes": capacity.tenant_capacity_bytes.get(tenant),
-        }
+        by_tenant[tenant] = StatsTenant(
+            hit_tokens=hits,
+            miss_tokens=misses,
+            estimated_bytes=await state.in_thread(capacity.tenant_bytes, tenant),
+            capacity_bytes=capacity.tenant_capacity_bytes.get(tenant),
+        )
     room = await state.in_thread(capacity.disk)  # a statvfs; None for a store not on disk
-    return {
-        "blocks": usage.blocks,
-        "payload_bytes": usage.payload_bytes,
-        "used_bytes": usage.used_bytes,
-        "capacity_bytes": capacity.capacity_bytes,
-        "disk": None
+    return StatsResponse(
+        blocks=usage.blocks,
+        payload_bytes=usage.payload_bytes,
+        used_bytes=usage.used_bytes,
+        capacity_bytes=capacity.capacity_bytes,
+        disk=None
         if room is None
-        else {
-            "free_bytes": room.free_bytes,
-            "file_bytes": room.file_bytes,
-            "limit_bytes": room.limit_bytes,
-            "shortfall_bytes": room.shortfall_bytes,
-            "full": room.full,
-        },
-        "pending_touches": state.cache.touches.pending,
-        "retention": by_class,
-        "tenants": by_tenant,
+        else StatsDisk(
+            free_bytes=room.free_bytes,
+            file_bytes=room.file_bytes,
+            limit_bytes=room.limit_bytes,
+            shortfall_bytes=room.shortfall_bytes,
+            full=room.full,
+        ),
+        pending_touches=state.cache.touches.pending,
+        retention=by_class,
+        tenants=by_tenant,
         # Per engine followed: where, how it hashes, and what its events brought (this
         # worker's subscriber); null when KV-event ingestion is off.
-        "kv_events": None if state.kv_events is None else state.kv_events.report(),
-    }
+        kv_events=None if state.kv_events is None else state.kv_events.report(),
+    )
 
 
 @router.get("/healthz", summary="The process is up")

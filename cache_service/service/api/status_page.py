@@ -1,14 +1,15 @@
 """GET /: the status page, for a sidecar where nobody runs Grafana.
 
-It shows the reports /v1/stats and /v1/info answer (the same functions make them) and the
-status history's charts. It needs an admin key, as /v1/stats does (auth.py); a browser sends
-the key as the password of HTTP Basic credentials.
+It shows the reports /v1/stats and /v1/info answer (the same functions make them; the page
+draws their JSON objects) and the status history's charts. It needs an admin key, as
+/v1/stats does (auth.py); a browser sends the key as the password of HTTP Basic credentials.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -44,8 +45,8 @@ async def status_page(
     """The status page; `?refresh=0` stops it reloading itself, `?refresh=N` sets the pace."""
     state = service_state(request)
     view = StatusView(
-        stats=await stats_report(state),
-        info=info_report(state),
+        stats=asdict(await stats_report(state)),
+        info=asdict(info_report(state)),
         history=state.history,
         refresh_seconds=refresh,
         root=request.scope.get("root_path", "").rstrip("/"),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from cache_service.client import CacheClient
 from cache_service.core.cache import PrefixCache
+from cache_service.core.errors import InvalidAnswer
 from cache_service.core.eviction import DEFAULT_POLICY, make_policy
 from cache_service.core.retention import RetentionPolicy
 from cache_service.core.store.lmdb.store import LmdbStore
@@ -126,16 +127,6 @@ class HttpOptions:
     timeout_seconds: float = 60.0
 
 
-def service_block_size(info: dict[str, object], model: str) -> int:
-    """The block size a service uses for a model, from its /v1/info answer."""
-    sizes = info.get("block_size")
-    if not isinstance(sizes, dict):
-        raise ReplayError("the service's /v1/info does not report block sizes")
-    models = sizes.get("models") or {}
-    assert isinstance(models, dict)
-    return int(str(models.get(model, sizes.get("default"))))
-
-
 def replay_http(
     requests: Sequence[TraceRequest], options: HttpOptions, on_outcome: OnOutcome
 ) -> None:
@@ -144,18 +135,20 @@ def replay_http(
     with CacheClient(
         options.url, api_key=options.api_key, timeout=options.timeout_seconds
     ) as client:
-        info = client.info()
+        try:
+            info = client.info()
+        except InvalidAnswer as exc:
+            raise ReplayError(f"the service's /v1/info is not understood: {exc.detail}") from None
         block_sizes = {}
         for model in sorted({request.model for request in requests}):
-            size = service_block_size(info, model)
+            size = info.block_size_for(model)
             if units.trace_tokens % size:
                 raise ReplayError(
                     f"the service cuts model {model!r} into blocks of {size} tokens, which do "
                     f"not divide the trace's {units.trace_tokens}-token blocks"
                 )
             block_sizes[model] = size
-        classes = info.get("retention")
-        service_default = str(classes.get("default", "")) if isinstance(classes, dict) else ""
+        service_default = info.retention.default
         started = time.monotonic()
         first = requests[0].timestamp if requests else 0.0
         for request in requests:
