@@ -28,6 +28,8 @@ from hypothesis.stateful import (
 
 from cache_service.core.blocks import BlockKey, Namespace
 from cache_service.core.cache import PrefixCache
+from cache_service.core.capacity import CapacityLimits
+from cache_service.core.config import CacheConfig
 from cache_service.core.retention import RetentionPolicy
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.protocols import BlockStore
@@ -74,10 +76,12 @@ class CacheMachine(RuleBasedStateMachine):
     def _make_cache(self) -> PrefixCache:
         return PrefixCache(
             self.store,
-            retention=RetentionPolicy(ttl_seconds=TTLS, default_class="long"),
+            config=CacheConfig(
+                default_block_size=BLOCK,
+                retention=RetentionPolicy(ttl_seconds=TTLS, default_class="long"),
+            ),
+            limits=CapacityLimits(capacity_blocks=self.capacity),
             clock=self.clock,
-            default_block_size=BLOCK,
-            capacity_blocks=self.capacity,
             events=self.events,
         )
 

@@ -12,6 +12,8 @@ from conftest import VirtualClock, raw_access
 
 from cache_service.core.blocks import BlockMeta, Namespace, StoreKey, Touch
 from cache_service.core.cache import PrefixCache
+from cache_service.core.capacity import CapacityLimits
+from cache_service.core.config import CacheConfig
 from cache_service.core.eviction import (
     POLICIES,
     AdaptivePolicy,
@@ -227,10 +229,9 @@ def test_every_policy_keeps_pins_quotas_and_prefix_closure_under_churn(
     quota = 12 * store.space.estimate_bytes(8, 4 * block)
     cache = PrefixCache(
         store,
+        config=CacheConfig(default_block_size=block),
+        limits=CapacityLimits(capacity_blocks=60, tenant_capacity_bytes={"small": quota}),
         clock=clock,
-        default_block_size=block,
-        capacity_blocks=60,
-        tenant_capacity_bytes={"small": quota},
     )
     shared = Namespace(model="m")
     small = Namespace(model="m", tenant="small")

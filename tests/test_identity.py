@@ -15,6 +15,7 @@ import pytest
 
 from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache
+from cache_service.core.config import CacheConfig
 from cache_service.core.errors import SettingsMismatch, StorageError
 from cache_service.core.hashing import HASH_SCHEME, HASH_VERSION, seed_fingerprint
 from cache_service.core.identity import StoreIdentity, identity_of
@@ -242,7 +243,9 @@ def test_lmdb_store_made_before_the_record_adopts_the_settings_and_keeps_its_blo
     tmp_path: Path,
 ) -> None:
     older = open_lmdb(tmp_path, None)  # as a build before the record opened it
-    PrefixCache(older, default_block_size=64).insert(Namespace("m"), list(range(128)), [b"a"] * 2)
+    PrefixCache(older, config=CacheConfig(default_block_size=64)).insert(
+        Namespace("m"), list(range(128)), [b"a"] * 2
+    )
     older.close()
     adopting = identity(model_block_sizes={})
     store = open_lmdb(tmp_path, adopting)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache
+from cache_service.core.config import CacheConfig
 from cache_service.core.hashing import BlockHasher
 from cache_service.core.operators import Operators
 from cache_service.core.store.lmdb.store import LmdbStore
@@ -39,7 +40,10 @@ def test_a_colliding_key_of_one_tenant_never_displaces_or_denies_anothers(
     store: BlockStore, clock: VirtualClock
 ) -> None:
     cache = PrefixCache(
-        store, hasher=BlockHasher(hash_fn=constant_hash), clock=clock, default_block_size=BLOCK
+        store,
+        config=CacheConfig(default_block_size=BLOCK),
+        hasher=BlockHasher(hash_fn=constant_hash),
+        clock=clock,
     )
     a, b = Namespace("m", tenant="a"), Namespace("m", tenant="b")
     tokens = [7] * BLOCK
@@ -84,7 +88,9 @@ def test_no_tenant_hits_fetches_or_learns_of_anothers_blocks(
             else LmdbStore(Path(folder), map_size_bytes=64 * 2**20, sync_mode="nosync")
         )
         hasher = BlockHasher(hash_fn=constant_hash) if constant else BlockHasher()
-        cache = PrefixCache(store, hasher=hasher, clock=lambda: 1000.0, default_block_size=BLOCK)
+        cache = PrefixCache(
+            store, config=CacheConfig(default_block_size=BLOCK), hasher=hasher, clock=lambda: 1000.0
+        )
         stored: dict[int, set[tuple[int, ...]]] = {i: set() for i in range(len(NAMESPACES))}
         try:
             for action, which, tokens in operations:

@@ -11,6 +11,7 @@ import pytest
 
 from cache_service.core.blocks import Namespace, Touch
 from cache_service.core.cache import PrefixCache
+from cache_service.core.config import CacheConfig
 from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
 from cache_service.core.operators import Operators
 from cache_service.core.store.lmdb.store import LmdbStore
@@ -196,7 +197,7 @@ def test_the_latest_write_survives_a_restart(tmp_path: Path) -> None:
 @pytest.mark.needs("pins")
 def test_an_unpinned_block_gets_the_longest_class_and_stays_served(store: BlockStore) -> None:
     clock = VirtualClock()
-    cache = PrefixCache(store, clock=clock, default_block_size=2)
+    cache = PrefixCache(store, config=CacheConfig(default_block_size=2), clock=clock)
     namespace, tokens = Namespace(model="m"), [1, 2, 3, 4]
     cache.insert(namespace, tokens, [b"a", b"b"], retention="agent")
     operators = Operators.for_cache(cache)

@@ -10,6 +10,7 @@ import pytest
 
 from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache
+from cache_service.core.config import CacheConfig
 from cache_service.core.errors import StorageFailure
 from cache_service.core.store.lmdb.disk import write_error
 from cache_service.core.store.lmdb.store import LmdbStore
@@ -49,7 +50,7 @@ def test_a_damaged_page_gives_storage_failure_on_read_and_write(tmp_path: Path) 
     folder = tmp_path / "store"
     store = LmdbStore(folder, map_size_bytes=MAP_BYTES)
     assert store.env.stat()["psize"] == 4096
-    cache = PrefixCache(store, clock=clock, default_block_size=BLOCK)
+    cache = PrefixCache(store, config=CacheConfig(default_block_size=BLOCK), clock=clock)
     for number in range(200):  # enough records for the blocks table to have many leaves
         cache.insert(NAMESPACE, prompt(number), [b"kv"] * 4)
     store.close()
@@ -58,7 +59,7 @@ def test_a_damaged_page_gives_storage_failure_on_read_and_write(tmp_path: Path) 
 
     store = LmdbStore(folder, map_size_bytes=MAP_BYTES)
     try:
-        cache = PrefixCache(store, clock=clock, default_block_size=BLOCK)
+        cache = PrefixCache(store, config=CacheConfig(default_block_size=BLOCK), clock=clock)
         with pytest.raises(StorageFailure) as read:
             cache.match_prefix(NAMESPACE, prompt(7))
         assert str(folder) in str(read.value) and "stop the service" in str(read.value)

@@ -10,6 +10,7 @@ import pytest
 
 from cache_service.core.blocks import BlockMeta, Namespace, StoreKey
 from cache_service.core.cache import PrefixCache
+from cache_service.core.config import CacheConfig
 from cache_service.core.errors import InsufficientStorage
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.parts.codec import decode_meta
@@ -113,7 +114,7 @@ def test_a_damaged_counter_is_worked_out_again_not_a_500(tmp_path: Path, counter
     """A counter in the meta table that does not decode (it has no checksum of its own) made
     every store, lookup or start-up fail; it is recounted from the block records instead."""
     store = LmdbStore(tmp_path, map_size_bytes=LMDB_MAP_SIZE_BYTES)
-    cache = PrefixCache(store, clock=Clock(), default_block_size=4)
+    cache = PrefixCache(store, config=CacheConfig(default_block_size=4), clock=Clock())
     namespace = Namespace("m")
     cache.insert(namespace, list(range(8)), [b"x" * 10, b"y" * 20])
     with store.env.begin(write=True) as txn:
@@ -121,7 +122,7 @@ def test_a_damaged_counter_is_worked_out_again_not_a_500(tmp_path: Path, counter
     store.close()
 
     store = LmdbStore(tmp_path, map_size_bytes=LMDB_MAP_SIZE_BYTES)
-    cache = PrefixCache(store, clock=Clock(), default_block_size=4)
+    cache = PrefixCache(store, config=CacheConfig(default_block_size=4), clock=Clock())
     assert cache.capacity.usage().payload_bytes == 30
     assert cache.match_prefix(namespace, list(range(8))).matched_blocks == 2
     stored = cache.insert(namespace, list(range(12)), [b"x" * 10, b"y" * 20, b"z" * 5])

@@ -11,9 +11,12 @@ from dataclasses import dataclass, field
 from starlette.concurrency import run_in_threadpool
 
 from cache_service.core.cache import Clock, PrefixCache
+from cache_service.core.capacity import CapacityLimits
+from cache_service.core.config import CacheConfig
 from cache_service.core.hashing import BlockHasher
 from cache_service.core.store.protocols import BlockStore
 from cache_service.core.store.registry import OpenedStore, describe_store
+from cache_service.core.touches import TouchOptions
 from cache_service.service.api.background import (
     DISK_CHECK_SECONDS,
     METRICS_RETRY_SECONDS,
@@ -125,17 +128,20 @@ class ServiceLifecycle:
         settings, keys = self.settings, self.keys
         return PrefixCache(
             store,
+            config=CacheConfig(
+                default_block_size=settings.block_size,
+                model_block_sizes=settings.model_block_sizes(),
+                retention=settings.retention_policy(),
+            ),
+            limits=CapacityLimits(
+                capacity_bytes=capacity_bytes,
+                high_water=settings.high_water,
+                low_water=settings.low_water,
+                tenant_capacity_bytes=keys.tenant_capacity if keys is not None else {},
+            ),
+            touches=TouchOptions(defer=True, slide_fraction=settings.ttl_slide_fraction),
             hasher=BlockHasher(seed=settings.seed),
-            retention=settings.retention_policy(),
             clock=self.clock,
-            default_block_size=settings.block_size,
-            model_block_sizes=settings.model_block_sizes(),
-            capacity_bytes=capacity_bytes,
-            high_water=settings.high_water,
-            low_water=settings.low_water,
-            defer_touches=True,
-            ttl_slide_fraction=settings.ttl_slide_fraction,
-            tenant_capacity_bytes=keys.tenant_capacity if keys is not None else None,
             events=self.metrics,
         )
 
