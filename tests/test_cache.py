@@ -21,7 +21,8 @@ from cache_service.core.errors import (
     UnknownRetention,
 )
 from cache_service.core.hashing import BlockHasher, xxh3_128
-from cache_service.core.retention import RetentionPolicy
+from cache_service.core.retention import DEFAULT_LIFETIMES, RetentionPolicy
+from cache_service.core.store.memory import MemoryStore
 from cache_service.core.store.protocols import BlockStore
 from cache_service.core.tokens import tokens_to_bytes
 from cache_service.core.touches import TouchOptions
@@ -33,6 +34,12 @@ DAY = 86400.0
 AGENT_TTL = 3 * DAY
 CHAT_TTL = 7 * DAY
 NS = Namespace(model="llama-3-8b")
+BATCH_RETENTION = RetentionPolicy(
+    ttl_seconds={"batch": 60.0, "chat": CHAT_TTL}, default_class="batch"
+)
+
+# The caches here use the default retention classes: their stores are opened with them.
+pytestmark = pytest.mark.store_opened(lifetimes=DEFAULT_LIFETIMES)
 
 
 class RecordingEvents(CacheObserver):
@@ -485,12 +492,22 @@ def test_unknown_retention_is_raised_naming_the_configured_classes(
     assert cache.capacity.usage().blocks == 0
 
 
+@pytest.mark.store_opened(lifetimes=BATCH_RETENTION.lifetimes())
 def test_custom_retention_table_is_used(store: BlockStore, clock: VirtualClock) -> None:
-    policy = RetentionPolicy(ttl_seconds={"batch": 60.0, "chat": CHAT_TTL}, default_class="batch")
-    cache = make_cache(store, clock, config=CacheConfig(default_block_size=4, retention=policy))
+    retention = BATCH_RETENTION
+    cache = make_cache(store, clock, config=CacheConfig(default_block_size=4, retention=retention))
     store_prompt(cache, blocks_of(1))
     clock.advance(60)
     assert cache.match_prefix(NS, blocks_of(1)).matched_blocks == 0
+
+
+def test_a_store_not_opened_with_the_retentions_lifetimes_is_refused_naming_both() -> None:
+    with pytest.raises(ValueError, match=r"lifetimes none .* classes are agent=3d, chat=7d"):
+        PrefixCache(MemoryStore())
+    with pytest.raises(ValueError, match=r"agent=3d, chat=7d, .* are batch=1m, chat=7d"):
+        PrefixCache(
+            MemoryStore(lifetimes=DEFAULT_LIFETIMES), config=CacheConfig(retention=BATCH_RETENTION)
+        )
 
 
 def test_per_model_block_size_override(store: BlockStore, clock: VirtualClock) -> None:

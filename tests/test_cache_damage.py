@@ -15,6 +15,7 @@ from cache_service.core.cache_observer import CacheObserver
 from cache_service.core.config import CacheConfig
 from cache_service.core.errors import MissingParent
 from cache_service.core.operators import EXPLANATIONS, Operators
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.parts.codec import RECORD_FIELDS
 from cache_service.core.touches import TouchOptions
@@ -46,7 +47,12 @@ class Counting(CacheObserver):
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[LmdbStore]:
-    opened = LmdbStore(tmp_path / "lmdb", map_size_bytes=1 << 28, removal_log_entries=100)
+    opened = LmdbStore(
+        tmp_path / "lmdb",
+        map_size_bytes=1 << 28,
+        removal_log_entries=100,
+        lifetimes=DEFAULT_LIFETIMES,  # the caches' retention
+    )
     yield opened
     opened.close()
 

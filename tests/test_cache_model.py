@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 BLOCK = 2
 NS = Namespace(model="model-under-test")
 TTLS = {"short": 10.0, "long": 25.0}
+RETENTION = RetentionPolicy(ttl_seconds=TTLS, default_class="long")
 
 # Two-token blocks over a three-token alphabet: prompts share prefixes all the time.
 blocks = st.tuples(st.integers(0, 2), st.integers(0, 2))
@@ -78,7 +79,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.store,
             config=CacheConfig(
                 default_block_size=BLOCK,
-                retention=RetentionPolicy(ttl_seconds=TTLS, default_class="long"),
+                retention=RETENTION,
             ),
             limits=CapacityLimits(capacity_blocks=self.capacity),
             clock=self.clock,
@@ -212,7 +213,11 @@ def test_prefix_cache_over_lmdb_agrees_with_the_model(
     runs = itertools.count()
 
     def open_store() -> BlockStore:
-        return LmdbStore(tmp_path / f"run-{next(runs)}", map_size_bytes=1 << 30)
+        return LmdbStore(
+            tmp_path / f"run-{next(runs)}",
+            map_size_bytes=1 << 30,
+            lifetimes=RETENTION.lifetimes(),
+        )
 
     machine = type(
         "LmdbCacheMachine",

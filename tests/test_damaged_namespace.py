@@ -14,6 +14,7 @@ from cache_service.core.cache import PrefixCache
 from cache_service.core.cache_observer import CacheObserver
 from cache_service.core.config import CacheConfig
 from cache_service.core.hashing import BlockHasher
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.lmdb.store import LmdbStore
 
 NS = Namespace("m")
@@ -35,7 +36,7 @@ class Counts(CacheObserver):
 
 
 def open_cache(folder: Path, events: Counts, hasher: BlockHasher | None = None) -> PrefixCache:
-    store = LmdbStore(folder, map_size_bytes=1 << 26)
+    store = LmdbStore(folder, map_size_bytes=1 << 26, lifetimes=DEFAULT_LIFETIMES)
     return PrefixCache(
         store, config=CacheConfig(default_block_size=4), events=events, hasher=hasher
     )

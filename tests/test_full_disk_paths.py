@@ -25,6 +25,7 @@ from cache_service.core.config import CacheConfig
 from cache_service.core.disk import RESERVE_NAME, DiskRoom, DiskWarning, measure_room
 from cache_service.core.errors import DiskFull, StorageFailure, StoreFull
 from cache_service.core.reserve import DiskReserve, remove_stale_partials
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.lmdb import disk as lmdb_disk
 from cache_service.core.store.lmdb.disk import write_error
 from cache_service.core.store.lmdb.store import LmdbStore
@@ -113,7 +114,7 @@ class _FailingCommits:
 
 
 def test_a_commit_failing_for_room_is_disk_full_and_nothing_is_stored(tmp_path: Path) -> None:
-    store = LmdbStore(tmp_path / "lmdb", map_size_bytes=MAP_BYTES)
+    store = LmdbStore(tmp_path / "lmdb", map_size_bytes=MAP_BYTES, lifetimes=DEFAULT_LIFETIMES)
     cache = PrefixCache(store, config=CacheConfig(default_block_size=BLOCK))
     cache.insert(NS, list(range(8)), [b"a", b"b"])
     failing = _FailingCommits(store.backend.env)

@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from cache_service.core.blocks import Evicted, Namespace, StoreKey
 from cache_service.core.cache import PrefixCache
 from cache_service.core.capacity import CapacityLimits
 from cache_service.core.config import CacheConfig
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 from cache_service.core.store.protocols import BlockStore
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
 NS = Namespace(model="m")
 BLOCK = 4
 CHAT_TTL = 7 * 86400.0
+
+pytestmark = pytest.mark.store_opened(lifetimes=DEFAULT_LIFETIMES)  # the caches' retention
 
 
 def blocks_of(*labels: int) -> list[int]:
@@ -168,7 +172,7 @@ def test_store_collector_reports_usage_and_capacity_at_scrape_time(
 
 
 def test_store_collector_shows_the_disk_under_an_lmdb_store(tmp_path: Path) -> None:
-    store = LmdbStore(tmp_path / "lmdb", map_size_bytes=1 << 30)
+    store = LmdbStore(tmp_path / "lmdb", map_size_bytes=1 << 30, lifetimes=DEFAULT_LIFETIMES)
     cache = PrefixCache(
         store,
         config=CacheConfig(default_block_size=BLOCK),
@@ -186,7 +190,9 @@ def test_store_collector_shows_the_disk_under_an_lmdb_store(tmp_path: Path) -> N
 
 
 def test_store_collector_shows_no_disk_for_a_memory_store() -> None:
-    cache = PrefixCache(MemoryStore(), config=CacheConfig(default_block_size=BLOCK))
+    cache = PrefixCache(
+        MemoryStore(lifetimes=DEFAULT_LIFETIMES), config=CacheConfig(default_block_size=BLOCK)
+    )
     registry = CollectorRegistry()
     registry.register(StoreCollector(cache.capacity.usage, None, disk=cache.capacity.disk))
     assert sample(registry, "prompt_cache_disk_free_bytes") is None

@@ -14,6 +14,7 @@ from cache_service.core.config import CacheConfig
 from cache_service.core.errors import Forbidden, InvalidField, NotStored, QuotaExceeded
 from cache_service.core.hashing import BlockHasher
 from cache_service.core.operators import EXPLANATIONS, Operators
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.parts import subtrees
 from cache_service.core.store.protocols import BlockStore
 from tests.store.capabilities import capable
@@ -25,6 +26,9 @@ DAY = 86400.0
 NS = Namespace(model="m", tenant="team-a")
 BLOCK = 4
 
+# Caches with the default retention classes, whose removals are remembered for explanations.
+pytestmark = pytest.mark.store_opened(lifetimes=DEFAULT_LIFETIMES, removal_log_entries=1000)
+
 
 def blocks_of(*labels: int) -> list[int]:
     """One block per label, each block BLOCK copies of it."""
@@ -32,7 +36,6 @@ def blocks_of(*labels: int) -> list[int]:
 
 
 def make(store: BlockStore, clock: VirtualClock, **kwargs: object) -> tuple[PrefixCache, Operators]:
-    store.removal_log_entries = 1000
     kwargs.setdefault("config", CacheConfig(default_block_size=BLOCK))
     cache = PrefixCache(store, clock=clock, **kwargs)  # type: ignore[arg-type]
     return cache, Operators.for_cache(cache)

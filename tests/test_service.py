@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import memory_store_for
 from prometheus_client import CollectorRegistry
 
 from cache_service.core.blocks import Namespace
@@ -58,10 +59,11 @@ def test_store_wins_over_data_dir(tmp_path: Path) -> None:
 
 
 def test_stop_flushes_deferred_touches_once_no_write_is_running() -> None:
-    store = MemoryStore()
+    settings = Settings(touch_flush_interval=3600)
+    store = memory_store_for(settings)
 
     async def run() -> int:
-        running = service(Settings(touch_flush_interval=3600), store)
+        running = service(settings, store)
         state = await running.start()
         namespace, tokens = Namespace("m"), list(range(64))
         state.cache.insert(namespace, tokens, [b"x"])
@@ -80,7 +82,8 @@ def test_stop_with_a_write_that_never_finishes_returns_within_the_timeout(
     stuck = threading.Event()
 
     async def run() -> float:
-        running = service(Settings(shutdown_timeout=0.3), MemoryStore())
+        settings = Settings(shutdown_timeout=0.3)
+        running = service(settings, memory_store_for(settings))
         state = await running.start()
         request = asyncio.ensure_future(state.writes.run(lambda: stuck.wait(10)))
         await asyncio.sleep(0.05)
@@ -137,7 +140,8 @@ def test_a_cancelled_store_request_keeps_its_place_until_its_write_ends(tmp_path
 
 def test_stop_waits_for_a_write_that_finishes_in_time() -> None:
     async def run() -> tuple[float, int]:
-        running = service(Settings(shutdown_timeout=5.0), MemoryStore())
+        settings = Settings(shutdown_timeout=5.0)
+        running = service(settings, memory_store_for(settings))
         state = await running.start()
         request = asyncio.ensure_future(state.writes.run(lambda: time.sleep(0.2)))
         await asyncio.sleep(0.01)
@@ -167,10 +171,11 @@ def test_a_full_gate_refuses_a_store_at_once() -> None:
 
 
 def test_a_store_given_to_the_service_is_held_to_its_settings() -> None:
-    store = MemoryStore()
+    settings = Settings(removal_log_entries=1000)
+    store = memory_store_for(settings)
 
     async def run() -> tuple[int, str]:
-        running = service(Settings(removal_log_entries=1000), store)
+        running = service(settings, store)
         state = await running.start()
         await running.stop()
         return store.removal_log_entries, state.store_kind
@@ -178,6 +183,16 @@ def test_a_store_given_to_the_service_is_held_to_its_settings() -> None:
     assert asyncio.run(run()) == (1000, "memory")
     with pytest.raises(ValueError, match=r"orders eviction by 'adaptive'.*'fifo'"):
         given_store(store, Settings.model_construct(eviction_policy="fifo"))
+    # Nothing is changed on a store given: one opened otherwise is refused, naming both.
+    with pytest.raises(ValueError, match=r"keeps 1000 recent removals, the settings 262144"):
+        given_store(store, Settings())
+    shorter = Settings(removal_log_entries=1000, retention="agent=3d,chat=1d")
+    with pytest.raises(
+        ValueError, match=r"by agent=3d, chat=7d, the settings by agent=3d, chat=1d"
+    ):
+        given_store(store, shorter)
+    with pytest.raises(ValueError, match=r"bounds lifetimes by none .*\(--retention\)"):
+        given_store(MemoryStore(removal_log_entries=1000), settings)
 
 
 def test_a_cancelled_sweep_keeps_its_place_until_its_batch_ends(tmp_path: Path) -> None:

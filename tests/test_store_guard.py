@@ -40,10 +40,9 @@ def test_a_closed_guard_refuses_new_calls_and_counts_those_in_progress() -> None
 
 def test_the_guarded_store_passes_attributes_through_and_counts_a_batch() -> None:
     guard = StoreGuard()
-    inner = MemoryStore()
+    inner = MemoryStore(removal_log_entries=7)
     store = guard.wrap(inner)
-    store.removal_log_entries = 7
-    assert inner.removal_log_entries == 7 and store.policy is inner.policy
+    assert store.removal_log_entries == 7 and store.policy is inner.policy
     with store.batch():
         assert guard.active == 1
     assert guard.active == 0

@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +16,7 @@ from cache_service.core.cache import PrefixCache
 from cache_service.core.config import CacheConfig
 from cache_service.core.hashing import BlockHasher
 from cache_service.core.operators import Operators
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 from cache_service.core.store.protocols import BlockStore
@@ -36,6 +38,7 @@ def payload_of(namespace: Namespace, block: int) -> bytes:
     return f"{namespace.tenant}|{namespace.salt}|{namespace.model}|{block}".encode()
 
 
+@pytest.mark.store_opened(lifetimes=DEFAULT_LIFETIMES)
 def test_a_colliding_key_of_one_tenant_never_displaces_or_denies_anothers(
     store: BlockStore, clock: VirtualClock
 ) -> None:
@@ -83,9 +86,14 @@ def test_no_tenant_hits_fetches_or_learns_of_anothers_blocks(
 ) -> None:
     with tempfile.TemporaryDirectory() as folder:
         store: BlockStore = (
-            MemoryStore()
+            MemoryStore(lifetimes=DEFAULT_LIFETIMES)
             if backend == "memory"
-            else LmdbStore(Path(folder), map_size_bytes=64 * 2**20, sync_mode="nosync")
+            else LmdbStore(
+                Path(folder),
+                map_size_bytes=64 * 2**20,
+                sync_mode="nosync",
+                lifetimes=DEFAULT_LIFETIMES,
+            )
         )
         hasher = BlockHasher(hash_fn=constant_hash) if constant else BlockHasher()
         cache = PrefixCache(

@@ -22,6 +22,7 @@ from cache_service.core.config import CacheConfig
 from cache_service.core.errors import InsufficientStorage, InvalidField, StoreFull
 from cache_service.core.hashing import BlockHasher
 from cache_service.core.recent import RecentMatch, RecentMatches
+from cache_service.core.retention import RetentionPolicy
 from cache_service.core.store.protocols import BlockStore
 from cache_service.core.tokens import TokenInput, as_token_bytes, tokens_in
 from cache_service.core.touches import TouchBuffer, TouchOptions
@@ -30,6 +31,17 @@ Clock = Callable[[], float]
 PayloadSink = Callable[[int, bytes | memoryview | None], None]
 
 STORE_FULL_RETRIES = 3
+
+
+def check_lifetimes(store: BlockStore, retention: RetentionPolicy) -> None:
+    """ValueError unless `store` judges lifetimes by `retention`'s table (see PrefixCache)."""
+    wanted = retention.lifetimes()
+    if store.lifetimes != wanted:
+        raise ValueError(
+            f"the store was opened with lifetimes {store.lifetimes.describe()}, but the "
+            f"cache's retention classes are {wanted.describe()}: open the store with "
+            "lifetimes=retention.lifetimes()"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +61,14 @@ class PrefixCache:
     """A prefix cache of KV blocks: chained keys matched in one BlockStore. Its collaborators:
     `config` (block sizes, retention), `capacity` (its `limits`; eviction, expiry, usage),
     `touches` (hits on their way to the store, as `TouchOptions` say) and `events` (what it
-    reports)."""
+    reports).
+
+    The store must have been opened with the retention's lifetimes
+    (`lifetimes=config.retention.lifetimes()`): it reads a block whose expiry is further than
+    its class's TTL from now as expired (stored while the clock ran ahead), and gives an
+    inner or unpinned block the longest class's TTL. A store that judges by another table,
+    or by none, is refused (ValueError naming both): the cache never changes a store it is
+    given."""
 
     def __init__(
         self,
@@ -63,9 +82,7 @@ class PrefixCache:
         events: CacheObserver | None = None,
     ) -> None:
         self.config = config or CacheConfig()
-        # The store reads a block whose expiry is further than its class's TTL from now as
-        # expired (stored while the clock ran ahead), and its sweeper removes such blocks.
-        store.lifetimes = self.config.retention.lifetimes()
+        check_lifetimes(store, self.config.retention)
         self.store = store
         self.hasher = hasher or BlockHasher()
         self.clock = clock

@@ -31,6 +31,7 @@ from cache_service.core.engines.routing import (
 from cache_service.core.engines.schemes import EngineHashScheme, ExtraKeys, scheme_named
 from cache_service.core.engines.views import EngineViews
 from cache_service.core.errors import InvalidField, UnknownInstance
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.protocols import BlockStore
 from cache_service.core.touches import TouchOptions
 
@@ -424,6 +425,7 @@ class LookupCounter(CacheObserver):
         self.lookups += 1
 
 
+@pytest.mark.store_opened(lifetimes=DEFAULT_LIFETIMES)
 def test_the_store_score_is_the_stored_prefix_and_touches_nothing(
     store: BlockStore, clock: VirtualClock
 ) -> None:

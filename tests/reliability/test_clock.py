@@ -33,6 +33,7 @@ from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache
 from cache_service.core.config import CacheConfig
 from cache_service.core.operators import Operators
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.protocols import BlockStore
 from cache_service.service.api.app import create_app
@@ -56,7 +57,7 @@ def prompt(number: int, blocks: int = 2) -> list[int]:
 
 def open_cache(folder: Path, clock: JumpClock) -> PrefixCache:
     """A cache with the shipped classes over an LMDB folder (touches applied at once)."""
-    store = LmdbStore(folder, map_size_bytes=1 << 26)
+    store = LmdbStore(folder, map_size_bytes=1 << 26, lifetimes=DEFAULT_LIFETIMES)
     return PrefixCache(store, config=CacheConfig(default_block_size=BLOCK), clock=clock)
 
 
@@ -340,7 +341,7 @@ def test_a_lowered_ttl_leaves_lookup_and_fetch_agreeing(tmp_path: Path) -> None:
     cache.insert(NS, prompt(1, blocks=4), [b"a", b"b", b"c", b"d"], retention="chat")
     cache.store.close()
     shorter = RetentionPolicy({"agent": 3 * DAY, "chat": 3600.0}, default_class="chat")
-    store = LmdbStore(folder, map_size_bytes=1 << 26)
+    store = LmdbStore(folder, map_size_bytes=1 << 26, lifetimes=shorter.lifetimes())
     cache = PrefixCache(
         store, config=CacheConfig(default_block_size=BLOCK, retention=shorter), clock=clock
     )

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 BLOCK = 2
 TTLS = {"agent": 3.0, "chat": 7.0}  # the shipped classes' proportions, in seconds
 LONGEST_TTL = max(TTLS.values())
+RETENTION = RetentionPolicy(ttl_seconds=TTLS, default_class="chat")
 START = 1_700_000_000.0
 NAMESPACES = (
     Namespace(model="m"),  # the default tenant (no partition: its purge must spare the others)
@@ -102,13 +103,18 @@ class LmdbModelMachine(RuleBasedStateMachine):
     def _open(self) -> None:
         # nosync: the crash modelled is a process crash, after which the OS still holds every
         # committed page; fsync per commit would only make the run slow.
-        self.store: BlockStore = LmdbStore(self.folder, map_size_bytes=1 << 24, sync_mode="nosync")
+        self.store: BlockStore = LmdbStore(
+            self.folder,
+            map_size_bytes=1 << 24,
+            sync_mode="nosync",
+            lifetimes=RETENTION.lifetimes(),
+        )
         self.raw = type(self).raw_of(self.store)
         self.cache = PrefixCache(
             self.store,
             config=CacheConfig(
                 default_block_size=BLOCK,
-                retention=RetentionPolicy(ttl_seconds=TTLS, default_class="chat"),
+                retention=RETENTION,
             ),
             limits=CapacityLimits(capacity_blocks=self.capacity),
             # exact expiries: the model has no slack

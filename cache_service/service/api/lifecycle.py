@@ -46,14 +46,27 @@ FINAL_FLUSH_SECONDS = 1.0
 
 
 def given_store(store: BlockStore, settings: Settings) -> OpenedStore:
-    """A store the caller opened (tests, embedders), held to the settings that steer a store:
-    its removal log keeps `--removal-log-entries`, and its policy must be `--eviction-policy`."""
+    """A store the caller opened (tests, embedders), held to the settings that steer a store
+    (ValueError naming both): its policy must be `--eviction-policy`, its removal log (where
+    it keeps one) `--removal-log-entries` long, and its lifetimes the `--retention` classes'.
+    The service never changes a store it is given."""
     if store.policy.name != settings.eviction_policy:
         raise ValueError(
             f"the store given orders eviction by {store.policy.name!r}, the settings by "
             f"{settings.eviction_policy!r} (--eviction-policy)"
         )
-    store.removal_log_entries = settings.removal_log_entries
+    lifetimes = settings.retention_policy().lifetimes()
+    if store.lifetimes != lifetimes:
+        raise ValueError(
+            f"the store given bounds lifetimes by {store.lifetimes.describe()}, the settings "
+            f"by {lifetimes.describe()} (--retention)"
+        )
+    entries = settings.removal_log_entries
+    if store.capabilities.has("removal_log") and store.removal_log_entries != entries:
+        raise ValueError(
+            f"the store given keeps {store.removal_log_entries} recent removals, the settings "
+            f"{entries} (--removal-log-entries)"
+        )
     return describe_store(store)
 
 

@@ -51,6 +51,7 @@ def open_store(settings: Settings) -> OpenedStore:
         identity=identity,
         policy=make_policy(settings.eviction_policy),
         removal_log_entries=settings.removal_log_entries,
+        lifetimes=settings.retention_policy().lifetimes(),
     )
     for note in identity.notes:
         log.info("%s", note)
