@@ -83,10 +83,8 @@ def memory_store_for(
 ) -> MemoryStore:
     """A memory store opened as the service holds a store it is given to `settings`: with
     their retention's lifetimes and their removal log's length."""
-    return store_class(
-        lifetimes=settings.retention_policy().lifetimes(),
-        removal_log_entries=settings.removal_log_entries,
-    )
+    opening = settings.groups.store
+    return store_class(lifetimes=opening.lifetimes, removal_log_entries=opening.removal_log_entries)
 
 
 BACKENDS: dict[str, Callable[..., BlockStore]] = {

@@ -26,7 +26,7 @@ from cache_service.service.settings import Settings
 
 def service(settings: Settings, store: MemoryStore | None = None) -> ServiceLifecycle:
     """A service on `settings` with a fresh metrics registry."""
-    return ServiceLifecycle(settings, metrics=CacheMetrics(CollectorRegistry()), store=store)
+    return ServiceLifecycle(settings.groups, metrics=CacheMetrics(CollectorRegistry()), store=store)
 
 
 def test_a_memory_url_serves_with_no_files_beside_any_data(
@@ -182,17 +182,17 @@ def test_a_store_given_to_the_service_is_held_to_its_settings() -> None:
 
     assert asyncio.run(run()) == (1000, "memory")
     with pytest.raises(ValueError, match=r"orders eviction by 'adaptive'.*'fifo'"):
-        given_store(store, Settings.model_construct(eviction_policy="fifo"))
+        given_store(store, Settings.model_construct(eviction_policy="fifo").groups.store)
     # Nothing is changed on a store given: one opened otherwise is refused, naming both.
     with pytest.raises(ValueError, match=r"keeps 1000 recent removals, the settings 262144"):
-        given_store(store, Settings())
+        given_store(store, Settings().groups.store)
     shorter = Settings(removal_log_entries=1000, retention="agent=3d,chat=1d")
     with pytest.raises(
         ValueError, match=r"by agent=3d, chat=7d, the settings by agent=3d, chat=1d"
     ):
-        given_store(store, shorter)
+        given_store(store, shorter.groups.store)
     with pytest.raises(ValueError, match=r"bounds lifetimes by none .*\(--retention\)"):
-        given_store(MemoryStore(removal_log_entries=1000), settings)
+        given_store(MemoryStore(removal_log_entries=1000), settings.groups.store)
 
 
 def test_a_cancelled_sweep_keeps_its_place_until_its_batch_ends(tmp_path: Path) -> None:

@@ -174,8 +174,8 @@ def test_a_tiny_map_evicts_or_answers_507_never_500(
     store = LmdbStore(
         tmp_path / "lmdb",
         map_size_bytes=2**20,
-        removal_log_entries=settings.removal_log_entries,
-        lifetimes=settings.retention_policy().lifetimes(),
+        removal_log_entries=settings.groups.store.removal_log_entries,
+        lifetimes=settings.groups.store.lifetimes,
     )
     server = ThreadServer(create_app(settings, store=store), "tiny-map-server")
     server.start()

@@ -1,4 +1,4 @@
-"""What the routes share: the cache, metrics and settings of one running service."""
+"""What the routes share: the cache, metrics and request limits of one running service."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from starlette.requests import Request
 from cache_service.core.cache import PrefixCache
 from cache_service.core.errors import Overloaded, StorageError
 from cache_service.core.operators import Operators
+from cache_service.service.config import RequestLimits
 from cache_service.service.kv_events.hub import KvEventsHub
 from cache_service.service.metrics import CacheMetrics
 from cache_service.service.quotas import QuotaBook
-from cache_service.service.settings import Settings
 from cache_service.service.status_history import StatusHistory
 from cache_service.service.usage import UsageLog
 
@@ -80,7 +80,7 @@ class ServiceState:
 
     cache: PrefixCache
     metrics: CacheMetrics
-    settings: Settings
+    limits: RequestLimits
     store_kind: str
     writes: WriteGate
     usage_log: UsageLog | None = None
@@ -93,6 +93,12 @@ class ServiceState:
 
     def __post_init__(self) -> None:
         self.operators = Operators.for_cache(self.cache)
+
+    @property
+    def settings(self) -> RequestLimits:
+        """The request limits, by the name the routes read them by until they read
+        `limits` (their lines are being changed with the store calls' hand-off)."""
+        return self.limits
 
 
 class NotReady(StorageError):
