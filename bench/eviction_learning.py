@@ -142,7 +142,7 @@ def replay(
         store="memory",
     )
     policies = WorkerPolicies(setup.policy, workers=setup.workers)
-    store = MemoryStore(policy=policies)
+    store = MemoryStore(policy=policies, lifetimes=options.retention.lifetimes())
     tally = Tally()
     multiples = [0.0]  # m of the learner that served each request, summed
 

@@ -33,8 +33,8 @@ def main() -> None:
     scope = hasher.namespace_id(namespace)
     table = Lifetimes(dict(DEFAULT_RETENTION))
     with tempfile.TemporaryDirectory() as folder:
-        store = LmdbStore(folder, map_size_bytes=1 << 30)
-        store.lifetimes = table  # writes are noted as a cache's are
+        # Written as a cache's store writes them; then opened again under each case's table.
+        store = LmdbStore(folder, map_size_bytes=1 << 30, lifetimes=table)
         chains: dict[str, Chain] = {}
         for number, retention in enumerate(DEFAULT_RETENTION):
             tokens = [number * PROMPT_TOKENS + i for i in range(PROMPT_TOKENS)]
@@ -43,10 +43,11 @@ def main() -> None:
             store.insert(scope, blocks, parent=None, now=STORED_AT, retention=retention,
                          ttl_seconds=DEFAULT_RETENTION[retention])  # fmt: skip
             chains[retention] = chain
+        store.close()
         cases = (("no table", UNBOUNDED, 0.0), ("table", table, 0.0),
                  ("table, clock behind a write", table, -0.5))  # fmt: skip
         for name, lifetimes, offset in cases:
-            store.lifetimes = lifetimes
+            store = LmdbStore(folder, map_size_bytes=1 << 30, lifetimes=lifetimes)
             for retention, chain in chains.items():
                 best = float("inf")
                 for _ in range(rounds):
@@ -55,7 +56,7 @@ def main() -> None:
                     best = min(best, time.perf_counter() - started)
                 assert found.matched == len(chain)
                 print(f"{name:28s} {retention:6s} {len(chain)}-block lookup: {best * 1e6:.0f} us")
-        store.close()
+            store.close()
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def check_store(settings: Settings) -> None:
     from cache_service.service.api.startup import open_store  # noqa: PLC0415
 
     try:
-        open_store(settings).store.close()
+        open_store(settings.groups).store.close()
     except (StorageError, NotSupportedByStore, lmdb.Error, OSError, ValueError) as exc:
         sys.exit(f"cache-service: {exc}")  # ValueError: a store URL or server refused
 
@@ -132,25 +132,26 @@ def serve(settings: Settings) -> int:
     )
     from cache_service.service.server import run_single, run_workers  # noqa: PLC0415
 
-    logging_config = log_config(settings.log_level)
+    server = settings.groups.server
+    logging_config = log_config(server.log_level)
     logging.config.dictConfig(logging_config)  # uvicorn applies it again, in every worker
     check_store(settings)
 
     # Worker processes (and this one) read the header limit of the HTTP protocol from here.
-    os.environ[HEADER_LIMIT_ENV] = str(settings.max_header_bytes)
+    os.environ[HEADER_LIMIT_ENV] = str(server.max_header_bytes)
     options = {
         "http": LimitedHttpToolsProtocol,
-        "host": settings.host,
-        "port": settings.port,
-        "log_level": settings.log_level,
+        "host": server.host,
+        "port": server.port,
+        "log_level": server.log_level,
         "log_config": logging_config,
-        "access_log": settings.access_log,
+        "access_log": server.access_log,
         # Open connections get this long to finish; then the lifespan's stop gives the
         # store calls still running as long again (ServiceLifecycle.stop). A watchdog bounds the
         # whole (service/server.py: exit_bound_seconds).
-        "timeout_graceful_shutdown": settings.shutdown_timeout,
+        "timeout_graceful_shutdown": server.shutdown_timeout,
     }
-    if settings.workers == 1:
+    if server.workers == 1:
         return run_single(uvicorn.Config(create_app(settings), **options))  # type: ignore[arg-type]
     # Workers are new processes: they read the settings back from the environment, and count
     # metrics in files of one folder that /metrics adds up (Prometheus multiprocess mode).
@@ -162,7 +163,7 @@ def serve(settings: Settings) -> int:
         config = uvicorn.Config(
             "cache_service.service.api.app:app_from_environment",
             factory=True,
-            workers=settings.workers,
+            workers=server.workers,
             **options,  # type: ignore[arg-type]
         )
         return run_workers(config)

@@ -10,6 +10,10 @@ A backend declares the behaviours it lacks in its store class's `capabilities`
 `@pytest.mark.needs("capability")`: it must pass on every backend that declares it, and is
 expected to fail on the others (a pass there shows as XPASS: working, but not declared). A
 test facility a backend lacks (tests/store/capabilities.py) skips the test with the reason.
+
+A store is told what it keeps when it is opened, never after: a test (or a module, by its
+`pytestmark`) that wants the fixture's store opened with `lifetimes=` (a cache over it needs
+its retention's) or `removal_log_entries=` carries `@pytest.mark.store_opened(...)` with them.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from cache_service.core.store.memory import MemoryStore
 from cache_service.core.store.parts.codec import decode_meta
 from cache_service.core.store.protocols import BlockStore
 from cache_service.core.store.redis.store import RedisStore
+from cache_service.service.settings import Settings
 from tests.store.capabilities import ELSEWHERE, lacking, undeclared
 from tests.store.redis_backend import RedisRawAccess, open_redis_store, start_contract_cluster
 
@@ -59,17 +64,30 @@ def clock() -> VirtualClock:
     return VirtualClock()
 
 
-def open_memory_store(request: pytest.FixtureRequest, tmp_path: Path) -> BlockStore:
+def open_memory_store(
+    request: pytest.FixtureRequest, tmp_path: Path, **opened_with: Any
+) -> BlockStore:
     """A fresh in-memory store."""
-    return MemoryStore()
+    return MemoryStore(**opened_with)
 
 
-def open_lmdb_store(request: pytest.FixtureRequest, tmp_path: Path) -> BlockStore:
+def open_lmdb_store(
+    request: pytest.FixtureRequest, tmp_path: Path, **opened_with: Any
+) -> BlockStore:
     """A fresh LMDB store in its own directory under tmp_path."""
-    return LmdbStore(tmp_path / "lmdb", map_size_bytes=LMDB_MAP_SIZE_BYTES)
+    return LmdbStore(tmp_path / "lmdb", map_size_bytes=LMDB_MAP_SIZE_BYTES, **opened_with)
 
 
-BACKENDS: dict[str, Callable[[pytest.FixtureRequest, Path], BlockStore]] = {
+def memory_store_for(
+    settings: Settings, store_class: type[MemoryStore] = MemoryStore
+) -> MemoryStore:
+    """A memory store opened as the service holds a store it is given to `settings`: with
+    their retention's lifetimes and their removal log's length."""
+    opening = settings.groups.store
+    return store_class(lifetimes=opening.lifetimes, removal_log_entries=opening.removal_log_entries)
+
+
+BACKENDS: dict[str, Callable[..., BlockStore]] = {
     "memory": open_memory_store,
     "lmdb": open_lmdb_store,
     "redis": open_redis_store,
@@ -99,6 +117,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "bug_on(backend, reason): a known bug of that backend's store, reported to its "
         "owner; the test is expected to fail there (strictly: a fix makes it fail as XPASS)",
     )
+    config.addinivalue_line(
+        "markers",
+        "store_opened(**options): what the `store` fixture opens its store with "
+        "(lifetimes=, removal_log_entries=)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -124,7 +147,10 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlockStore
         backend, reason = mark.args
         if backend == request.param:
             request.applymarker(pytest.mark.xfail(reason=f"{backend} bug: {reason}", strict=True))
-    opened = BACKENDS[request.param](request, tmp_path)
+    opened_with = request.node.get_closest_marker("store_opened")
+    opened = BACKENDS[request.param](
+        request, tmp_path, **(opened_with.kwargs if opened_with is not None else {})
+    )
     yield opened
     opened.close()
 

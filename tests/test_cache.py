@@ -11,6 +11,8 @@ import pytest
 from cache_service.core.blocks import Evicted, Namespace
 from cache_service.core.cache import InsertOutcome, PrefixCache
 from cache_service.core.cache_observer import CacheObserver
+from cache_service.core.capacity import CapacityLimits
+from cache_service.core.config import CacheConfig
 from cache_service.core.errors import (
     BlockSizeMismatch,
     InsufficientStorage,
@@ -19,9 +21,11 @@ from cache_service.core.errors import (
     UnknownRetention,
 )
 from cache_service.core.hashing import BlockHasher, xxh3_128
-from cache_service.core.retention import RetentionPolicy
+from cache_service.core.retention import DEFAULT_LIFETIMES, RetentionPolicy
+from cache_service.core.store.memory import MemoryStore
 from cache_service.core.store.protocols import BlockStore
 from cache_service.core.tokens import tokens_to_bytes
+from cache_service.core.touches import TouchOptions
 
 if TYPE_CHECKING:
     from conftest import RawAccess, VirtualClock
@@ -30,6 +34,12 @@ DAY = 86400.0
 AGENT_TTL = 3 * DAY
 CHAT_TTL = 7 * DAY
 NS = Namespace(model="llama-3-8b")
+BATCH_RETENTION = RetentionPolicy(
+    ttl_seconds={"batch": 60.0, "chat": CHAT_TTL}, default_class="batch"
+)
+
+# The caches here use the default retention classes: their stores are opened with them.
+pytestmark = pytest.mark.store_opened(lifetimes=DEFAULT_LIFETIMES)
 
 
 class RecordingEvents(CacheObserver):
@@ -67,7 +77,7 @@ class RecordingEvents(CacheObserver):
 
 
 def make_cache(store: BlockStore, clock: VirtualClock, **kwargs: object) -> PrefixCache:
-    kwargs.setdefault("default_block_size", 4)
+    kwargs.setdefault("config", CacheConfig(default_block_size=4))
     return PrefixCache(store, clock=clock, **kwargs)  # type: ignore[arg-type]
 
 
@@ -112,7 +122,7 @@ def assert_no_block_outlives_its_parent(raw: RawAccess) -> None:
 def test_issue_example_whole_prompt_and_shared_500_token_prefix(
     store: BlockStore, clock: VirtualClock
 ) -> None:
-    cache = make_cache(store, clock, default_block_size=64)
+    cache = make_cache(store, clock, config=CacheConfig(default_block_size=64))
     rng = random.Random(1024)
     prompt = [rng.randrange(50_000) for _ in range(1024)]
     outcome = cache.insert(NS, prompt, [b"kv" * 100] * 16)
@@ -319,7 +329,7 @@ def test_sweep_expired_never_leaves_an_orphan(
 def test_deferred_touches_apply_only_at_flush(
     store: BlockStore, raw: RawAccess, clock: VirtualClock
 ) -> None:
-    cache = make_cache(store, clock, defer_touches=True, touch_resolution_seconds=0.0)
+    cache = make_cache(store, clock, touches=TouchOptions(defer=True, resolution_seconds=0.0))
     prompt = blocks_of(1, 2)
     store_prompt(cache, prompt, retention="agent")
     before = raw.blocks()
@@ -358,7 +368,7 @@ def test_capacity_blocks_evicts_down_to_exactly_the_capacity(
     store: BlockStore, clock: VirtualClock
 ) -> None:
     events = RecordingEvents()
-    cache = make_cache(store, clock, capacity_blocks=10, events=events)
+    cache = make_cache(store, clock, limits=CapacityLimits(capacity_blocks=10), events=events)
     for label in range(8):
         clock.advance(1)
         store_prompt(cache, blocks_of(100 + label, label, label))
@@ -371,7 +381,7 @@ def test_capacity_blocks_evicts_down_to_exactly_the_capacity(
 def test_request_larger_than_the_cache_keeps_its_first_blocks(
     store: BlockStore, clock: VirtualClock
 ) -> None:
-    cache = make_cache(store, clock, capacity_blocks=4)
+    cache = make_cache(store, clock, limits=CapacityLimits(capacity_blocks=4))
     store_prompt(cache, blocks_of(9, 9))
     clock.advance(1)
     prompt = blocks_of(1, 2, 3, 4, 5, 6)
@@ -385,7 +395,7 @@ def test_request_larger_than_the_cache_keeps_its_first_blocks(
 def test_capacity_blocks_evicts_least_recently_used_prompt_first(
     store: BlockStore, clock: VirtualClock
 ) -> None:
-    cache = make_cache(store, clock, capacity_blocks=6)
+    cache = make_cache(store, clock, limits=CapacityLimits(capacity_blocks=6))
     first, second, third = blocks_of(1, 1), blocks_of(2, 2), blocks_of(3, 3)
     store_prompt(cache, first)
     clock.advance(1)
@@ -406,7 +416,13 @@ def test_capacity_bytes_stays_under_capacity_and_keeps_the_newest_prefix(
 ) -> None:
     events = RecordingEvents()
     capacity = 2 << 20
-    cache = make_cache(store, clock, capacity_bytes=capacity, default_block_size=64, events=events)
+    cache = make_cache(
+        store,
+        clock,
+        config=CacheConfig(default_block_size=64),
+        limits=CapacityLimits(capacity_bytes=capacity),
+        events=events,
+    )
     payload_size = 16 << 10
     one_block = store.space.estimate_bytes(payload_size, 64 * 4)
     low_water = capacity * cache.capacity.low_water
@@ -432,7 +448,7 @@ def test_capacity_bytes_stays_under_capacity_and_keeps_the_newest_prefix(
 def test_a_block_larger_than_the_whole_cache_is_refused(
     store: BlockStore, clock: VirtualClock
 ) -> None:
-    cache = make_cache(store, clock, capacity_bytes=10_000)
+    cache = make_cache(store, clock, limits=CapacityLimits(capacity_bytes=10_000))
     with pytest.raises(InsufficientStorage):
         cache.insert(NS, blocks_of(1), [b"x" * 20_000])
     assert cache.capacity.usage().blocks == 0
@@ -440,11 +456,13 @@ def test_a_block_larger_than_the_whole_cache_is_refused(
 
 def test_capacity_settings_are_validated(store: BlockStore, clock: VirtualClock) -> None:
     with pytest.raises(ValueError, match="not both"):
-        make_cache(store, clock, capacity_bytes=1000, capacity_blocks=10)
+        make_cache(store, clock, limits=CapacityLimits(capacity_bytes=1000, capacity_blocks=10))
     with pytest.raises(ValueError, match="low_water"):
-        make_cache(store, clock, capacity_bytes=1000, low_water=0.9, high_water=0.8)
+        make_cache(
+            store, clock, limits=CapacityLimits(capacity_bytes=1000, low_water=0.9, high_water=0.8)
+        )
     with pytest.raises(ValueError, match="low_water"):
-        make_cache(store, clock, capacity_bytes=1000, low_water=0.0)
+        make_cache(store, clock, limits=CapacityLimits(capacity_bytes=1000, low_water=0.0))
 
 
 # -- request validation ----------------------------------------------------------------------
@@ -453,7 +471,7 @@ def test_capacity_settings_are_validated(store: BlockStore, clock: VirtualClock)
 def test_block_size_mismatch_is_raised_with_the_servers_size(
     store: BlockStore, clock: VirtualClock
 ) -> None:
-    cache = make_cache(store, clock, default_block_size=64)
+    cache = make_cache(store, clock, config=CacheConfig(default_block_size=64))
     with pytest.raises(BlockSizeMismatch) as caught:
         cache.match_prefix(NS, list(range(128)), block_size=16)
     assert caught.value.extensions["expected"] == 64
@@ -474,16 +492,28 @@ def test_unknown_retention_is_raised_naming_the_configured_classes(
     assert cache.capacity.usage().blocks == 0
 
 
+@pytest.mark.store_opened(lifetimes=BATCH_RETENTION.lifetimes())
 def test_custom_retention_table_is_used(store: BlockStore, clock: VirtualClock) -> None:
-    policy = RetentionPolicy(ttl_seconds={"batch": 60.0, "chat": CHAT_TTL}, default_class="batch")
-    cache = make_cache(store, clock, retention=policy)
+    retention = BATCH_RETENTION
+    cache = make_cache(store, clock, config=CacheConfig(default_block_size=4, retention=retention))
     store_prompt(cache, blocks_of(1))
     clock.advance(60)
     assert cache.match_prefix(NS, blocks_of(1)).matched_blocks == 0
 
 
+def test_a_store_not_opened_with_the_retentions_lifetimes_is_refused_naming_both() -> None:
+    with pytest.raises(ValueError, match=r"lifetimes none .* classes are agent=3d, chat=7d"):
+        PrefixCache(MemoryStore())
+    with pytest.raises(ValueError, match=r"agent=3d, chat=7d, .* are batch=1m, chat=7d"):
+        PrefixCache(
+            MemoryStore(lifetimes=DEFAULT_LIFETIMES), config=CacheConfig(retention=BATCH_RETENTION)
+        )
+
+
 def test_per_model_block_size_override(store: BlockStore, clock: VirtualClock) -> None:
-    cache = make_cache(store, clock, default_block_size=4, model_block_sizes={"big": 16})
+    cache = make_cache(
+        store, clock, config=CacheConfig(default_block_size=4, model_block_sizes={"big": 16})
+    )
     big = Namespace(model="big")
     assert cache.config.block_size_for("big") == 16
     assert cache.config.block_size_for("llama-3-8b") == 4
@@ -565,7 +595,9 @@ def constant_hash_cache(
 ) -> PrefixCache:
     """Every key, the namespace root included, is the same 16 zero bytes."""
     hasher = BlockHasher(hash_fn=lambda data: b"\0" * 16)
-    return make_cache(store, clock, hasher=hasher, default_block_size=2, events=events)
+    return make_cache(
+        store, clock, config=CacheConfig(default_block_size=2), hasher=hasher, events=events
+    )
 
 
 def test_constant_hash_never_matches_more_blocks_than_were_stored(
@@ -643,7 +675,12 @@ def test_constant_hash_gives_no_wrong_hits_and_reports_collisions(
 def test_capacity_in_blocks_filled_by_the_prefix_stores_nothing_more(
     store: BlockStore, clock: VirtualClock
 ) -> None:
-    cache = PrefixCache(store, clock=clock, default_block_size=2, capacity_blocks=2)
+    cache = PrefixCache(
+        store,
+        config=CacheConfig(default_block_size=2),
+        limits=CapacityLimits(capacity_blocks=2),
+        clock=clock,
+    )
     namespace = Namespace("m")
     prompt = [1, 2, 3, 4, 5, 6]
     assert cache.insert(namespace, prompt[:4], [b"a", b"b"]).stored == 2
@@ -655,7 +692,12 @@ def test_capacity_in_blocks_filled_by_the_prefix_stores_nothing_more(
 def test_storing_from_start_block_marks_the_prefix_used(
     store: BlockStore, clock: VirtualClock
 ) -> None:
-    cache = PrefixCache(store, clock=clock, default_block_size=2, capacity_blocks=6)
+    cache = PrefixCache(
+        store,
+        config=CacheConfig(default_block_size=2),
+        limits=CapacityLimits(capacity_blocks=6),
+        clock=clock,
+    )
     namespace = Namespace("m")
     p = [1, 2, 3, 4, 5, 6, 7, 8]
     q = [9, 10, 11, 12]
@@ -674,7 +716,7 @@ def test_storing_from_start_block_marks_the_prefix_used(
 def test_deferred_touches_rewrite_a_hot_prefix_at_most_once_per_resolution(
     store: BlockStore, raw: RawAccess, clock: VirtualClock
 ) -> None:
-    cache = make_cache(store, clock, defer_touches=True, touch_resolution_seconds=1.0)
+    cache = make_cache(store, clock, touches=TouchOptions(defer=True, resolution_seconds=1.0))
     prompt = blocks_of(1, 2)
     store_prompt(cache, prompt, retention="chat")
     cache.match_prefix(NS, prompt, retention="chat")
@@ -695,7 +737,7 @@ def test_deferred_touches_rewrite_a_hot_prefix_at_most_once_per_resolution(
 def test_deferred_touches_slide_a_ttl_only_past_the_slide_fraction(
     store: BlockStore, raw: RawAccess, clock: VirtualClock
 ) -> None:
-    cache = make_cache(store, clock, defer_touches=True, ttl_slide_fraction=0.01)
+    cache = make_cache(store, clock, touches=TouchOptions(defer=True, slide_fraction=0.01))
     prompt = blocks_of(1, 2, 3)
     store_prompt(cache, prompt, retention="chat")
     stored_until = [meta.expires_at for meta in raw.blocks().values()]
@@ -727,10 +769,10 @@ def test_memo_of_a_verified_prompt_never_survives_a_colliding_rewrite_at_the_sam
 
     cache = PrefixCache(
         store,
+        config=CacheConfig(default_block_size=4),
+        limits=CapacityLimits(capacity_blocks=1),
         hasher=BlockHasher(hash_fn=colliding),
         clock=clock,
-        default_block_size=4,
-        capacity_blocks=1,
     )
     cache.insert(NS, a, [b"kv of a"])
     assert cache.match_prefix(NS, a).matched_blocks == 1  # verified, and memoised

@@ -12,10 +12,13 @@ import pytest
 from cache_service.core.blocks import Evicted, Namespace, store_key
 from cache_service.core.cache import PrefixCache
 from cache_service.core.cache_observer import CacheObserver
+from cache_service.core.config import CacheConfig
 from cache_service.core.errors import MissingParent
 from cache_service.core.operators import EXPLANATIONS, Operators
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.parts.codec import RECORD_FIELDS
+from cache_service.core.touches import TouchOptions
 from tests.conftest import LmdbRawAccess, VirtualClock
 
 NS = Namespace(model="m", tenant="team-a")
@@ -44,7 +47,12 @@ class Counting(CacheObserver):
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[LmdbStore]:
-    opened = LmdbStore(tmp_path / "lmdb", map_size_bytes=1 << 28, removal_log_entries=100)
+    opened = LmdbStore(
+        tmp_path / "lmdb",
+        map_size_bytes=1 << 28,
+        removal_log_entries=100,
+        lifetimes=DEFAULT_LIFETIMES,  # the caches' retention
+    )
     yield opened
     opened.close()
 
@@ -53,10 +61,17 @@ def make(store: LmdbStore, *, defer: bool) -> tuple[PrefixCache, Counting]:
     """A cache over a store that holds PROMPT, stored by another cache (as a restarted
     server finds it: nothing of it in this cache's memo of recent matches)."""
     clock = VirtualClock()  # one clock for both (a real one is years after the virtual one)
-    PrefixCache(store, clock=clock, default_block_size=BLOCK).insert(NS, PROMPT, PAYLOADS)
+    PrefixCache(store, config=CacheConfig(default_block_size=BLOCK), clock=clock).insert(
+        NS, PROMPT, PAYLOADS
+    )
     events = Counting()
-    cache = PrefixCache(store, clock=clock, default_block_size=BLOCK,
-                        defer_touches=defer, events=events)  # fmt: skip
+    cache = PrefixCache(
+        store,
+        config=CacheConfig(default_block_size=BLOCK),
+        touches=TouchOptions(defer=defer),
+        clock=clock,
+        events=events,
+    )
     return cache, events
 
 

@@ -28,6 +28,8 @@ from hypothesis.stateful import (
 
 from cache_service.core.blocks import BlockKey, Namespace
 from cache_service.core.cache import PrefixCache
+from cache_service.core.capacity import CapacityLimits
+from cache_service.core.config import CacheConfig
 from cache_service.core.retention import RetentionPolicy
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.protocols import BlockStore
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 BLOCK = 2
 NS = Namespace(model="model-under-test")
 TTLS = {"short": 10.0, "long": 25.0}
+RETENTION = RetentionPolicy(ttl_seconds=TTLS, default_class="long")
 
 # Two-token blocks over a three-token alphabet: prompts share prefixes all the time.
 blocks = st.tuples(st.integers(0, 2), st.integers(0, 2))
@@ -74,10 +77,12 @@ class CacheMachine(RuleBasedStateMachine):
     def _make_cache(self) -> PrefixCache:
         return PrefixCache(
             self.store,
-            retention=RetentionPolicy(ttl_seconds=TTLS, default_class="long"),
+            config=CacheConfig(
+                default_block_size=BLOCK,
+                retention=RETENTION,
+            ),
+            limits=CapacityLimits(capacity_blocks=self.capacity),
             clock=self.clock,
-            default_block_size=BLOCK,
-            capacity_blocks=self.capacity,
             events=self.events,
         )
 
@@ -208,7 +213,11 @@ def test_prefix_cache_over_lmdb_agrees_with_the_model(
     runs = itertools.count()
 
     def open_store() -> BlockStore:
-        return LmdbStore(tmp_path / f"run-{next(runs)}", map_size_bytes=1 << 30)
+        return LmdbStore(
+            tmp_path / f"run-{next(runs)}",
+            map_size_bytes=1 << 30,
+            lifetimes=RETENTION.lifetimes(),
+        )
 
     machine = type(
         "LmdbCacheMachine",

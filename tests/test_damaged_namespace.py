@@ -12,7 +12,9 @@ import pytest
 from cache_service.core.blocks import BlockKey, Namespace
 from cache_service.core.cache import PrefixCache
 from cache_service.core.cache_observer import CacheObserver
+from cache_service.core.config import CacheConfig
 from cache_service.core.hashing import BlockHasher
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.lmdb.store import LmdbStore
 
 NS = Namespace("m")
@@ -34,8 +36,10 @@ class Counts(CacheObserver):
 
 
 def open_cache(folder: Path, events: Counts, hasher: BlockHasher | None = None) -> PrefixCache:
-    store = LmdbStore(folder, map_size_bytes=1 << 26)
-    return PrefixCache(store, default_block_size=4, events=events, hasher=hasher)
+    store = LmdbStore(folder, map_size_bytes=1 << 26, lifetimes=DEFAULT_LIFETIMES)
+    return PrefixCache(
+        store, config=CacheConfig(default_block_size=4), events=events, hasher=hasher
+    )
 
 
 def damage_namespace(cache: PrefixCache, replacement: bytes) -> None:

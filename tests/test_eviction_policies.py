@@ -6,12 +6,15 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import VirtualClock, raw_access
 
 from cache_service.core.blocks import BlockMeta, Namespace, StoreKey, Touch
 from cache_service.core.cache import PrefixCache
+from cache_service.core.capacity import CapacityLimits
+from cache_service.core.config import CacheConfig
 from cache_service.core.eviction import (
     POLICIES,
     AdaptivePolicy,
@@ -23,6 +26,7 @@ from cache_service.core.eviction import (
 from cache_service.core.eviction.adaptive import RUNGS
 from cache_service.core.eviction.protected import GHOST_FLOOR
 from cache_service.core.operators import Operators
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 from cache_service.core.store.protocols import BlockStore
@@ -171,17 +175,19 @@ def test_policies_are_made_by_name_and_unknown_names_are_refused() -> None:
 @pytest.fixture(params=["memory", "lmdb"])
 def open_store(
     request: pytest.FixtureRequest, tmp_path: Path
-) -> Iterator[Callable[[str], BlockStore]]:
-    """A factory of real stores under a given policy."""
+) -> Iterator[Callable[..., BlockStore]]:
+    """A factory of real stores under a given policy (and what else they are opened with)."""
     stores: list[BlockStore] = []
 
-    def factory(policy_name: str) -> BlockStore:
+    def factory(policy_name: str, **opened_with: Any) -> BlockStore:
         policy = make_policy(policy_name)
         if request.param == "memory":
-            store: BlockStore = MemoryStore(policy=policy)
+            store: BlockStore = MemoryStore(policy=policy, **opened_with)
         else:
             folder = tmp_path / f"{policy_name}-{len(stores)}"
-            store = LmdbStore(folder, map_size_bytes=LMDB_MAP_SIZE_BYTES, policy=policy)
+            store = LmdbStore(
+                folder, map_size_bytes=LMDB_MAP_SIZE_BYTES, policy=policy, **opened_with
+            )
         stores.append(store)
         return store
 
@@ -216,21 +222,20 @@ def test_a_store_keeps_a_reused_prefix_under_protected_and_not_under_lru(
 
 @pytest.mark.parametrize("policy_name", list(POLICIES))
 def test_every_policy_keeps_pins_quotas_and_prefix_closure_under_churn(
-    open_store: Callable[[str], BlockStore], policy_name: str
+    open_store: Callable[..., BlockStore], policy_name: str
 ) -> None:
     """Random traffic of two tenants with shared and private prefixes through a small cache:
     the pinned prompt stays whole, the tenant stays within its quota, the cache within its
     capacity, and every stored block's parent is stored."""
-    store = open_store(policy_name)
+    store = open_store(policy_name, lifetimes=DEFAULT_LIFETIMES)
     clock = VirtualClock()
     block = 4
     quota = 12 * store.space.estimate_bytes(8, 4 * block)
     cache = PrefixCache(
         store,
+        config=CacheConfig(default_block_size=block),
+        limits=CapacityLimits(capacity_blocks=60, tenant_capacity_bytes={"small": quota}),
         clock=clock,
-        default_block_size=block,
-        capacity_blocks=60,
-        tenant_capacity_bytes={"small": quota},
     )
     shared = Namespace(model="m")
     small = Namespace(model="m", tenant="small")

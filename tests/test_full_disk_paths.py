@@ -20,10 +20,12 @@ import pytest
 
 from cache_service.core.blocks import Evicted, Namespace, StoreUsage
 from cache_service.core.cache import PrefixCache
-from cache_service.core.capacity import EVICT_BATCH_BLOCKS, Capacity
+from cache_service.core.capacity import EVICT_BATCH_BLOCKS, Capacity, CapacityLimits
+from cache_service.core.config import CacheConfig
 from cache_service.core.disk import RESERVE_NAME, DiskRoom, DiskWarning, measure_room
 from cache_service.core.errors import DiskFull, StorageFailure, StoreFull
 from cache_service.core.reserve import DiskReserve, remove_stale_partials
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.lmdb import disk as lmdb_disk
 from cache_service.core.store.lmdb.disk import write_error
 from cache_service.core.store.lmdb.store import LmdbStore
@@ -112,8 +114,8 @@ class _FailingCommits:
 
 
 def test_a_commit_failing_for_room_is_disk_full_and_nothing_is_stored(tmp_path: Path) -> None:
-    store = LmdbStore(tmp_path / "lmdb", map_size_bytes=MAP_BYTES)
-    cache = PrefixCache(store, default_block_size=BLOCK)
+    store = LmdbStore(tmp_path / "lmdb", map_size_bytes=MAP_BYTES, lifetimes=DEFAULT_LIFETIMES)
+    cache = PrefixCache(store, config=CacheConfig(default_block_size=BLOCK))
     cache.insert(NS, list(range(8)), [b"a", b"b"])
     failing = _FailingCommits(store.backend.env)
     store.backend.env = failing
@@ -181,7 +183,7 @@ class _TightStore:
 
 def test_eviction_on_a_full_disk_shrinks_its_batches_then_grows_them() -> None:
     store = _TightStore(fits=2, blocks=50)
-    capacity = Capacity(store, capacity_blocks=0)  # type: ignore[arg-type]
+    capacity = Capacity(store, limits=CapacityLimits(capacity_blocks=0))  # type: ignore[arg-type]
     evicted = capacity._in_batches(lambda size: store.evict(now=0.0, max_blocks=size), now=0.0)
     assert len(evicted) == 50
     assert store.sizes[0] == EVICT_BATCH_BLOCKS and 2 in store.sizes  # down, then up again
@@ -189,21 +191,21 @@ def test_eviction_on_a_full_disk_shrinks_its_batches_then_grows_them() -> None:
 
 def test_eviction_that_cannot_delete_even_one_block_says_disk_full() -> None:
     store = _TightStore(fits=0, blocks=50)
-    capacity = Capacity(store, capacity_blocks=0)  # type: ignore[arg-type]
+    capacity = Capacity(store, limits=CapacityLimits(capacity_blocks=0))  # type: ignore[arg-type]
     with pytest.raises(DiskFull):
         capacity._in_batches(lambda size: store.evict(now=0.0, max_blocks=size), now=0.0)
 
 
 def test_enforcing_the_capacity_on_a_full_disk_leaves_the_rest_for_later() -> None:
     store = _TightStore(fits=0, blocks=50)
-    capacity = Capacity(store, capacity_blocks=10)  # type: ignore[arg-type]
+    capacity = Capacity(store, limits=CapacityLimits(capacity_blocks=10))  # type: ignore[arg-type]
     store.usage = lambda: StoreUsage(blocks=50, payload_bytes=50, used_bytes=50)  # type: ignore[attr-defined]
     assert capacity.enforce() == []
 
 
 def test_a_purge_on_a_full_disk_gives_the_reserve_up_and_runs_again(tmp_path: Path) -> None:
     store = LmdbStore(tmp_path / "lmdb", map_size_bytes=MAP_BYTES)
-    capacity = Capacity(store, capacity_bytes=MAP_BYTES)
+    capacity = Capacity(store, limits=CapacityLimits(capacity_bytes=MAP_BYTES))
     assert capacity.reserve is not None
     capacity.reserve.size_bytes = 4096
     assert capacity.reserve.ensure() and capacity.reserve.held
@@ -249,9 +251,9 @@ def test_capacity_limit_is_the_capacity_or_less_where_the_disk_cannot_back_it(
     tmp_path: Path,
 ) -> None:
     store = LmdbStore(tmp_path / "lmdb", map_size_bytes=MAP_BYTES)
-    small = Capacity(store, capacity_bytes=2**20)
+    small = Capacity(store, limits=CapacityLimits(capacity_bytes=2**20))
     assert small.limit_bytes() == 2**20
-    huge = Capacity(store, capacity_bytes=1 << 60)
+    huge = Capacity(store, limits=CapacityLimits(capacity_bytes=1 << 60))
     measured = huge.disk()
     assert measured is not None and measured.shortfall_bytes > 0
     limit = huge.limit_bytes()

@@ -12,12 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import memory_store_for
 
 from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache
+from cache_service.core.config import CacheConfig
 from cache_service.core.errors import SettingsMismatch, StorageError
 from cache_service.core.hashing import HASH_SCHEME, HASH_VERSION, seed_fingerprint
 from cache_service.core.identity import StoreIdentity, identity_of
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 from cache_service.service.api.app import create_app
@@ -213,8 +216,15 @@ def test_an_unreadable_record_is_a_storage_error() -> None:
 
 
 def open_lmdb(folder: Path, opener: StoreIdentity | None) -> LmdbStore:
-    """The LMDB store of `folder`, checked against `opener` if given."""
-    return LmdbStore(folder, map_size_bytes=MAP_SIZE_BYTES, sync_mode="nosync", identity=opener)
+    """The LMDB store of `folder`, checked against `opener` if given (for caches with the
+    default retention classes)."""
+    return LmdbStore(
+        folder,
+        map_size_bytes=MAP_SIZE_BYTES,
+        sync_mode="nosync",
+        identity=opener,
+        lifetimes=DEFAULT_LIFETIMES,
+    )
 
 
 def test_lmdb_refuses_another_seed_and_keeps_the_first_record(tmp_path: Path) -> None:
@@ -242,7 +252,9 @@ def test_lmdb_store_made_before_the_record_adopts_the_settings_and_keeps_its_blo
     tmp_path: Path,
 ) -> None:
     older = open_lmdb(tmp_path, None)  # as a build before the record opened it
-    PrefixCache(older, default_block_size=64).insert(Namespace("m"), list(range(128)), [b"a"] * 2)
+    PrefixCache(older, config=CacheConfig(default_block_size=64)).insert(
+        Namespace("m"), list(range(128)), [b"a"] * 2
+    )
     older.close()
     adopting = identity(model_block_sizes={})
     store = open_lmdb(tmp_path, adopting)
@@ -319,7 +331,7 @@ def test_a_memory_store_keeps_no_record_and_any_settings_serve_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="cache_service")
-    store = MemoryStore()
+    store = memory_store_for(Settings())  # the second settings hold it to the same
     asyncio.run(_start_and_stop(Settings(), store))
     asyncio.run(_start_and_stop(Settings(seed="other", block_size=16), store))
     assert (

@@ -5,10 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from cache_service.core.blocks import Evicted, Namespace, StoreKey
 from cache_service.core.cache import PrefixCache
+from cache_service.core.capacity import CapacityLimits
+from cache_service.core.config import CacheConfig
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 from cache_service.core.store.protocols import BlockStore
@@ -20,6 +24,8 @@ if TYPE_CHECKING:
 NS = Namespace(model="m")
 BLOCK = 4
 CHAT_TTL = 7 * 86400.0
+
+pytestmark = pytest.mark.store_opened(lifetimes=DEFAULT_LIFETIMES)  # the caches' retention
 
 
 def blocks_of(*labels: int) -> list[int]:
@@ -35,8 +41,8 @@ def counted(
     metrics.declare_retention(["agent", "chat"])
     cache = PrefixCache(
         store,
+        config=CacheConfig(default_block_size=BLOCK),
         clock=clock,
-        default_block_size=BLOCK,
         events=metrics,
         **kwargs,  # type: ignore[arg-type]
     )
@@ -91,7 +97,7 @@ def test_refreshed_and_conflicting_blocks_are_counted(
 def test_capacity_evictions_before_the_ttl_are_counted(
     store: BlockStore, clock: VirtualClock
 ) -> None:
-    cache, registry = counted(store, clock, capacity_blocks=2)
+    cache, registry = counted(store, clock, limits=CapacityLimits(capacity_blocks=2))
     cache.insert(NS, blocks_of(1, 2), [b"a", b"b"])
     clock.advance(1)
     cache.insert(NS, blocks_of(3, 4), [b"c", b"d"])
@@ -142,7 +148,9 @@ def test_tenants_are_counted_by_name_only_when_declared(
     registry = CollectorRegistry()
     metrics = CacheMetrics(registry)
     metrics.declare_tenants(["team-a"])
-    cache = PrefixCache(store, clock=clock, default_block_size=BLOCK, events=metrics)
+    cache = PrefixCache(
+        store, config=CacheConfig(default_block_size=BLOCK), clock=clock, events=metrics
+    )
     cache.match_prefix(Namespace("m", tenant="team-a"), blocks_of(1))
     cache.match_prefix(Namespace("m", tenant="team-b"), blocks_of(1))
     assert sample(registry, "prompt_cache_tenant_miss_tokens_total", tenant="team-a") == BLOCK
@@ -164,8 +172,12 @@ def test_store_collector_reports_usage_and_capacity_at_scrape_time(
 
 
 def test_store_collector_shows_the_disk_under_an_lmdb_store(tmp_path: Path) -> None:
-    store = LmdbStore(tmp_path / "lmdb", map_size_bytes=1 << 30)
-    cache = PrefixCache(store, default_block_size=BLOCK, capacity_bytes=1 << 60)
+    store = LmdbStore(tmp_path / "lmdb", map_size_bytes=1 << 30, lifetimes=DEFAULT_LIFETIMES)
+    cache = PrefixCache(
+        store,
+        config=CacheConfig(default_block_size=BLOCK),
+        limits=CapacityLimits(capacity_bytes=1 << 60),
+    )
     registry = CollectorRegistry()
     # As the service wires it: the capacity's usage and its disk report.
     registry.register(StoreCollector(cache.capacity.usage, 1 << 60, disk=cache.capacity.disk))
@@ -178,7 +190,9 @@ def test_store_collector_shows_the_disk_under_an_lmdb_store(tmp_path: Path) -> N
 
 
 def test_store_collector_shows_no_disk_for_a_memory_store() -> None:
-    cache = PrefixCache(MemoryStore(), default_block_size=BLOCK)
+    cache = PrefixCache(
+        MemoryStore(lifetimes=DEFAULT_LIFETIMES), config=CacheConfig(default_block_size=BLOCK)
+    )
     registry = CollectorRegistry()
     registry.register(StoreCollector(cache.capacity.usage, None, disk=cache.capacity.disk))
     assert sample(registry, "prompt_cache_disk_free_bytes") is None

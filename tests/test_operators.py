@@ -9,9 +9,12 @@ import pytest
 
 from cache_service.core.blocks import Namespace, PinLimits
 from cache_service.core.cache import PrefixCache
+from cache_service.core.capacity import CapacityLimits
+from cache_service.core.config import CacheConfig
 from cache_service.core.errors import Forbidden, InvalidField, NotStored, QuotaExceeded
 from cache_service.core.hashing import BlockHasher
 from cache_service.core.operators import EXPLANATIONS, Operators
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.parts import subtrees
 from cache_service.core.store.protocols import BlockStore
 from tests.store.capabilities import capable
@@ -23,6 +26,9 @@ DAY = 86400.0
 NS = Namespace(model="m", tenant="team-a")
 BLOCK = 4
 
+# Caches with the default retention classes, whose removals are remembered for explanations.
+pytestmark = pytest.mark.store_opened(lifetimes=DEFAULT_LIFETIMES, removal_log_entries=1000)
+
 
 def blocks_of(*labels: int) -> list[int]:
     """One block per label, each block BLOCK copies of it."""
@@ -30,8 +36,7 @@ def blocks_of(*labels: int) -> list[int]:
 
 
 def make(store: BlockStore, clock: VirtualClock, **kwargs: object) -> tuple[PrefixCache, Operators]:
-    store.removal_log_entries = 1000
-    kwargs.setdefault("default_block_size", BLOCK)
+    kwargs.setdefault("config", CacheConfig(default_block_size=BLOCK))
     cache = PrefixCache(store, clock=clock, **kwargs)  # type: ignore[arg-type]
     return cache, Operators.for_cache(cache)
 
@@ -51,7 +56,7 @@ def matched(cache: PrefixCache, tokens: list[int], namespace: Namespace = NS) ->
 def test_a_pinned_prefix_survives_an_eviction_storm_and_eight_days(
     store: BlockStore, clock: VirtualClock
 ) -> None:
-    cache, ops = make(store, clock, capacity_blocks=6)
+    cache, ops = make(store, clock, limits=CapacityLimits(capacity_blocks=6))
     system = blocks_of(1, 2, 3)
     put(cache, system, retention="agent")
     record, new = ops.pin(NS, system, by="ops")
@@ -72,7 +77,7 @@ def test_a_pinned_prefix_survives_an_eviction_storm_and_eight_days(
 def test_unpinning_lets_a_prefix_expire_and_be_evicted_again(
     store: BlockStore, clock: VirtualClock
 ) -> None:
-    cache, ops = make(store, clock, capacity_blocks=3)
+    cache, ops = make(store, clock, limits=CapacityLimits(capacity_blocks=3))
     system = blocks_of(1, 2)
     put(cache, system)
     ops.pin(NS, system, by="ops")
@@ -88,7 +93,7 @@ def test_unpinning_lets_a_prefix_expire_and_be_evicted_again(
 def test_overlapping_pins_are_released_independently(
     store: BlockStore, clock: VirtualClock
 ) -> None:
-    cache, ops = make(store, clock, capacity_blocks=4)
+    cache, ops = make(store, clock, limits=CapacityLimits(capacity_blocks=4))
     short, long = blocks_of(1, 2), blocks_of(1, 2, 3)
     put(cache, long)
     ops.pin(NS, short, by="a")
@@ -121,7 +126,7 @@ def test_pins_name_the_block_that_is_not_stored_and_keep_to_the_quota(
 
 
 def test_a_prefix_can_be_pinned_by_its_keys(store: BlockStore, clock: VirtualClock) -> None:
-    cache, ops = make(store, clock, capacity_blocks=2)
+    cache, ops = make(store, clock, limits=CapacityLimits(capacity_blocks=2))
     prompt = blocks_of(1, 2)
     put(cache, prompt)
     keys = list(cache.match_prefix(NS, prompt).keys)
@@ -168,7 +173,7 @@ def test_only_as_high_a_role_may_release_a_pin(store: BlockStore, clock: Virtual
 def test_a_purge_under_a_pin_releases_the_blocks_above_it(
     store: BlockStore, clock: VirtualClock
 ) -> None:
-    cache, ops = make(store, clock, capacity_blocks=3)
+    cache, ops = make(store, clock, limits=CapacityLimits(capacity_blocks=3))
     prompt = blocks_of(1, 2, 3)
     put(cache, prompt)
     ops.pin(NS, prompt, by="ops")
@@ -269,7 +274,7 @@ def test_purge_a_tenant_a_namespace_or_what_is_under_a_prefix(
 
 
 def test_explain_names_why_a_lookup_stops(store: BlockStore, clock: VirtualClock) -> None:
-    cache, ops = make(store, clock, capacity_blocks=3)
+    cache, ops = make(store, clock, limits=CapacityLimits(capacity_blocks=3))
     put(cache, blocks_of(1, 2))
     assert ops.explain(NS, blocks_of(1, 2)).reason == "complete"
     assert ops.explain(NS, [*blocks_of(1, 2), 9]).reason == "partial_block"
@@ -330,7 +335,9 @@ def test_explain_finds_the_first_block_under_another_salt_or_block_size(
         "never_stored"
     )
     # The same namespace under a block size the service used before.
-    resized, resized_ops = make(store, clock, model_block_sizes={"m": 16})
+    resized, resized_ops = make(
+        store, clock, config=CacheConfig(default_block_size=BLOCK, model_block_sizes={"m": 16})
+    )
     put(resized, prompt)
     assert ops.explain(NS, prompt).reason == "block_size_differs"  # its own namespace first
     assert ops.explain(NS, prompt).facts["stored_block_size"] == 16
@@ -351,7 +358,9 @@ def test_a_tenant_over_its_quota_evicts_its_own_blocks_first(
     store: BlockStore, clock: VirtualClock
 ) -> None:
     block_bytes = store.space.estimate_bytes(100, 4 * BLOCK)
-    cache, ops = make(store, clock, tenant_capacity_bytes={"team-a": 10 * block_bytes})
+    cache, ops = make(
+        store, clock, limits=CapacityLimits(tenant_capacity_bytes={"team-a": 10 * block_bytes})
+    )
     other = Namespace(model="m", tenant="team-b")
     for label in range(5):
         cache.insert(other, blocks_of(label), [b"b" * 100])

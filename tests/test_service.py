@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import memory_store_for
 from prometheus_client import CollectorRegistry
 
 from cache_service.core.blocks import Namespace
@@ -25,7 +26,7 @@ from cache_service.service.settings import Settings
 
 def service(settings: Settings, store: MemoryStore | None = None) -> ServiceLifecycle:
     """A service on `settings` with a fresh metrics registry."""
-    return ServiceLifecycle(settings, metrics=CacheMetrics(CollectorRegistry()), store=store)
+    return ServiceLifecycle(settings.groups, metrics=CacheMetrics(CollectorRegistry()), store=store)
 
 
 def test_a_memory_url_serves_with_no_files_beside_any_data(
@@ -58,10 +59,11 @@ def test_store_wins_over_data_dir(tmp_path: Path) -> None:
 
 
 def test_stop_flushes_deferred_touches_once_no_write_is_running() -> None:
-    store = MemoryStore()
+    settings = Settings(touch_flush_interval=3600)
+    store = memory_store_for(settings)
 
     async def run() -> int:
-        running = service(Settings(touch_flush_interval=3600), store)
+        running = service(settings, store)
         state = await running.start()
         namespace, tokens = Namespace("m"), list(range(64))
         state.cache.insert(namespace, tokens, [b"x"])
@@ -80,7 +82,8 @@ def test_stop_with_a_write_that_never_finishes_returns_within_the_timeout(
     stuck = threading.Event()
 
     async def run() -> float:
-        running = service(Settings(shutdown_timeout=0.3), MemoryStore())
+        settings = Settings(shutdown_timeout=0.3)
+        running = service(settings, memory_store_for(settings))
         state = await running.start()
         request = asyncio.ensure_future(state.writes.run(lambda: stuck.wait(10)))
         await asyncio.sleep(0.05)
@@ -137,7 +140,8 @@ def test_a_cancelled_store_request_keeps_its_place_until_its_write_ends(tmp_path
 
 def test_stop_waits_for_a_write_that_finishes_in_time() -> None:
     async def run() -> tuple[float, int]:
-        running = service(Settings(shutdown_timeout=5.0), MemoryStore())
+        settings = Settings(shutdown_timeout=5.0)
+        running = service(settings, memory_store_for(settings))
         state = await running.start()
         request = asyncio.ensure_future(state.writes.run(lambda: time.sleep(0.2)))
         await asyncio.sleep(0.01)
@@ -167,17 +171,28 @@ def test_a_full_gate_refuses_a_store_at_once() -> None:
 
 
 def test_a_store_given_to_the_service_is_held_to_its_settings() -> None:
-    store = MemoryStore()
+    settings = Settings(removal_log_entries=1000)
+    store = memory_store_for(settings)
 
     async def run() -> tuple[int, str]:
-        running = service(Settings(removal_log_entries=1000), store)
+        running = service(settings, store)
         state = await running.start()
         await running.stop()
         return store.removal_log_entries, state.store_kind
 
     assert asyncio.run(run()) == (1000, "memory")
     with pytest.raises(ValueError, match=r"orders eviction by 'adaptive'.*'fifo'"):
-        given_store(store, Settings.model_construct(eviction_policy="fifo"))
+        given_store(store, Settings.model_construct(eviction_policy="fifo").groups.store)
+    # Nothing is changed on a store given: one opened otherwise is refused, naming both.
+    with pytest.raises(ValueError, match=r"keeps 1000 recent removals, the settings 262144"):
+        given_store(store, Settings().groups.store)
+    shorter = Settings(removal_log_entries=1000, retention="agent=3d,chat=1d")
+    with pytest.raises(
+        ValueError, match=r"by agent=3d, chat=7d, the settings by agent=3d, chat=1d"
+    ):
+        given_store(store, shorter.groups.store)
+    with pytest.raises(ValueError, match=r"bounds lifetimes by none .*\(--retention\)"):
+        given_store(MemoryStore(removal_log_entries=1000), settings.groups.store)
 
 
 def test_a_cancelled_sweep_keeps_its_place_until_its_batch_ends(tmp_path: Path) -> None:

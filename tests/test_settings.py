@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from cache_service.cli import build_parser, load_settings
 from cache_service.core.eviction import POLICIES
+from cache_service.core.lifetimes import Lifetimes
+from cache_service.core.touches import TouchOptions
 from cache_service.service.settings import Settings, parse_model_block_sizes
 
 
@@ -164,3 +167,39 @@ def test_cli_names_the_known_eviction_policies_for_an_unknown_one() -> None:
         load_settings(args)
     message = f"--eviction-policy: Value error, unknown eviction policy 'lfu' (known: {KNOWN})"
     assert message in str(exited.value)
+
+
+def test_the_settings_are_parsed_once_into_the_groups_each_part_is_handed() -> None:
+    settings = Settings(
+        capacity="1GiB",  # type: ignore[arg-type]
+        retention="agent=1h,chat=2h",
+        removal_log_entries=5,
+        lmdb_sync="nosync",
+        auth="keys",
+        api_keys=KEY_LIST,
+        max_tokens_per_request=100,
+        store="memory://",
+    )
+    groups = settings.groups
+    assert groups is settings.groups  # built once, as the settings were validated
+    assert (groups.store.url, groups.store.removal_log_entries) == ("memory://", 5)
+    assert groups.store.lifetimes == Lifetimes({"agent": 3600.0, "chat": 7200.0})
+    assert groups.store.map_size_bytes == settings.map_size_bytes() == 2 * 2**30 + 256 * 2**20
+    assert groups.store.changed == {"capacity", "lmdb_sync"}  # differ from their defaults
+    assert groups.cache.retention == settings.retention_policy()
+    assert (groups.capacity.capacity_bytes, groups.capacity.high_water) == (2**30, 0.95)
+    assert groups.touches == TouchOptions(defer=True, slide_fraction=0.01)
+    assert groups.limits.max_tokens_per_request == 100
+    assert groups.auth.keys is groups.auth.ring and [key.id for key in groups.auth.ring] == ["k"]
+    assert Settings().groups.auth.keys is None  # --auth none: every request is trusted
+
+
+def test_an_engines_file_is_read_once_when_the_settings_are_validated(tmp_path: Path) -> None:
+    engines_file = tmp_path / "engines.toml"
+    engines_file.write_text('[[engine]]\nname = "a"\nendpoint = "tcp://10.0.0.5:5557"\n')
+    settings = Settings(kv_events_config=engines_file)
+    engines_file.unlink()  # gone since: nothing reads it again
+    assert [engine.name for engine in settings.groups.engines.engines] == ["a"]
+    assert settings.kv_event_engines() == settings.groups.engines.engines
+    with pytest.raises(ValidationError, match=r"engines\.toml"):
+        Settings(kv_events_config=engines_file)  # an unreadable one refuses the start

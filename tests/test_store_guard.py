@@ -97,7 +97,7 @@ def _slow_reader(state: ServiceState, inside: threading.Event, release: threadin
 
 def _service(tmp_path: Path, timeout: float) -> ServiceLifecycle:
     settings = Settings(store=str(tmp_path / "data"), shutdown_timeout=timeout)
-    return ServiceLifecycle(settings, metrics=CacheMetrics(CollectorRegistry()))
+    return ServiceLifecycle(settings.groups, metrics=CacheMetrics(CollectorRegistry()))
 
 
 def test_stop_waits_for_a_read_inside_its_transaction_before_closing(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from cache_service.core.eviction import LruPolicy
+from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 from cache_service.core.store.registry import (
@@ -72,16 +73,25 @@ def test_memory_is_one_process_store_with_no_folder() -> None:
         open_store("memory://somewhere", map_size_bytes=MAP_SIZE_BYTES)
 
 
-def test_the_opener_passes_the_policy_and_the_removal_log_size(tmp_path: Path) -> None:
-    policy = LruPolicy()
-    opened = open_store(
-        str(tmp_path), map_size_bytes=MAP_SIZE_BYTES, policy=policy, removal_log_entries=7
-    )
-    try:
-        assert opened.store.policy is policy  # type: ignore[attr-defined]
-        assert opened.store.removal_log_entries == 7
-    finally:
-        opened.store.close()
+def test_the_opener_passes_the_policy_the_removal_log_size_and_the_lifetimes(
+    tmp_path: Path,
+) -> None:
+    policy, lifetimes = LruPolicy(), Lifetimes({"chat": 60.0})
+    for url in (str(tmp_path), "memory://"):
+        opened = open_store(
+            url,
+            map_size_bytes=MAP_SIZE_BYTES,
+            policy=policy,
+            removal_log_entries=7,
+            lifetimes=lifetimes,
+        )
+        try:
+            assert opened.store.policy is policy
+            assert opened.store.removal_log_entries == 7
+            assert opened.store.lifetimes == lifetimes
+        finally:
+            opened.store.close()
+    assert open_store("memory://", map_size_bytes=MAP_SIZE_BYTES).store.lifetimes is UNBOUNDED
 
 
 def test_an_unknown_scheme_is_refused_naming_the_known_ones() -> None:

@@ -7,13 +7,16 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache
+from cache_service.core.config import CacheConfig
 from cache_service.core.hashing import BlockHasher
 from cache_service.core.operators import Operators
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 from cache_service.core.store.protocols import BlockStore
@@ -35,11 +38,15 @@ def payload_of(namespace: Namespace, block: int) -> bytes:
     return f"{namespace.tenant}|{namespace.salt}|{namespace.model}|{block}".encode()
 
 
+@pytest.mark.store_opened(lifetimes=DEFAULT_LIFETIMES)
 def test_a_colliding_key_of_one_tenant_never_displaces_or_denies_anothers(
     store: BlockStore, clock: VirtualClock
 ) -> None:
     cache = PrefixCache(
-        store, hasher=BlockHasher(hash_fn=constant_hash), clock=clock, default_block_size=BLOCK
+        store,
+        config=CacheConfig(default_block_size=BLOCK),
+        hasher=BlockHasher(hash_fn=constant_hash),
+        clock=clock,
     )
     a, b = Namespace("m", tenant="a"), Namespace("m", tenant="b")
     tokens = [7] * BLOCK
@@ -79,12 +86,19 @@ def test_no_tenant_hits_fetches_or_learns_of_anothers_blocks(
 ) -> None:
     with tempfile.TemporaryDirectory() as folder:
         store: BlockStore = (
-            MemoryStore()
+            MemoryStore(lifetimes=DEFAULT_LIFETIMES)
             if backend == "memory"
-            else LmdbStore(Path(folder), map_size_bytes=64 * 2**20, sync_mode="nosync")
+            else LmdbStore(
+                Path(folder),
+                map_size_bytes=64 * 2**20,
+                sync_mode="nosync",
+                lifetimes=DEFAULT_LIFETIMES,
+            )
         )
         hasher = BlockHasher(hash_fn=constant_hash) if constant else BlockHasher()
-        cache = PrefixCache(store, hasher=hasher, clock=lambda: 1000.0, default_block_size=BLOCK)
+        cache = PrefixCache(
+            store, config=CacheConfig(default_block_size=BLOCK), hasher=hasher, clock=lambda: 1000.0
+        )
         stored: dict[int, set[tuple[int, ...]]] = {i: set() for i in range(len(NAMESPACES))}
         try:
             for action, which, tokens in operations:

@@ -13,6 +13,7 @@ from bench.services import our_service
 from cache_service.client import CacheClient
 from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.tokens import tokens_to_bytes
 
@@ -24,7 +25,9 @@ MAP_BYTES = 64 * 2**30
 def populate(folder: Path, blocks: int) -> float:
     """Fill an LMDB store in-process with `blocks` index-only blocks; seconds taken."""
     started = time.perf_counter()
-    store = LmdbStore(folder, map_size_bytes=MAP_BYTES, sync_mode="nosync")
+    store = LmdbStore(
+        folder, map_size_bytes=MAP_BYTES, sync_mode="nosync", lifetimes=DEFAULT_LIFETIMES
+    )
     cache = PrefixCache(store)
     namespace = Namespace(MODEL)
     chains = max(1, blocks // CHAIN_BLOCKS)

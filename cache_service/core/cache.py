@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cache_service.core.blocks import (
@@ -17,21 +17,31 @@ from cache_service.core.blocks import (
     Touch,
 )
 from cache_service.core.cache_observer import CacheObserver
-from cache_service.core.capacity import Capacity
-from cache_service.core.config import DEFAULT_BLOCK_SIZE, CacheConfig
+from cache_service.core.capacity import Capacity, CapacityLimits
+from cache_service.core.config import CacheConfig
 from cache_service.core.errors import InsufficientStorage, InvalidField, StoreFull
 from cache_service.core.hashing import BlockHasher
-from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.recent import RecentMatch, RecentMatches
 from cache_service.core.retention import RetentionPolicy
 from cache_service.core.store.protocols import BlockStore
 from cache_service.core.tokens import TokenInput, as_token_bytes, tokens_in
-from cache_service.core.touches import TouchBuffer
+from cache_service.core.touches import TouchBuffer, TouchOptions
 
 Clock = Callable[[], float]
 PayloadSink = Callable[[int, bytes | memoryview | None], None]
 
 STORE_FULL_RETRIES = 3
+
+
+def check_lifetimes(store: BlockStore, retention: RetentionPolicy) -> None:
+    """ValueError unless `store` judges lifetimes by `retention`'s table (see PrefixCache)."""
+    wanted = retention.lifetimes()
+    if store.lifetimes != wanted:
+        raise ValueError(
+            f"the store was opened with lifetimes {store.lifetimes.describe()}, but the "
+            f"cache's retention classes are {wanted.describe()}: open the store with "
+            "lifetimes=retention.lifetimes()"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,54 +59,36 @@ class InsertOutcome:
 
 class PrefixCache:
     """A prefix cache of KV blocks: chained keys matched in one BlockStore. Its collaborators:
-    `config` (block sizes, retention), `capacity` (limits, eviction, expiry, usage),
-    `touches` (hits on their way to the store) and `events` (what it reports)."""
+    `config` (block sizes, retention), `capacity` (its `limits`; eviction, expiry, usage),
+    `touches` (hits on their way to the store, as `TouchOptions` say) and `events` (what it
+    reports).
+
+    The store must have been opened with the retention's lifetimes
+    (`lifetimes=config.retention.lifetimes()`): it reads a block whose expiry is further than
+    its class's TTL from now as expired (stored while the clock ran ahead), and gives an
+    inner or unpinned block the longest class's TTL. A store that judges by another table,
+    or by none, is refused (ValueError naming both): the cache never changes a store it is
+    given."""
 
     def __init__(
         self,
         store: BlockStore,
         *,
+        config: CacheConfig | None = None,
+        limits: CapacityLimits | None = None,
+        touches: TouchOptions | None = None,
         hasher: BlockHasher | None = None,
-        retention: RetentionPolicy | None = None,
         clock: Clock = time.time,
-        default_block_size: int = DEFAULT_BLOCK_SIZE,
-        model_block_sizes: Mapping[str, int] | None = None,
-        capacity_bytes: int | None = None,
-        capacity_blocks: int | None = None,
-        high_water: float = 0.95,
-        low_water: float = 0.85,
-        defer_touches: bool = False,
-        touch_resolution_seconds: float = 1.0,
-        ttl_slide_fraction: float = 0.0,
-        tenant_capacity_bytes: Mapping[str, int] | None = None,
         events: CacheObserver | None = None,
     ) -> None:
+        self.config = config or CacheConfig()
+        check_lifetimes(store, self.config.retention)
         self.store = store
         self.hasher = hasher or BlockHasher()
         self.clock = clock
-        self.config = CacheConfig(
-            default_block_size, dict(model_block_sizes or {}), retention or RetentionPolicy()
-        )
-        # The store reads a block whose expiry is further than its class's TTL from now as
-        # expired (stored while the clock ran ahead), and its sweeper removes such blocks.
-        store.lifetimes = Lifetimes(dict(self.config.retention.ttl_seconds))
         self.events = events or CacheObserver()
-        self.capacity = Capacity(
-            store,
-            capacity_bytes=capacity_bytes,
-            capacity_blocks=capacity_blocks,
-            high_water=high_water,
-            low_water=low_water,
-            tenant_capacity_bytes=tenant_capacity_bytes,
-            clock=clock,
-            events=self.events,
-        )
-        self.touches = TouchBuffer(
-            store,
-            defer=defer_touches,
-            resolution_seconds=touch_resolution_seconds,
-            slide_fraction=ttl_slide_fraction,
-        )
+        self.capacity = Capacity(store, limits, clock=clock, events=self.events)
+        self.touches = TouchBuffer(store, touches)
         self._recent = RecentMatches()
 
     # -- hashing --------------------------------------------------------------------------------
@@ -446,5 +438,5 @@ class PrefixCache:
 
     def _repair_now(self) -> None:
         """Without deferred touches (a replay), damage a call found is dropped at once."""
-        if not self.touches.defer and self.store.damage_pending():
+        if not self.touches.options.defer and self.store.damage_pending():
             self.drop_damaged()

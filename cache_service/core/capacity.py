@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from cache_service.core.blocks import Evicted, NewBlock, StoreKey, StoreUsage
@@ -23,36 +24,49 @@ log = logging.getLogger("cache_service")
 T = TypeVar("T")
 
 
+@dataclass(frozen=True, slots=True)
+class CapacityLimits:
+    """What a cache may hold: a byte capacity with high and low water marks, or an exact
+    capacity in blocks (neither: no limit but the store's own); and the tenants' byte
+    quotas, each with the same marks (a tenant over its quota evicts its own least recently
+    used blocks, first)."""
+
+    capacity_bytes: int | None = None
+    capacity_blocks: int | None = None
+    high_water: float = 0.95
+    low_water: float = 0.85
+    tenant_capacity_bytes: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes is not None and self.capacity_blocks is not None:
+            raise ValueError("give capacity_bytes or capacity_blocks, not both")
+        if not 0 < self.low_water <= self.high_water <= 1:
+            raise ValueError("need 0 < low_water <= high_water <= 1")
+
+
 class Capacity:
-    """A byte capacity with high and low water marks, or an exact capacity in blocks; and
-    the tenants' byte quotas, each with the same marks."""
+    """A store's capacity (`CapacityLimits`) kept: writes fitted to it, eviction down to it,
+    expiry swept."""
 
     def __init__(
         self,
         store: BlockStore,
+        limits: CapacityLimits | None = None,
         *,
-        capacity_bytes: int | None = None,
-        capacity_blocks: int | None = None,
-        high_water: float = 0.95,
-        low_water: float = 0.85,
-        tenant_capacity_bytes: Mapping[str, int] | None = None,
         clock: Callable[[], float] = time.time,
         events: CacheObserver | None = None,
     ) -> None:
-        if capacity_bytes is not None and capacity_blocks is not None:
-            raise ValueError("give capacity_bytes or capacity_blocks, not both")
-        if not 0 < low_water <= high_water <= 1:
-            raise ValueError("need 0 < low_water <= high_water <= 1")
+        limits = limits or CapacityLimits()
         self.store = store
         self.space = store.space  # the backend's measure of the space a block takes
         # A store that evicts on its own (Redis) is never asked to: its declaration says so.
         self.evicts = store.capabilities.has("store_eviction")
-        self.capacity_bytes = capacity_bytes
-        self.capacity_blocks = capacity_blocks
-        self.high_water = high_water
-        self.low_water = low_water
-        # A tenant over its quota evicts its own least recently used blocks, first.
-        self.tenant_capacity_bytes = dict(tenant_capacity_bytes or {})
+        self.limits = limits
+        self.capacity_bytes = limits.capacity_bytes
+        self.capacity_blocks = limits.capacity_blocks
+        self.high_water = limits.high_water
+        self.low_water = limits.low_water
+        self.tenant_capacity_bytes = dict(limits.tenant_capacity_bytes)
         self.clock = clock
         self.events = events or CacheObserver()
         self.disk_warning = DiskWarning()

@@ -2,9 +2,11 @@
 
 A wall clock may step back (NTP, a resumed VM). A block stored while it ran ahead then has an
 expiry further away than its class's TTL: it is "from the future", and is read as a miss (the
-sweeper removes it) so that no block is served past its class TTL counted from now. The store
-learns the table from the cache (`PrefixCache` sets `store.lifetimes`); until then it is
-UNBOUNDED, which judges a block by its expiry alone. Stdlib only.
+sweeper removes it) so that no block is served past its class TTL counted from now. A store
+is given the table when it is opened (`lifetimes=`, from `RetentionPolicy.lifetimes()`), and
+keeps it while open; one opened without a table is UNBOUNDED, which judges a block by its
+expiry alone. `PrefixCache` refuses a store whose table is not its own retention's. Stdlib
+only (and core.units, which shows durations).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from cache_service.core.units import show_duration
 
 SLACK_SECONDS = 1.0  # a tiny NTP step back does not turn fresh blocks into blocks from the future
 
@@ -45,6 +49,12 @@ class Lifetimes:
     def longest_class(self) -> str:
         """The class with the longest TTL ("" for an empty table)."""
         return max(self.ttl_seconds, key=lambda name: self.ttl_seconds[name], default="")
+
+    def describe(self) -> str:
+        """'agent=3d, chat=7d' (as --retention takes it), or what an empty table means."""
+        if not self.ttl_seconds:
+            return "none (a block is judged by its expiry alone)"
+        return ", ".join(f"{name}={show_duration(ttl)}" for name, ttl in self.ttl_seconds.items())
 
     def ttl(self, retention: str) -> float:
         """A class's TTL (the longest for an unknown class)."""

@@ -6,6 +6,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.units import parse_duration
 
 DEFAULT_RETENTION = {"agent": 3 * 86400.0, "chat": 7 * 86400.0}
@@ -50,7 +51,16 @@ class RetentionPolicy:
         """The class names, sorted."""
         return sorted(self.ttl_seconds)
 
+    def lifetimes(self) -> Lifetimes:
+        """The classes' TTLs as the store judges a block's expiry by them: what a store a cache
+        with this policy works over is opened with (`lifetimes=`)."""
+        return Lifetimes(dict(self.ttl_seconds))
+
     def resolve(self, name: str | None) -> tuple[str, float]:
         """The class a request gets and its TTL; KeyError for an unknown class."""
         chosen = self.default_class if name is None else name
         return chosen, self.ttl_seconds[chosen]
+
+
+DEFAULT_LIFETIMES = RetentionPolicy().lifetimes()
+"""What a store under a cache with the default retention classes is opened with."""

@@ -8,7 +8,7 @@ A replay applies each at once, so its LRU order and TTLs are exact.
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from cache_service.core.blocks import BlockKey, Touch
 from cache_service.core.store.protocols import BlockStore
@@ -16,32 +16,33 @@ from cache_service.core.store.protocols import BlockStore
 MAX_PENDING_TOUCHES = 100_000  # lookups whose refresh waits; past this the oldest are dropped
 
 
+@dataclass(frozen=True, slots=True)
+class TouchOptions:
+    """How a cache's hits reach its store."""
+
+    defer: bool = False  # kept for a `flush` (a server), or applied at once, exactly (a replay)
+    # Deferred touches refresh a block at most once this long: LRU order and sliding TTLs
+    # are exact to that resolution.
+    resolution_seconds: float = 1.0
+    # Deferred touches slide a prefix's TTL only once it would move by more than this share
+    # of the class TTL: a long prefix is then rewritten once per slide period, not on every
+    # first hit. Its expiry may thereby fall short by up to that share.
+    slide_fraction: float = 0.0
+
+
 class TouchBuffer:
     """Touches on their way to one store: applied now, or kept for the next `flush`."""
 
-    def __init__(
-        self,
-        store: BlockStore,
-        *,
-        defer: bool = False,
-        resolution_seconds: float = 1.0,
-        slide_fraction: float = 0.0,
-    ) -> None:
+    def __init__(self, store: BlockStore, options: TouchOptions | None = None) -> None:
+        options = options or TouchOptions()
         self.store = store
-        self.defer = defer
-        # Deferred touches refresh a block at most once a second: LRU order and sliding
-        # TTLs are exact to that resolution. Immediate touches (replay) are exact.
-        self.resolution_seconds = resolution_seconds
-        # Deferred touches slide a prefix's TTL only once it would move by more than this
-        # share of the class TTL: a long prefix is then rewritten once per slide period,
-        # not on every first hit. Its expiry may thereby fall short by up to that share.
-        self.slide_fraction = slide_fraction
+        self.options = options
         self._pending: list[Touch] = []
         self._lock = threading.Lock()
 
     def add(self, hit: Touch) -> None:
         """Apply a touch now, or keep it for the next flush (within a bound)."""
-        if not self.defer:
+        if not self.options.defer:
             self.store.touch([hit])
             return
         with self._lock:
@@ -58,8 +59,8 @@ class TouchBuffer:
         try:
             self.store.touch(
                 coalesce(pending),
-                resolution_seconds=self.resolution_seconds,
-                slide_fraction=self.slide_fraction,
+                resolution_seconds=self.options.resolution_seconds,
+                slide_fraction=self.options.slide_fraction,
             )
         except Exception:
             with self._lock:  # keep them for the next flush, within a bound

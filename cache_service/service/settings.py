@@ -1,26 +1,42 @@
 """Service configuration: command-line flags and CACHE_SERVICE_* environment variables.
 
-Read only by the entry points (`cli`, `api.create_app`); everything below them takes explicit
-keyword arguments.
+Read only by the entry points (`cli`, `api.create_app`), which hand each part of the service
+its group of `Settings.groups` (service/config.py: parsed once, as the settings are
+validated); everything below them takes explicit values.
 """
 
 from __future__ import annotations
 
 import ipaddress
+from dataclasses import fields
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cache_service.core.capacity import CapacityLimits
+from cache_service.core.config import CacheConfig
 from cache_service.core.eviction import DEFAULT_POLICY, make_policy
 from cache_service.core.hashing import DEFAULT_SEED
 from cache_service.core.retention import RetentionPolicy, parse_retention_table
 from cache_service.core.store.lmdb.store import SYNC_MODES
 from cache_service.core.store.registry import parse_store_url
+from cache_service.core.touches import TouchOptions
 from cache_service.core.units import parse_size
 from cache_service.service.api_keys import KeyFileError, KeyRing, load_key_ring
-from cache_service.service.kv_events.config import EngineConfig
+from cache_service.service.config import (
+    EVICTION_SETTINGS,
+    POLICY_SETTINGS,
+    AuthConfig,
+    JobsConfig,
+    RequestLimits,
+    ServerConfig,
+    ServiceConfig,
+    StoreConfig,
+)
+from cache_service.service.kv_events.config import EngineConfig, KvEventsConfig
 from cache_service.service.kv_events.hub import (
     DEFAULT_GRACE_SECONDS,
     DEFAULT_MAX_BLOCKS_PER_ENGINE,
@@ -28,6 +44,7 @@ from cache_service.service.kv_events.hub import (
 )
 
 ENV_PREFIX = "CACHE_SERVICE_"
+G = TypeVar("G", RequestLimits, ServerConfig, JobsConfig)
 AUTH_MODES = ("none", "keys")
 
 
@@ -280,11 +297,12 @@ class Settings(BaseSettings):
     def _check_consistency(self) -> Settings:
         if self.low_water > self.high_water:
             raise ValueError("low_water must not be above high_water")
-        self.retention_policy()  # the default class must be in the table
-        if self.workers > 1 and parse_store_url(self.store_url())[0] == "memory":
+        # Parsed here, once: the default class must be in the retention table, and an
+        # unusable engine list or key file is refused at start-up.
+        groups = self.groups
+        if self.workers > 1 and parse_store_url(groups.store.url)[0] == "memory":
             raise ValueError("a memory:// store lives in one process: use --workers 1")
-        self.kv_event_engines()  # an unusable engine list is refused at start-up
-        keys = self.key_ring()
+        keys = groups.auth.ring
         if self.auth == "keys" and not len(keys):
             raise ValueError("--auth keys needs keys: --api-keys-file or --api-keys")
         if self.auth == "none" and len(keys):
@@ -307,17 +325,15 @@ class Settings(BaseSettings):
             )
         return self
 
-    def key_ring(self) -> KeyRing:
-        """The configured API keys (empty with --auth none)."""
-        try:
-            return load_key_ring(self.api_keys_file, self.api_keys)
-        except KeyFileError as exc:
-            raise ValueError(str(exc)) from None
-
-    def kv_event_engines(self) -> tuple[EngineConfig, ...]:
-        """The engines whose KV events to follow (none unless --kv-events or
-        --kv-events-config is given)."""
-        return resolve_engines(
+    @cached_property
+    def groups(self) -> ServiceConfig:
+        """These settings parsed into the typed groups each part of the service is handed
+        (service/config.py). Built once, as the settings are validated (a copy made without
+        validation keeps the groups of the settings it copied)."""
+        retention = RetentionPolicy(
+            ttl_seconds=parse_retention_table(self.retention), default_class=self.default_retention
+        )
+        engines = resolve_engines(
             endpoints=self.kv_events,
             config_file=self.kv_events_config,
             model=self.kv_events_model,
@@ -326,24 +342,82 @@ class Settings(BaseSettings):
             seed=self.kv_events_seed,
             extra_keys_form=self.kv_events_extra_keys_form,
         )
+        try:
+            ring = load_key_ring(self.api_keys_file, self.api_keys)
+        except KeyFileError as exc:
+            raise ValueError(str(exc)) from None
+        declared = type(self).model_fields
+        return ServiceConfig(
+            store=StoreConfig(
+                url=self.store if self.store is not None else str(self.data_dir),
+                folder=Path(self.data_dir),
+                capacity_bytes=self.capacity,
+                map_size_bytes=2 * self.capacity + 256 * 2**20,
+                sync_mode=self.lmdb_sync,
+                eviction_policy=self.eviction_policy,
+                removal_log_entries=self.removal_log_entries,
+                lifetimes=retention.lifetimes(),
+                changed=frozenset(
+                    name
+                    for name in EVICTION_SETTINGS | POLICY_SETTINGS
+                    if getattr(self, name) != declared[name].default
+                ),
+            ),
+            seed=self.seed,
+            cache=CacheConfig(
+                default_block_size=self.block_size,
+                model_block_sizes=parse_model_block_sizes(self.model_block_size),
+                retention=retention,
+            ),
+            capacity=CapacityLimits(
+                capacity_bytes=self.capacity,
+                high_water=self.high_water,
+                low_water=self.low_water,
+                tenant_capacity_bytes=ring.tenant_capacity if self.auth == "keys" else {},
+            ),
+            touches=TouchOptions(defer=True, slide_fraction=self.ttl_slide_fraction),
+            limits=self._picked(RequestLimits),
+            auth=AuthConfig(mode=self.auth, ring=ring),
+            engines=KvEventsConfig(
+                engines=engines,
+                max_blocks_per_engine=self.kv_events_max_blocks,
+                grace_seconds=self.kv_events_grace,
+                silence_timeout_seconds=self.kv_events_silence_timeout,
+            ),
+            server=self._picked(ServerConfig),
+            jobs=self._picked(JobsConfig),
+        )
+
+    def _picked(self, group: type[G]) -> G:
+        """A group whose fields are settings of the same names, taken from these."""
+        return group(**{field.name: getattr(self, field.name) for field in fields(group)})
+
+    # The groups' values by the names callers knew them by before the groups.
+
+    def key_ring(self) -> KeyRing:
+        """The configured API keys (read with --auth none too)."""
+        return self.groups.auth.ring
+
+    def kv_event_engines(self) -> tuple[EngineConfig, ...]:
+        """The engines whose KV events to follow (none unless --kv-events or
+        --kv-events-config is given)."""
+        return self.groups.engines.engines
 
     def retention_policy(self) -> RetentionPolicy:
         """The configured retention classes."""
-        return RetentionPolicy(
-            ttl_seconds=parse_retention_table(self.retention), default_class=self.default_retention
-        )
+        return self.groups.cache.retention
 
     def model_block_sizes(self) -> dict[str, int]:
         """The per-model block size overrides."""
-        return parse_model_block_sizes(self.model_block_size)
+        return dict(self.groups.cache.model_block_sizes)
 
     def store_url(self) -> str:
         """The store to open: --store if given, else the --data-dir folder."""
-        return self.store if self.store is not None else str(self.data_dir)
+        return self.groups.store.url
 
     def map_size_bytes(self) -> int:
         """LMDB's map: room for the capacity, eviction's slack and free pages not yet reused."""
-        return 2 * self.capacity + 256 * 2**20
+        return self.groups.store.map_size_bytes
 
 
 def settings_environment(settings: Settings) -> dict[str, str]:

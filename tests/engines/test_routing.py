@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache
 from cache_service.core.cache_observer import CacheObserver
+from cache_service.core.config import CacheConfig
 from cache_service.core.engines.block_hashes import EngineBlockHash
 from cache_service.core.engines.chain_memo import ChainMemo
 from cache_service.core.engines.decoding import BlockStored
@@ -30,7 +31,9 @@ from cache_service.core.engines.routing import (
 from cache_service.core.engines.schemes import EngineHashScheme, ExtraKeys, scheme_named
 from cache_service.core.engines.views import EngineViews
 from cache_service.core.errors import InvalidField, UnknownInstance
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.protocols import BlockStore
+from cache_service.core.touches import TouchOptions
 
 if TYPE_CHECKING:
     from conftest import VirtualClock
@@ -422,12 +425,17 @@ class LookupCounter(CacheObserver):
         self.lookups += 1
 
 
+@pytest.mark.store_opened(lifetimes=DEFAULT_LIFETIMES)
 def test_the_store_score_is_the_stored_prefix_and_touches_nothing(
     store: BlockStore, clock: VirtualClock
 ) -> None:
     events = LookupCounter()
     cache = PrefixCache(
-        store, clock=clock, default_block_size=16, events=events, defer_touches=True
+        store,
+        config=CacheConfig(default_block_size=16),
+        touches=TouchOptions(defer=True),
+        clock=clock,
+        events=events,
     )
     namespace = Namespace(model="m")
     cache.insert(namespace, PROMPT[:64], [b"x"] * 4)

@@ -23,8 +23,9 @@ from bench.eviction_traces import generate
 from cache_service.client import CacheClient
 from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache
+from cache_service.core.config import CacheConfig
 from cache_service.core.eviction import POLICIES
-from cache_service.core.retention import RetentionPolicy
+from cache_service.core.retention import DEFAULT_LIFETIMES, RetentionPolicy
 from cache_service.core.store.memory import MemoryStore
 from cache_service.core.tokens import bytes_to_tokens, tokens_to_bytes
 from cache_service.service.api.app import create_app
@@ -56,8 +57,10 @@ def requests(tmp_path_factory: pytest.TempPathFactory) -> list[TraceRequest]:
 
 def block_bytes() -> int:
     """The room one block takes in a memory store, measured by storing one."""
-    store = MemoryStore()
-    cache = PrefixCache(store, retention=RetentionPolicy(), default_block_size=BLOCK)
+    store = MemoryStore(lifetimes=DEFAULT_LIFETIMES)
+    cache = PrefixCache(
+        store, config=CacheConfig(default_block_size=BLOCK, retention=RetentionPolicy())
+    )
     namespace = Namespace(model="m", kv_layout="trace-ids:0")
     cache.lookup_and_fill(namespace, tokens_to_bytes(range(BLOCK)), payload=PAYLOAD)
     used = store.usage().used_bytes

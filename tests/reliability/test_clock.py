@@ -31,7 +31,9 @@ import pytest
 from cache_service.client import CacheClient
 from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache
+from cache_service.core.config import CacheConfig
 from cache_service.core.operators import Operators
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.protocols import BlockStore
 from cache_service.service.api.app import create_app
@@ -55,8 +57,8 @@ def prompt(number: int, blocks: int = 2) -> list[int]:
 
 def open_cache(folder: Path, clock: JumpClock) -> PrefixCache:
     """A cache with the shipped classes over an LMDB folder (touches applied at once)."""
-    store = LmdbStore(folder, map_size_bytes=1 << 26)
-    return PrefixCache(store, clock=clock, default_block_size=BLOCK)
+    store = LmdbStore(folder, map_size_bytes=1 << 26, lifetimes=DEFAULT_LIFETIMES)
+    return PrefixCache(store, config=CacheConfig(default_block_size=BLOCK), clock=clock)
 
 
 def served(cache: PrefixCache, tokens: list[int]) -> int:
@@ -339,8 +341,10 @@ def test_a_lowered_ttl_leaves_lookup_and_fetch_agreeing(tmp_path: Path) -> None:
     cache.insert(NS, prompt(1, blocks=4), [b"a", b"b", b"c", b"d"], retention="chat")
     cache.store.close()
     shorter = RetentionPolicy({"agent": 3 * DAY, "chat": 3600.0}, default_class="chat")
-    store = LmdbStore(folder, map_size_bytes=1 << 26)
-    cache = PrefixCache(store, clock=clock, default_block_size=BLOCK, retention=shorter)
+    store = LmdbStore(folder, map_size_bytes=1 << 26, lifetimes=shorter.lifetimes())
+    cache = PrefixCache(
+        store, config=CacheConfig(default_block_size=BLOCK, retention=shorter), clock=clock
+    )
     try:
         clock.advance(2 * 3600.0)  # past the new TTL, within the one the blocks were given
         assert cache.match_prefix(NS, prompt(1, blocks=4), touch=False).matched_blocks == 4

@@ -168,9 +168,14 @@ def test_a_tiny_map_evicts_or_answers_507_never_500(
 ) -> None:
     # A 1 MiB LMDB map under a 1 GiB capacity: the map, not the capacity, runs out. No flag
     # sets the map (it is 2 x --capacity + 256 MiB), so the store is opened here and given.
-    store = LmdbStore(tmp_path / "lmdb", map_size_bytes=2**20)
     settings = Settings(
         data_dir=tmp_path / "lmdb", capacity=2**30, block_size=16, touch_flush_interval=0.05
+    )
+    store = LmdbStore(
+        tmp_path / "lmdb",
+        map_size_bytes=2**20,
+        removal_log_entries=settings.groups.store.removal_log_entries,
+        lifetimes=settings.groups.store.lifetimes,
     )
     server = ThreadServer(create_app(settings, store=store), "tiny-map-server")
     server.start()

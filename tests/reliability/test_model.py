@@ -40,10 +40,13 @@ from hypothesis.stateful import (
 
 from cache_service.core.blocks import Namespace, StoreKey, store_key
 from cache_service.core.cache import PrefixCache
+from cache_service.core.capacity import CapacityLimits
+from cache_service.core.config import CacheConfig
 from cache_service.core.errors import NotStored
 from cache_service.core.operators import Operators
 from cache_service.core.retention import RetentionPolicy
 from cache_service.core.store.lmdb.store import LmdbStore
+from cache_service.core.touches import TouchOptions
 from tests.reliability.model_cache import CacheModel, Entry, Hit
 from tests.reliability.model_chains import Chain, JumpClock, Recorder, flat, prefixes
 
@@ -53,6 +56,7 @@ if TYPE_CHECKING:
 BLOCK = 2
 TTLS = {"agent": 3.0, "chat": 7.0}  # the shipped classes' proportions, in seconds
 LONGEST_TTL = max(TTLS.values())
+RETENTION = RetentionPolicy(ttl_seconds=TTLS, default_class="chat")
 START = 1_700_000_000.0
 NAMESPACES = (
     Namespace(model="m"),  # the default tenant (no partition: its purge must spare the others)
@@ -99,16 +103,23 @@ class LmdbModelMachine(RuleBasedStateMachine):
     def _open(self) -> None:
         # nosync: the crash modelled is a process crash, after which the OS still holds every
         # committed page; fsync per commit would only make the run slow.
-        self.store: BlockStore = LmdbStore(self.folder, map_size_bytes=1 << 24, sync_mode="nosync")
+        self.store: BlockStore = LmdbStore(
+            self.folder,
+            map_size_bytes=1 << 24,
+            sync_mode="nosync",
+            lifetimes=RETENTION.lifetimes(),
+        )
         self.raw = type(self).raw_of(self.store)
         self.cache = PrefixCache(
             self.store,
-            retention=RetentionPolicy(ttl_seconds=TTLS, default_class="chat"),
+            config=CacheConfig(
+                default_block_size=BLOCK,
+                retention=RETENTION,
+            ),
+            limits=CapacityLimits(capacity_blocks=self.capacity),
+            # exact expiries: the model has no slack
+            touches=TouchOptions(defer=self.defer, resolution_seconds=0.0),
             clock=self.clock,
-            default_block_size=BLOCK,
-            capacity_blocks=self.capacity,
-            defer_touches=self.defer,
-            touch_resolution_seconds=0.0,  # exact expiries: the model has no slack
             events=self.events,
         )
         self.operators = Operators.for_cache(self.cache)

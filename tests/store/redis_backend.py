@@ -9,7 +9,7 @@ has maxmemory with volatile-lru, as the store requires.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -44,12 +44,16 @@ def start_contract_cluster(directory: Path) -> LocalRedisCluster:
     ).start()
 
 
-def open_redis_store(request: pytest.FixtureRequest, tmp_path: Path) -> BlockStore:
-    """A Redis store on the session's cluster, emptied of keys."""
+def open_redis_store(
+    request: pytest.FixtureRequest, tmp_path: Path, **opened_with: Any
+) -> BlockStore:
+    """A Redis store on the session's cluster, emptied of keys (and with no removal log,
+    whatever the test asks: the store declares it keeps none)."""
     cluster: LocalRedisCluster = request.getfixturevalue("contract_redis_cluster")
     cluster.flush_all()
     nodes = ",".join(str(address) for address in cluster.primaries())
-    return RedisStore(parse_nodes(nodes, tls=False))
+    opened_with.pop("removal_log_entries", None)
+    return RedisStore(parse_nodes(nodes, tls=False), **opened_with)
 
 
 class RedisRawAccess:

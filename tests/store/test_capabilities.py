@@ -7,6 +7,7 @@ import asyncio
 
 import httpx
 import pytest
+from conftest import memory_store_for
 
 from cache_service.core.store import registry
 from cache_service.core.store.lmdb.store import LmdbStore
@@ -65,7 +66,8 @@ class _PinlessStore(MemoryStore):
 
 
 def test_a_control_the_store_declares_it_lacks_answers_501_naming_why() -> None:
-    app = create_app(Settings(store="memory://"), store=_PinlessStore())
+    settings = Settings(store="memory://")
+    app = create_app(settings, store=memory_store_for(settings, _PinlessStore))
     body = {"model": "m", "tokens": list(range(32)), "block_size": 16}
     calls = [
         ("POST", "/v1/pin", body),

@@ -11,8 +11,10 @@ import pytest
 
 from cache_service.core.blocks import Namespace, Touch
 from cache_service.core.cache import PrefixCache
+from cache_service.core.config import CacheConfig
 from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
 from cache_service.core.operators import Operators
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.protocols import BlockStore
 from tests.conftest import VirtualClock
@@ -29,17 +31,17 @@ from tests.store.chains import (
 if TYPE_CHECKING:
     from conftest import RawAccess
 
-# A block from the future exists only where expiry follows the `now` a store is given.
-pytestmark = pytest.mark.needs("clock_expiry")
-
 TTLS = {"agent": 100.0, "chat": 1000.0}
 AHEAD = 50_000.0  # the clock ran this far ahead, then came back to T0
+BOUNDED = Lifetimes(TTLS)
 
-
-def bounded(store: BlockStore) -> BlockStore:
-    """The store, told the classes' TTLs (as PrefixCache tells it)."""
-    store.lifetimes = Lifetimes(TTLS)
-    return store
+pytestmark = [
+    # A block from the future exists only where expiry follows the `now` a store is given.
+    pytest.mark.needs("clock_expiry"),
+    # The stores are opened with the classes' TTLs (as a cache's store is), unless a test
+    # opens them otherwise.
+    pytest.mark.store_opened(lifetimes=BOUNDED),
+]
 
 
 # -- the rule -----------------------------------------------------------------------------------
@@ -64,7 +66,6 @@ def test_a_block_is_alive_only_within_its_class_ttl_from_now() -> None:
 
 
 def test_a_block_from_the_future_is_a_miss_on_every_read(store: BlockStore) -> None:
-    bounded(store)
     agent, chat = chain([1, 2]), chain([3, 4])
     put(store, agent, now=T0 + AHEAD, ttl_seconds=TTLS["agent"], retention="agent")
     put(store, chat, now=T0 + AHEAD, ttl_seconds=TTLS["chat"], retention="chat")
@@ -78,7 +79,6 @@ def test_a_block_from_the_future_is_a_miss_on_every_read(store: BlockStore) -> N
 
 
 def test_a_block_stored_a_second_ahead_is_served(store: BlockStore) -> None:
-    bounded(store)
     links = chain([1, 2])
     put(store, links, now=T0 + 0.5, ttl_seconds=TTLS["agent"], retention="agent")
     assert matched(store, links, now=T0) == 2
@@ -88,7 +88,6 @@ def test_a_block_stored_a_second_ahead_is_served(store: BlockStore) -> None:
 def test_an_insert_over_a_block_from_the_future_stores_it_anew(
     store: BlockStore, raw: RawAccess
 ) -> None:
-    bounded(store)
     links = chain([1, 2])
     put(store, links, now=T0 + AHEAD, ttl_seconds=TTLS["agent"], retention="agent")
     result = put(store, links, now=T0, ttl_seconds=TTLS["agent"], retention="agent")
@@ -106,7 +105,6 @@ def test_an_insert_over_a_block_from_the_future_stores_it_anew(
 
 
 def test_a_touch_does_not_bring_a_block_from_the_future_back(store: BlockStore) -> None:
-    bounded(store)
     links = chain([1, 2])
     put(store, links, now=T0 + AHEAD, ttl_seconds=TTLS["agent"], retention="agent")
     keys = tuple(link.key for link in links)
@@ -114,6 +112,7 @@ def test_a_touch_does_not_bring_a_block_from_the_future_back(store: BlockStore) 
     assert matched(store, links, now=T0) == 0
 
 
+@pytest.mark.store_opened(lifetimes=UNBOUNDED)
 def test_without_the_table_a_store_judges_by_expiry_alone(store: BlockStore) -> None:
     links = chain([1, 2])
     put(store, links, now=T0 + AHEAD, ttl_seconds=TTLS["agent"], retention="agent")
@@ -127,7 +126,6 @@ def test_without_the_table_a_store_judges_by_expiry_alone(store: BlockStore) -> 
 def test_the_sweeper_removes_blocks_from_the_future_leaf_first(
     store: BlockStore, raw: RawAccess
 ) -> None:
-    bounded(store)
     now_chain, ahead = chain([1, 2]), chain([5, 6, 7])
     put(store, now_chain, now=T0, ttl_seconds=TTLS["agent"], retention="agent")
     put(store, ahead, now=T0 + AHEAD, ttl_seconds=TTLS["chat"], retention="chat")
@@ -145,7 +143,6 @@ def test_one_sweep_removes_every_block_from_the_future_whatever_its_batch(
 ) -> None:
     """The pass reads every block, so it is made once, not once per batch of the sweep (a
     pass cut short by the batch was made again, in full, by every later sweep)."""
-    bounded(store)
     ahead = chain([5, 6, 7])
     put(store, ahead, now=T0 + AHEAD, ttl_seconds=TTLS["chat"], retention="chat")
     assert len(store.evict(now=T0, max_blocks=2, expired_only=True)) == 3
@@ -156,7 +153,6 @@ def test_one_sweep_removes_every_block_from_the_future_whatever_its_batch(
 def test_a_stores_eviction_leaves_blocks_from_the_future_to_the_sweeper(
     store: BlockStore, raw: RawAccess
 ) -> None:
-    bounded(store)
     put(store, chain([5, 6]), now=T0 + AHEAD, ttl_seconds=TTLS["chat"], retention="chat")
     assert store.evict(now=T0, max_blocks=100, target_blocks=2) == []
     assert len(raw.blocks()) == 2  # misses until the sweep: no scan of the whole store here
@@ -165,7 +161,6 @@ def test_a_stores_eviction_leaves_blocks_from_the_future_to_the_sweeper(
 def test_a_block_from_the_future_above_a_younger_child_takes_the_longest_class(
     store: BlockStore, raw: RawAccess
 ) -> None:
-    bounded(store)
     links = chain([1, 2])
     put(store, links, now=T0, ttl_seconds=TTLS["chat"], retention="chat")
     put(store, links[:1], now=T0 + AHEAD, ttl_seconds=TTLS["chat"], retention="chat")
@@ -178,11 +173,11 @@ def test_a_block_from_the_future_above_a_younger_child_takes_the_longest_class(
 
 
 def test_the_latest_write_survives_a_restart(tmp_path: Path) -> None:
-    store = bounded(LmdbStore(tmp_path / "lmdb", map_size_bytes=LMDB_MAP_SIZE_BYTES))
+    store = LmdbStore(tmp_path / "lmdb", map_size_bytes=LMDB_MAP_SIZE_BYTES, lifetimes=BOUNDED)
     links = chain([1, 2])
     put(store, links, now=T0 + AHEAD, ttl_seconds=TTLS["agent"], retention="agent")
     store.close()
-    store = bounded(LmdbStore(tmp_path / "lmdb", map_size_bytes=LMDB_MAP_SIZE_BYTES))
+    store = LmdbStore(tmp_path / "lmdb", map_size_bytes=LMDB_MAP_SIZE_BYTES, lifetimes=BOUNDED)
     try:
         assert len(store.evict(now=T0, max_blocks=100, expired_only=True)) == 2
         assert store.usage().blocks == 0
@@ -194,9 +189,10 @@ def test_the_latest_write_survives_a_restart(tmp_path: Path) -> None:
 
 
 @pytest.mark.needs("pins")
+@pytest.mark.store_opened(lifetimes=DEFAULT_LIFETIMES)  # the cache's retention
 def test_an_unpinned_block_gets_the_longest_class_and_stays_served(store: BlockStore) -> None:
     clock = VirtualClock()
-    cache = PrefixCache(store, clock=clock, default_block_size=2)
+    cache = PrefixCache(store, config=CacheConfig(default_block_size=2), clock=clock)
     namespace, tokens = Namespace(model="m"), [1, 2, 3, 4]
     cache.insert(namespace, tokens, [b"a", b"b"], retention="agent")
     operators = Operators.for_cache(cache)

@@ -10,7 +10,9 @@ import pytest
 
 from cache_service.core.blocks import Namespace
 from cache_service.core.cache import PrefixCache
+from cache_service.core.config import CacheConfig
 from cache_service.core.errors import StorageFailure
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.lmdb.disk import write_error
 from cache_service.core.store.lmdb.store import LmdbStore
 
@@ -47,18 +49,18 @@ def damage_leaves_holding(data_file: Path, marker: bytes) -> int:
 
 def test_a_damaged_page_gives_storage_failure_on_read_and_write(tmp_path: Path) -> None:
     folder = tmp_path / "store"
-    store = LmdbStore(folder, map_size_bytes=MAP_BYTES)
+    store = LmdbStore(folder, map_size_bytes=MAP_BYTES, lifetimes=DEFAULT_LIFETIMES)
     assert store.env.stat()["psize"] == 4096
-    cache = PrefixCache(store, clock=clock, default_block_size=BLOCK)
+    cache = PrefixCache(store, config=CacheConfig(default_block_size=BLOCK), clock=clock)
     for number in range(200):  # enough records for the blocks table to have many leaves
         cache.insert(NAMESPACE, prompt(number), [b"kv"] * 4)
     store.close()
     first_block = b"".join(t.to_bytes(4, "little") for t in prompt(7)[:BLOCK])
     assert damage_leaves_holding(folder / "data.mdb", first_block) >= 1
 
-    store = LmdbStore(folder, map_size_bytes=MAP_BYTES)
+    store = LmdbStore(folder, map_size_bytes=MAP_BYTES, lifetimes=DEFAULT_LIFETIMES)
     try:
-        cache = PrefixCache(store, clock=clock, default_block_size=BLOCK)
+        cache = PrefixCache(store, config=CacheConfig(default_block_size=BLOCK), clock=clock)
         with pytest.raises(StorageFailure) as read:
             cache.match_prefix(NAMESPACE, prompt(7))
         assert str(folder) in str(read.value) and "stop the service" in str(read.value)

@@ -10,7 +10,9 @@ import pytest
 
 from cache_service.core.blocks import BlockMeta, Namespace, StoreKey
 from cache_service.core.cache import PrefixCache
+from cache_service.core.config import CacheConfig
 from cache_service.core.errors import InsufficientStorage
+from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.parts.codec import decode_meta
 from cache_service.core.store.protocols import BlockStore
@@ -31,7 +33,7 @@ class Clock:
 
 
 def test_full_map_evicts_and_retries_instead_of_failing(tmp_path: Path) -> None:
-    store = LmdbStore(tmp_path, map_size_bytes=4 * 2**20)
+    store = LmdbStore(tmp_path, map_size_bytes=4 * 2**20, lifetimes=DEFAULT_LIFETIMES)
     cache = PrefixCache(store, clock=Clock())  # no capacity: only the map limits it
     namespace = Namespace("m")
     prompts = [[p * 10_000 + t for t in range(64 * 4)] for p in range(20)]
@@ -44,7 +46,7 @@ def test_full_map_evicts_and_retries_instead_of_failing(tmp_path: Path) -> None:
 
 
 def test_block_larger_than_the_map_is_insufficient_storage(tmp_path: Path) -> None:
-    store = LmdbStore(tmp_path, map_size_bytes=2 * 2**20)
+    store = LmdbStore(tmp_path, map_size_bytes=2 * 2**20, lifetimes=DEFAULT_LIFETIMES)
     cache = PrefixCache(store, clock=Clock())
     namespace = Namespace("m")
     cache.insert(namespace, list(range(64)), [b"small"])
@@ -59,7 +61,7 @@ def test_block_larger_than_the_map_is_insufficient_storage(tmp_path: Path) -> No
 
 
 def test_used_bytes_counts_pages_and_shrinks_after_eviction(tmp_path: Path) -> None:
-    store = LmdbStore(tmp_path, map_size_bytes=64 * 2**20)
+    store = LmdbStore(tmp_path, map_size_bytes=64 * 2**20, lifetimes=DEFAULT_LIFETIMES)
     cache = PrefixCache(store, clock=Clock())
     empty = store.usage().used_bytes
     cache.insert(Namespace("m"), list(range(64 * 8)), [bytes(100_000)] * 8)
@@ -112,16 +114,16 @@ def test_lmdb_data_survives_close_and_reopen(
 def test_a_damaged_counter_is_worked_out_again_not_a_500(tmp_path: Path, counter: bytes) -> None:
     """A counter in the meta table that does not decode (it has no checksum of its own) made
     every store, lookup or start-up fail; it is recounted from the block records instead."""
-    store = LmdbStore(tmp_path, map_size_bytes=LMDB_MAP_SIZE_BYTES)
-    cache = PrefixCache(store, clock=Clock(), default_block_size=4)
+    store = LmdbStore(tmp_path, map_size_bytes=LMDB_MAP_SIZE_BYTES, lifetimes=DEFAULT_LIFETIMES)
+    cache = PrefixCache(store, config=CacheConfig(default_block_size=4), clock=Clock())
     namespace = Namespace("m")
     cache.insert(namespace, list(range(8)), [b"x" * 10, b"y" * 20])
     with store.env.begin(write=True) as txn:
         txn.put(counter, b"\x01\x02\x03", db=store.backend.dbs["meta"])
     store.close()
 
-    store = LmdbStore(tmp_path, map_size_bytes=LMDB_MAP_SIZE_BYTES)
-    cache = PrefixCache(store, clock=Clock(), default_block_size=4)
+    store = LmdbStore(tmp_path, map_size_bytes=LMDB_MAP_SIZE_BYTES, lifetimes=DEFAULT_LIFETIMES)
+    cache = PrefixCache(store, config=CacheConfig(default_block_size=4), clock=Clock())
     assert cache.capacity.usage().payload_bytes == 30
     assert cache.match_prefix(namespace, list(range(8))).matched_blocks == 2
     stored = cache.insert(namespace, list(range(12)), [b"x" * 10, b"y" * 20, b"z" * 5])

@@ -120,8 +120,8 @@ def test_pinned_blocks_and_the_path_to_them_stay(store: BlockStore, raw: RawAcce
 
 
 @pytest.mark.needs("tenant_bytes", "removal_log", "subtree_removal", "store_eviction")
+@pytest.mark.store_opened(removal_log_entries=10)
 def test_removal_keeps_tenant_bytes_and_the_removal_log(store: BlockStore, raw: RawAccess) -> None:
-    store.removal_log_entries = 10
     links = chain([1, 2, 3], TENANT)
     put(store, links[:1], namespace=TENANT)
     alone = store.tenant_bytes(TENANT_ID.partition)
@@ -146,10 +146,10 @@ def test_removal_keeps_tenant_bytes_and_the_removal_log(store: BlockStore, raw: 
 
 
 @pytest.mark.needs("removal_log", "store_eviction")
+@pytest.mark.store_opened(removal_log_entries=1 << 20)
 def test_the_removal_log_keeps_to_its_share_of_a_small_store(store: BlockStore) -> None:
     # A small store's share of bytes is below the floor: the log keeps the latest
     # FLOOR_ENTRIES removals, though its configured length is far more.
-    store.removal_log_entries = 1 << 20
     links = [chain([label])[0] for label in range(3 * FLOOR_ENTRIES)]
     for link in links:
         put(store, [link])

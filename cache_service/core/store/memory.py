@@ -42,7 +42,7 @@ class MemorySpace:
 class MemoryBackend:
     """Blocks in dicts, indexes in sorted lists; a transaction holds the one lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, lifetimes: Lifetimes = UNBOUNDED) -> None:
         self.space = MemorySpace()
         self.damage = DamageLog()  # records here are objects and never damaged; payloads may be
         self.metas: dict[StoreKey, BlockMeta] = {}
@@ -52,7 +52,7 @@ class MemoryBackend:
         self.aux: dict[str, dict[bytes, bytes]] = {table: {} for table in AUX_TABLES}
         self.seq = 1
         self.latest_write = -math.inf
-        self.lifetimes = UNBOUNDED
+        self.lifetimes = lifetimes
         self.payload_bytes = 0
         self.record_bytes = 0
         self._lock = threading.RLock()
@@ -219,5 +219,10 @@ class MemoryStore(ComposedStore[MemoryBackend]):
         *,
         policy: EvictionPolicy | None = None,
         removal_log_entries: int = DEFAULT_REMOVAL_LOG_ENTRIES,
+        lifetimes: Lifetimes = UNBOUNDED,
     ) -> None:
-        super().__init__(MemoryBackend(), policy=policy, removal_log_entries=removal_log_entries)
+        super().__init__(
+            MemoryBackend(lifetimes=lifetimes),
+            policy=policy,
+            removal_log_entries=removal_log_entries,
+        )

@@ -338,9 +338,19 @@ class BlockStore(StoreReads, StoreWrites, StoreEviction, OperatorControls, Store
     capabilities: Capabilities  # what the backend does (above)
     disk: OnDisk | None  # the folder and file it lives in, if on a file system
     remote: Remote | None  # the server it lives on, if any
-    removal_log_entries: int  # recent removals remembered for explanations (0: none)
     policy: EvictionPolicy  # which leaf goes first
-    lifetimes: Lifetimes  # each retention class's TTL: bounds a block's expiry from now
+
+    # Given when the store is opened, and kept while it is open.
+    @property
+    def removal_log_entries(self) -> int:
+        """Recent removals remembered for explanations (0: none)."""
+        ...
+
+    @property
+    def lifetimes(self) -> Lifetimes:
+        """Each retention class's TTL, which bounds a block's expiry from now (see
+        core.lifetimes); UNBOUNDED for a store opened without a table."""
+        ...
 
     @property
     def space(self) -> Space:

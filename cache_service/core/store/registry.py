@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cache_service.core.eviction import EvictionPolicy
+from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
 from cache_service.core.store.lmdb.store import LmdbStore
 from cache_service.core.store.memory import MemoryStore
 from cache_service.core.store.protocols import BlockStore, Capabilities, IdentityCheck
@@ -41,6 +42,9 @@ class StoreOptions:
     identity: IdentityCheck | None = None  # checked against a persistent store's record
     policy: EvictionPolicy | None = None
     removal_log_entries: int = 0  # recent removals remembered for explanations (0: none)
+    # Each retention class's TTL, which bounds a block's expiry from now: a cache over the
+    # store needs its retention's (`RetentionPolicy.lifetimes()`); UNBOUNDED judges by expiry.
+    lifetimes: Lifetimes = UNBOUNDED
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,7 @@ def _open_lmdb(location: str, options: StoreOptions) -> OpenedStore:
         identity=options.identity,
         policy=options.policy,
         removal_log_entries=options.removal_log_entries,
+        lifetimes=options.lifetimes,
     )
     return OpenedStore(store, "lmdb", store.path, f"data folder {store.path.resolve()}")
 
@@ -84,13 +89,19 @@ def _open_lmdb(location: str, options: StoreOptions) -> OpenedStore:
 def _open_memory(location: str, options: StoreOptions) -> OpenedStore:
     del location  # parse_store_url made sure there is none
     # No identity record: the data lives as long as the process that chose the settings.
-    store = MemoryStore(policy=options.policy, removal_log_entries=options.removal_log_entries)
+    store = MemoryStore(
+        policy=options.policy,
+        removal_log_entries=options.removal_log_entries,
+        lifetimes=options.lifetimes,
+    )
     return OpenedStore(store, "memory", None, "memory://")
 
 
 def _open_redis(location: str, options: StoreOptions, *, tls: bool) -> OpenedStore:
     address = parse_nodes(location, tls=tls)
-    store = RedisStore(address, policy=options.policy, identity=options.identity)
+    store = RedisStore(
+        address, policy=options.policy, identity=options.identity, lifetimes=options.lifetimes
+    )
     kind = "redis cluster" if store.clustered else "redis"
     return OpenedStore(store, "redis", None, f"{kind} {address.describe()}")
 
@@ -155,8 +166,17 @@ def open_store(
     identity: IdentityCheck | None = None,
     policy: EvictionPolicy | None = None,
     removal_log_entries: int = 0,
+    lifetimes: Lifetimes = UNBOUNDED,
 ) -> OpenedStore:
-    """Open the store `url_or_path` names (see the module docstring)."""
+    """Open the store `url_or_path` names (see the module docstring), with what it is told
+    for as long as it is open (see StoreOptions)."""
     scheme, location = parse_store_url(url_or_path)
-    options = StoreOptions(map_size_bytes, sync_mode, identity, policy, removal_log_entries)
+    options = StoreOptions(
+        map_size_bytes=map_size_bytes,
+        sync_mode=sync_mode,
+        identity=identity,
+        policy=policy,
+        removal_log_entries=removal_log_entries,
+        lifetimes=lifetimes,
+    )
     return BACKENDS[scheme].open(location, options)

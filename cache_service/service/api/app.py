@@ -77,15 +77,15 @@ def create_app(
     registry: CollectorRegistry | None = None,
 ) -> FastAPI:
     """Build the service. The store is opened in the lifespan (after any fork), unless given."""
-    settings = settings or Settings()
+    config = (settings or Settings()).groups
     # `*_created` timestamp series double every counter on a scrape and no dashboard uses them.
     disable_created_metrics()  # type: ignore[no-untyped-call]
     registry = registry or CollectorRegistry()
     metrics = CacheMetrics(registry)
-    metrics.declare_retention(settings.retention_policy().classes)
-    keys = settings.key_ring() if settings.auth == "keys" else None
+    metrics.declare_retention(config.cache.retention.classes)
+    keys = config.auth.keys
     metrics.declare_tenants(sorted(keys.tenants) if keys is not None else [])
-    service = ServiceLifecycle(settings, metrics=metrics, keys=keys, store=store, clock=clock)
+    service = ServiceLifecycle(config, metrics=metrics, store=store, clock=clock)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -23,7 +23,7 @@ from cache_service.core.errors import (
 from cache_service.core.framing import MEDIA_TYPE, decode_frames, frame_header_length
 from cache_service.core.tokens import TokenBytes, as_token_bytes
 from cache_service.service.api.schemas import LookupHeader, LookupRequest, NamespaceFields
-from cache_service.service.settings import Settings
+from cache_service.service.config import RequestLimits
 
 Model = TypeVar("Model", bound=BaseModel)
 MIN_BODY_RATE = 2**20  # bytes a second a body must keep up beyond body_timeout
@@ -217,30 +217,30 @@ def namespace_of(body: NamespaceFields, tenant: str) -> Namespace:
     return Namespace(model=body.model, kv_layout=body.kv_layout, tenant=tenant, salt=body.salt)
 
 
-async def read_limited_body(request: Request, settings: Settings) -> bytes:
+async def read_limited_body(request: Request, limits: RequestLimits) -> bytes:
     """The body within the service's size and time limits."""
     return await read_body(
-        request, limit_bytes=settings.max_body_size, timeout_seconds=settings.body_timeout
+        request, limit_bytes=limits.max_body_size, timeout_seconds=limits.body_timeout
     )
 
 
-async def read_prompt_body(request: Request, settings: Settings) -> tuple[bytes, bool]:
+async def read_prompt_body(request: Request, limits: RequestLimits) -> tuple[bytes, bool]:
     """A lookup-shaped body (JSON, or frames) within the limits, and whether it is frames."""
     require_media_type(request, JSON, MEDIA_TYPE)
     binary = media_type(request) == MEDIA_TYPE
-    raw = await read_limited_body(request, settings)
+    raw = await read_limited_body(request, limits)
     check_token_room(
-        frame_header_length(raw) if binary else len(raw), settings.max_tokens_per_request
+        frame_header_length(raw) if binary else len(raw), limits.max_tokens_per_request
     )
     return raw, binary
 
 
-async def read_request_json(request: Request, settings: Settings, model: type[Model]) -> Model:
+async def read_request_json(request: Request, limits: RequestLimits, model: type[Model]) -> Model:
     """A JSON body of `model` within the service's body and token limits; a long one is
     parsed in a worker thread, never on the event loop."""
     require_media_type(request, JSON)
-    raw = await read_limited_body(request, settings)
-    limit = settings.max_tokens_per_request
+    raw = await read_limited_body(request, limits)
+    limit = limits.max_tokens_per_request
     check_token_room(len(raw), limit)
     if len(raw) >= INLINE_BODY_BYTES:
         body = await run_in_threadpool(parse_json, model, raw)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from starlette.concurrency import run_in_threadpool
 
@@ -26,13 +26,12 @@ from cache_service.service.api.background import (
 from cache_service.service.api.guard import StoreGuard
 from cache_service.service.api.startup import open_store, serving_line, store_capacity
 from cache_service.service.api.state import ServiceState, WriteGate
-from cache_service.service.api_keys import KeyRing
 from cache_service.service.backend_metrics import SYNC_SECONDS, BackendCounters
+from cache_service.service.config import ServiceConfig, StoreConfig
 from cache_service.service.kv_events.hub import KvEventsHub
 from cache_service.service.kv_events.metrics import KvEventsCollector
 from cache_service.service.metrics import CacheMetrics, StoreCollector
 from cache_service.service.quotas import QuotaBook
-from cache_service.service.settings import Settings
 from cache_service.service.status_history import SAMPLE_SECONDS, read_totals
 from cache_service.service.usage import UsageLog
 
@@ -42,15 +41,28 @@ log = logging.getLogger("cache_service")
 FINAL_FLUSH_SECONDS = 1.0
 
 
-def given_store(store: BlockStore, settings: Settings) -> OpenedStore:
-    """A store the caller opened (tests, embedders), held to the settings that steer a store:
-    its removal log keeps `--removal-log-entries`, and its policy must be `--eviction-policy`."""
-    if store.policy.name != settings.eviction_policy:
+def given_store(store: BlockStore, config: StoreConfig) -> OpenedStore:
+    """A store the caller opened (tests, embedders), held to the settings that steer a store
+    (ValueError naming both): its policy must be `--eviction-policy`, its removal log (where
+    it keeps one) `--removal-log-entries` long, and its lifetimes the `--retention` classes'.
+    The service never changes a store it is given."""
+    if store.policy.name != config.eviction_policy:
         raise ValueError(
             f"the store given orders eviction by {store.policy.name!r}, the settings by "
-            f"{settings.eviction_policy!r} (--eviction-policy)"
+            f"{config.eviction_policy!r} (--eviction-policy)"
         )
-    store.removal_log_entries = settings.removal_log_entries
+    lifetimes = config.lifetimes
+    if store.lifetimes != lifetimes:
+        raise ValueError(
+            f"the store given bounds lifetimes by {store.lifetimes.describe()}, the settings "
+            f"by {lifetimes.describe()} (--retention)"
+        )
+    entries = config.removal_log_entries
+    if store.capabilities.has("removal_log") and store.removal_log_entries != entries:
+        raise ValueError(
+            f"the store given keeps {store.removal_log_entries} recent removals, the settings "
+            f"{entries} (--removal-log-entries)"
+        )
     return describe_store(store)
 
 
@@ -74,16 +86,15 @@ class ServiceLifecycle:
 
     def __init__(
         self,
-        settings: Settings,
+        config: ServiceConfig,
         *,
         metrics: CacheMetrics,
-        keys: KeyRing | None = None,
         store: BlockStore | None = None,
         clock: Clock = time.time,
     ) -> None:
-        self.settings = settings
+        self.config = config
         self.metrics = metrics
-        self.keys = keys
+        self.keys = config.auth.keys
         self.clock = clock
         self._given = store
         self._running: _Running | None = None
@@ -96,10 +107,12 @@ class ServiceLifecycle:
     async def start(self) -> ServiceState:
         """Open the store (refused if its data was made with other settings), wire the cache
         and start the background workers."""
-        settings = self.settings
+        config = self.config
         # `cache-service serve` checks the store first, so that a refusal exits with the
         # message rather than a worker's traceback.
-        opened = open_store(settings) if self._given is None else given_store(self._given, settings)
+        opened = (
+            open_store(config) if self._given is None else given_store(self._given, config.store)
+        )
         try:
             self._running = self._wire(opened)
         except BaseException:
@@ -117,36 +130,31 @@ class ServiceLifecycle:
             raise
         await self._first_status_sample()
         self._running.workers = self._start_workers(self._running)
-        capacity = self._running.state.cache.capacity.capacity_bytes or settings.capacity
-        log.info("%s", serving_line(settings, opened.where, capacity))
+        capacity = self._running.state.cache.capacity.capacity_bytes or config.store.capacity_bytes
+        log.info("%s", serving_line(config.server, config.auth.mode, opened.where, capacity))
         return self._running.state
 
     def _build_cache(self, store: BlockStore, capacity_bytes: int) -> PrefixCache:
-        settings, keys = self.settings, self.keys
+        """The cache over the store opened, within `capacity_bytes` (the store's own on
+        Redis); the store's lifetimes are the retention's (PrefixCache checks)."""
+        config = self.config
         return PrefixCache(
             store,
-            hasher=BlockHasher(seed=settings.seed),
-            retention=settings.retention_policy(),
+            config=config.cache,
+            limits=replace(config.capacity, capacity_bytes=capacity_bytes),
+            touches=config.touches,
+            hasher=BlockHasher(seed=config.seed),
             clock=self.clock,
-            default_block_size=settings.block_size,
-            model_block_sizes=settings.model_block_sizes(),
-            capacity_bytes=capacity_bytes,
-            high_water=settings.high_water,
-            low_water=settings.low_water,
-            defer_touches=True,
-            ttl_slide_fraction=settings.ttl_slide_fraction,
-            tenant_capacity_bytes=keys.tenant_capacity if keys is not None else None,
             events=self.metrics,
         )
 
     def _wire(self, opened: OpenedStore) -> _Running:
-        settings, metrics = self.settings, self.metrics
-        engines = settings.kv_event_engines()  # first: a file gone since validation opens nothing
+        config, metrics = self.config, self.metrics
         # Store work reaches a thread only through the guard (routes, operators, the write
         # gate, jobs, the collectors that scrapes run), so that the stop knows when no thread
         # is inside the store.
         guard = StoreGuard()
-        capacity_bytes = store_capacity(opened, settings)
+        capacity_bytes = store_capacity(opened, config.store.capacity_bytes)
         cache = self._build_cache(opened.store, capacity_bytes)
         usage, disk = guard.counted(cache.capacity.usage), guard.counted(cache.capacity.disk)
         collector = StoreCollector(usage, capacity_bytes, disk=disk)
@@ -156,42 +164,38 @@ class ServiceLifecycle:
         folder = opened.folder
         sweeper_lock = ElectionLock(folder, "sweeper.lock")
         metrics_port = MetricsPort(
-            settings.metrics_host,
-            settings.metrics_port,
+            config.server.metrics_host,
+            config.server.metrics_port,
             metrics.scrape_registry,
             ElectionLock(folder, "metrics.lock"),
         )
         metrics_port.ensure()
+        jobs = config.jobs
         usage_log = (
-            UsageLog(settings.usage_log, max_bytes=settings.usage_log_max_bytes, clock=self.clock)
-            if settings.usage_log is not None
+            UsageLog(jobs.usage_log, max_bytes=jobs.usage_log_max_bytes, clock=self.clock)
+            if jobs.usage_log is not None
             else None
         )
         quotas = QuotaBook(list(self.keys), folder) if self.keys is not None else None
-        writes = WriteGate(settings.max_pending_writes, guard)
-        state = ServiceState(cache, metrics, settings, opened.kind, writes, usage_log, quotas)
+        writes = WriteGate(config.limits.max_pending_writes, guard)
+        state = ServiceState(cache, metrics, config.limits, opened.kind, writes, usage_log, quotas)
         running = _Running(opened, state, guard, collector, sweeper_lock, metrics_port)
         remote = opened.store.remote
         if remote is not None:  # a remote store: its failures are misses, not 5xx
             running.backend = BackendCounters(remote.health_counts, metrics.registry)
-        if engines:  # started by `start` once the store is ready; never touches the store
-            state.kv_events = KvEventsHub(
-                engines,
-                max_blocks_per_engine=settings.kv_events_max_blocks,
-                grace_seconds=settings.kv_events_grace,
-                silence_timeout_seconds=settings.kv_events_silence_timeout,
-            )
+        if config.engines.engines:  # started by `start` once the store is ready; never touches it
+            state.kv_events = KvEventsHub.following(config.engines)
             running.kv_events_collector = KvEventsCollector(state.kv_events)
             metrics.scrape_registry.register(running.kv_events_collector)
         return running
 
     def _start_workers(self, running: _Running) -> list[asyncio.Task[None]]:
-        settings, cache = self.settings, running.state.cache
+        jobs, cache = self.config.jobs, running.state.cache
         workers = [
-            asyncio.create_task(repeat(settings.touch_flush_interval, self._flush, "touch flush")),
+            asyncio.create_task(repeat(jobs.touch_flush_interval, self._flush, "touch flush")),
             asyncio.create_task(
                 repeat(
-                    settings.sweep_interval,
+                    jobs.sweep_interval,
                     sweeper(
                         cache.capacity.sweep_expired,
                         running.sweeper_lock,
@@ -224,7 +228,7 @@ class ServiceLifecycle:
             workers.append(
                 asyncio.create_task(repeat(SYNC_SECONDS, sync_backend, "backend counters"))
             )
-        if settings.metrics_port is not None:  # a worker that did not get the port retries
+        if self.config.server.metrics_port is not None:  # a worker that did not get it retries
             workers.append(
                 asyncio.create_task(
                     repeat(METRICS_RETRY_SECONDS, running.metrics_port.ensure_async, "metrics port")
@@ -270,7 +274,7 @@ class ServiceLifecycle:
         if running is None:
             return
         state, guard = running.state, running.guard
-        timeout = self.settings.shutdown_timeout
+        timeout = self.config.server.shutdown_timeout
         deadline = time.monotonic() + timeout
         # The subscriber's thread ends within a poll slice or two; it is joined beside the
         # writes' wait, within the same deadline, and holds nothing of the store.

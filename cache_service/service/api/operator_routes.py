@@ -59,14 +59,14 @@ def tenant_for(caller: ApiKey, requested: str | None) -> str:
 async def explain(request: Request) -> Response:
     """The same body as a lookup; answers the first unmatched block and the reason."""
     state = service_state(request)
-    raw, binary = await read_prompt_body(request, state.settings)
+    raw, binary = await read_prompt_body(request, state.limits)
     options, tokens = await state.in_thread(
         parse_lookup, raw, binary, ExplainRequest, ExplainHeader
     )
     assert isinstance(options, ExplainHeader)
     caller = principal(request)
     namespace = namespace_of(options, tenant_for(caller, options.tenant))
-    limit = state.settings.max_tokens_per_request
+    limit = state.limits.max_tokens_per_request
     check_count("tokens", tokens_in(tokens), limit, "max_tokens_per_request")
     found = await state.in_thread(
         lambda: state.operators.explain(
@@ -104,7 +104,7 @@ class _PinCall:
 
 async def _pin_request(request: Request) -> _PinCall:
     state = service_state(request)
-    body = await read_request_json(request, state.settings, PinRequest)
+    body = await read_request_json(request, state.limits, PinRequest)
     if (body.tokens is None) == (body.keys is None):
         raise InvalidField("tokens", "give the prefix's `tokens` or its `keys`, not both")
     caller = principal(request)
@@ -128,8 +128,8 @@ async def pin(request: Request) -> Response:
     if caller.role < Role.ADMIN:  # admins pin without limits; writers within their tenant's
         limits = state.operators.pin_limits(
             call.namespace.tenant,
-            pin_quota_blocks=state.settings.pin_quota_blocks,
-            pinned_share=state.settings.pinned_share,
+            pin_quota_blocks=state.limits.pin_quota_blocks,
+            pinned_share=state.limits.pinned_share,
             tenants=len(state.metrics.tenants),
         )
     record, new = await state.in_thread(
@@ -188,7 +188,7 @@ async def pins(request: Request, tenant: str | None = None) -> dict[str, Any]:
 async def purge(request: Request) -> Response:
     """Remove blocks for good (durable once answered) and say how many and how many bytes."""
     state = service_state(request)
-    body = await read_request_json(request, state.settings, PurgeRequest)
+    body = await read_request_json(request, state.limits, PurgeRequest)
     tenant = tenant_for(principal(request), body.tenant)
     namespace = None
     if body.model is not None:

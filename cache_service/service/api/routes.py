@@ -84,7 +84,7 @@ async def lookup(request: Request) -> Response:
     """Find the longest stored, verified prefix; optionally return its payloads too."""
     state = service_state(request)
     caller = principal(request)
-    raw, binary = await read_prompt_body(request, state.settings)
+    raw, binary = await read_prompt_body(request, state.limits)
     if not binary and len(raw) >= INLINE_BODY_BYTES:  # parsing a long JSON array takes a while
         return await state.in_thread(lambda: _lookup(state, caller, *parse_lookup(raw, binary)))
     options, tokens = parse_lookup(raw, binary)
@@ -96,7 +96,7 @@ async def lookup(request: Request) -> Response:
 def _lookup(
     state: ServiceState, caller: ApiKey, options: LookupHeader, tokens: TokenBytes
 ) -> Response:
-    limit = state.settings.max_tokens_per_request
+    limit = state.limits.max_tokens_per_request
     check_count("tokens", tokens_in(tokens), limit, "max_tokens_per_request")
     frames = FrameWriter()
     found = state.cache.match_prefix(
@@ -131,8 +131,8 @@ async def store_blocks(request: Request) -> Response:
     """Store payloads for blocks start_block.. of a prompt; the parent must be stored."""
     state = service_state(request)
     require_media_type(request, MEDIA_TYPE)
-    raw = await read_limited_body(request, state.settings)
-    check_token_room(frame_header_length(raw), state.settings.max_tokens_per_request)
+    raw = await read_limited_body(request, state.limits)
+    check_token_room(frame_header_length(raw), state.limits.max_tokens_per_request)
     # The queue is of writes waiting for the store, not of uploads: a slow upload holds no
     # place, so a trickling client cannot shut others' writes out.
     tenant = principal(request).tenant
@@ -142,7 +142,7 @@ async def store_blocks(request: Request) -> Response:
 def _store(state: ServiceState, tenant: str, raw: bytes) -> Response:
     header, frames = decode_frames(raw)
     body = parse_object(StoreHeader, header)
-    settings = state.settings
+    limits = state.limits
     first_payload = 0
     if body.tokens is None:  # binary tokens: the first frame
         if not frames:
@@ -151,10 +151,10 @@ def _store(state: ServiceState, tenant: str, raw: bytes) -> Response:
     else:
         tokens = as_token_bytes(body.tokens)
     check_count(
-        "tokens", tokens_in(tokens), settings.max_tokens_per_request, "max_tokens_per_request"
+        "tokens", tokens_in(tokens), limits.max_tokens_per_request, "max_tokens_per_request"
     )
     payloads = frames[first_payload:]
-    check_count("blocks", len(payloads), settings.max_blocks_per_request, "max_blocks_per_request")
+    check_count("blocks", len(payloads), limits.max_blocks_per_request, "max_blocks_per_request")
     present: list[memoryview] = []
     for index, payload in enumerate(payloads, start=first_payload):
         if payload is None:
@@ -193,8 +193,8 @@ def _store(state: ServiceState, tenant: str, raw: bytes) -> Response:
 async def fetch_blocks(request: Request) -> Response:
     """Payloads of blocks of the caller's namespace, checked against their checksums."""
     state = service_state(request)
-    body = await read_request_json(request, state.settings, FetchRequest)
-    limit = state.settings.max_blocks_per_request
+    body = await read_request_json(request, state.limits, FetchRequest)
+    limit = state.limits.max_blocks_per_request
     check_count("keys", len(body.keys), limit, "max_blocks_per_request")
     keys = [key_from_hex(text) for text in body.keys]
     frames = FrameWriter()
@@ -222,7 +222,7 @@ async def info(request: Request) -> Response:
 
 def info_report(state: ServiceState) -> InfoResponse:
     """The answer of GET /v1/info (the status page shows the same)."""
-    cache, settings = state.cache, state.settings
+    cache, limits = state.cache, state.limits
     config = cache.config
     return InfoResponse(
         service="prompt-cache-service",
@@ -243,9 +243,9 @@ def info_report(state: ServiceState) -> InfoResponse:
         store=state.store_kind,
         capacity_bytes=cache.capacity.capacity_bytes,
         limits=InfoLimits(
-            max_body_size=settings.max_body_size,
-            max_blocks_per_request=settings.max_blocks_per_request,
-            max_tokens_per_request=settings.max_tokens_per_request,
+            max_body_size=limits.max_body_size,
+            max_blocks_per_request=limits.max_blocks_per_request,
+            max_tokens_per_request=limits.max_tokens_per_request,
         ),
         frame_media_type=MEDIA_TYPE,
     )

@@ -87,7 +87,7 @@ async def route(request: Request) -> Response:
     best first; and the payload store's own prefix of the caller's namespace (read only:
     a routing question neither refreshes nor counts as a lookup)."""
     state = service_state(request)
-    body = await read_request_json(request, state.settings, RouteRequest)
+    body = await read_request_json(request, state.limits, RouteRequest)
     namespace = namespace_of(body, principal(request).tenant)
     if len(body.tokens) >= INLINE_TOKENS:
         answer = await state.in_thread(_answer, state, body, namespace)

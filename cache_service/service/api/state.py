@@ -1,4 +1,4 @@
-"""What the routes share: the cache, metrics and settings of one running service."""
+"""What the routes share: the cache, metrics and request limits of one running service."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from cache_service.core.cache import PrefixCache
 from cache_service.core.errors import Overloaded
 from cache_service.core.operators import Operators
 from cache_service.service.api.guard import NotReady, StoreGuard
+from cache_service.service.config import RequestLimits
 from cache_service.service.kv_events.hub import KvEventsHub
 from cache_service.service.metrics import CacheMetrics
 from cache_service.service.quotas import QuotaBook
-from cache_service.service.settings import Settings
 from cache_service.service.status_history import StatusHistory
 from cache_service.service.usage import UsageLog
 
@@ -83,7 +83,7 @@ class ServiceState:
 
     cache: PrefixCache
     metrics: CacheMetrics
-    settings: Settings
+    limits: RequestLimits
     store_kind: str
     writes: WriteGate
     usage_log: UsageLog | None = None

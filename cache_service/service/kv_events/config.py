@@ -42,6 +42,18 @@ from cache_service.core.engines.schemes import DEFAULT_EXTRA_KEYS_FORM, EXTRA_KE
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size
 
 
+@dataclass(frozen=True, slots=True)
+class KvEventsConfig:
+    """The service's KV-event settings, the engines resolved (`resolve_engines`): which
+    engines to follow (none: off), and how their views are kept. Named as `KvEventsHub`'s
+    arguments, which `KvEventsHub.following` passes them as."""
+
+    engines: tuple[EngineConfig, ...]
+    max_blocks_per_engine: int  # --kv-events-max-blocks
+    grace_seconds: float  # --kv-events-grace
+    silence_timeout_seconds: float  # --kv-events-silence-timeout (0: never)
+
+
 class KvEventsConfigError(ValueError):
     """A KV-events configuration that cannot be used, with the reason."""
 

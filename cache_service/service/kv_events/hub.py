@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from cache_service.core.engines.schemes import SCHEMES, scheme_named
 from cache_service.core.engines.views import EngineViews
 from cache_service.service.kv_events.config import (
     EngineConfig,
+    KvEventsConfig,
     KvEventsConfigError,
     load_engines,
     parse_endpoints,
@@ -149,6 +150,12 @@ class KvEventsHub:
             mismatch_alarm_after=mismatch_alarm_after,
             silence_timeout_seconds=silence_timeout_seconds,
         )
+
+    @classmethod
+    def following(cls, config: KvEventsConfig) -> KvEventsHub:
+        """The hub of the engines the service's settings name, kept as they say (the
+        config's fields are named as this constructor's arguments)."""
+        return cls(**{field.name: getattr(config, field.name) for field in fields(config)})
 
     def start(self, *, timeout_seconds: float = 5.0) -> None:
         """Connect to every engine rank and start following their events (blocks until the

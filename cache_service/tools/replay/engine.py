@@ -10,6 +10,8 @@ from pathlib import Path
 
 from cache_service.client import CacheClient
 from cache_service.core.cache import PrefixCache
+from cache_service.core.capacity import CapacityLimits
+from cache_service.core.config import CacheConfig
 from cache_service.core.errors import InvalidAnswer
 from cache_service.core.eviction import DEFAULT_POLICY, make_policy
 from cache_service.core.retention import RetentionPolicy
@@ -58,12 +60,17 @@ def replay_embedded(
     """Drive every request through a private PrefixCache, in trace time."""
     with tempfile.TemporaryDirectory(prefix="replay-", dir=options.workdir) as folder:
         policy = make_policy(options.policy)
+        lifetimes = options.retention.lifetimes()
         store: BlockStore
         if options.store == "memory":
-            store = MemoryStore(policy=policy)
+            store = MemoryStore(policy=policy, lifetimes=lifetimes)
         else:  # a private cache in a temporary folder: durability is not wanted here
             store = LmdbStore(
-                folder, map_size_bytes=REPLAY_MAP_SIZE_BYTES, sync_mode="nosync", policy=policy
+                folder,
+                map_size_bytes=REPLAY_MAP_SIZE_BYTES,
+                sync_mode="nosync",
+                policy=policy,
+                lifetimes=lifetimes,
             )
         try:
             drive_store(requests, options, store, on_outcome)
@@ -78,7 +85,8 @@ def drive_store(
     on_outcome: OnOutcome,
 ) -> None:
     """Drive every request through a PrefixCache over a store the caller opened (its policy
-    too), in trace time; `on_outcome` hears each request before the next one starts."""
+    too, and the retention's lifetimes), in trace time; `on_outcome` hears each request
+    before the next one starts."""
     units = options.units
     clock = VirtualClock()
     capacity_blocks = None
@@ -86,10 +94,9 @@ def drive_store(
         capacity_blocks = options.capacity_tokens // units.cache_tokens
     cache = PrefixCache(
         store,
-        retention=options.retention,
+        config=CacheConfig(default_block_size=units.cache_tokens, retention=options.retention),
+        limits=CapacityLimits(capacity_blocks=capacity_blocks),
         clock=clock,
-        default_block_size=units.cache_tokens,
-        capacity_blocks=capacity_blocks,
     )
     payload = bytes(options.payload_bytes_per_token * units.cache_tokens)
     for request in requests:

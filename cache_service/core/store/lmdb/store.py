@@ -19,7 +19,7 @@ import lmdb
 
 from cache_service.core.errors import DiskFull, StorageError, StoreFull
 from cache_service.core.eviction import EvictionPolicy
-from cache_service.core.lifetimes import UNBOUNDED
+from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
 from cache_service.core.store.lmdb.disk import (
     DAMAGE_ERRORS,
     damaged_file,
@@ -88,6 +88,7 @@ class LmdbBackend:
         sync_mode: str = "full",
         max_readers: int = 1024,
         identity: IdentityCheck | None = None,
+        lifetimes: Lifetimes = UNBOUNDED,
     ) -> None:
         if sync_mode not in SYNC_MODES:
             raise ValueError(
@@ -112,7 +113,7 @@ class LmdbBackend:
             for name in ("blocks", "payloads", "namespaces", *INDEXES, "meta", *AUX_TABLES)
         }
         self.damage = DamageLog()
-        self.lifetimes = UNBOUNDED  # the cache sets its retention table (see ComposedStore)
+        self.lifetimes = lifetimes  # each class's TTL bounds a block's expiry (core.lifetimes)
         # Set when the opening checks passed but a full disk kept their record from being
         # written (a steering setting changed): the store opens read-mostly all the same.
         self.unrecorded: DiskFull | None = None
@@ -223,6 +224,7 @@ class LmdbStore(ComposedStore[LmdbBackend]):
         policy: EvictionPolicy | None = None,
         identity: IdentityCheck | None = None,
         removal_log_entries: int = DEFAULT_REMOVAL_LOG_ENTRIES,
+        lifetimes: Lifetimes = UNBOUNDED,
     ) -> None:
         backend = LmdbBackend(
             path,
@@ -230,6 +232,7 @@ class LmdbStore(ComposedStore[LmdbBackend]):
             sync_mode=sync_mode,
             max_readers=max_readers,
             identity=identity,
+            lifetimes=lifetimes,
         )
         super().__init__(backend, policy=policy, removal_log_entries=removal_log_entries)
         self.space: LmdbSpace = backend.space  # with the data file's size

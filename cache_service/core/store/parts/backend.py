@@ -48,7 +48,7 @@ class Txn(Protocol):
     """One backend transaction: what every part of the store is written over."""
 
     damaged: set[StoreKey]  # keys whose records this transaction found damaged
-    lifetimes: Lifetimes  # the backend's, as this transaction began (see core.lifetimes)
+    lifetimes: Lifetimes  # the backend's, given when it was opened (see core.lifetimes)
 
     def get(self, key: StoreKey) -> BlockMeta | None:
         """The block's record, or None: absent, or damaged (a copy: changing it changes
@@ -187,7 +187,7 @@ class Backend(Protocol):
 
     space: Space
     damage: DamageLog  # where its transactions note the damaged records they meet
-    lifetimes: Lifetimes  # what bounds a block's expiry from now (set by the cache)
+    lifetimes: Lifetimes  # what bounds a block's expiry from now (given when opened)
 
     def read(self, *, views: bool = False) -> AbstractContextManager[Txn]:
         """A read transaction; with `views`, payload reads may return views into the store

@@ -63,21 +63,14 @@ class ComposedStore(DataPath, Evictions, Controls, Repairs, Generic[B]):
 
     @property
     def lifetimes(self) -> Lifetimes:
-        """How far from now each retention class's blocks may expire (see core.lifetimes)."""
+        """How far from now each retention class's blocks may expire (see core.lifetimes):
+        the backend's, given when it was opened."""
         return self.backend.lifetimes
-
-    @lifetimes.setter
-    def lifetimes(self, lifetimes: Lifetimes) -> None:
-        self.backend.lifetimes = lifetimes  # transactions begun from now on judge by it
 
     @property
     def removal_log_entries(self) -> int:
         """Recent removals remembered for explanations (0: none)."""
         return self._removal_log.entries
-
-    @removal_log_entries.setter
-    def removal_log_entries(self, entries: int) -> None:
-        self._removal_log.entries = entries
 
     def close(self) -> None:
         """Release the backend's resources."""

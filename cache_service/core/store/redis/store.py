@@ -105,6 +105,7 @@ class RedisStore(RedisReads, RedisWrites, RedisControls):
         *,
         policy: EvictionPolicy | None = None,
         identity: IdentityCheck | None = None,
+        lifetimes: Lifetimes = UNBOUNDED,
         check_settings: bool = True,
         breaker: CircuitBreaker | None = None,
         write_retry_seconds: float | None = None,
@@ -118,7 +119,7 @@ class RedisStore(RedisReads, RedisWrites, RedisControls):
         reader, _ = connect(address, socket_timeout=READ_TIMEOUT_SECONDS, retries=0)
         self.reads = Fanout(reader, self.clustered)  # lookups: parallel, no retries
         self.policy: EvictionPolicy = policy or make_policy()
-        self.lifetimes: Lifetimes = UNBOUNDED
+        self.lifetimes = lifetimes  # unpinning gives a block the longest class's TTL
         self.space = RedisSpace()
         self.breaker = breaker or CircuitBreaker()
         self.lookup_errors = 0  # lookups answered as misses because Redis failed them
