@@ -88,7 +88,15 @@ class HandOffCheck:
 @pytest.fixture
 def checked_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A served app over a checked LMDB store, the checker, and the metrics port's URL."""
-    check = HandOffCheck(LmdbStore(tmp_path / "data", map_size_bytes=1 << 30))
+    opening = Settings().groups.store  # opened as the service would open it
+    check = HandOffCheck(
+        LmdbStore(
+            tmp_path / "data",
+            map_size_bytes=1 << 30,
+            lifetimes=opening.lifetimes,
+            removal_log_entries=opening.removal_log_entries,
+        )
+    )
 
     def guard_noted() -> StoreGuard:
         guard = StoreGuard()
