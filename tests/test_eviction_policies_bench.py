@@ -15,6 +15,8 @@ import pytest
 from cache_service.core.eviction import POLICIES
 from cache_service.tools.replay.command import ReplayConfig, run_replay
 
+pytestmark = pytest.mark.simulation  # whole-trace replays: once per CI run (pyproject markers)
+
 ROOT = Path(__file__).resolve().parent.parent
 SCALE = 0.03  # a few hundred requests per held-out trace: about 20 s in all
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -173,6 +173,7 @@ def point_at(points: Sequence[dict[str, Any]], capacity_blocks: int) -> dict[str
     return found[0]
 
 
+@pytest.mark.simulation
 @pytest.mark.parametrize("name", list(TABLE))
 def test_shared_trace_reproduces_the_issues_table_within_0_005(
     mooncake_runs: dict[str, TraceRuns], name: str
@@ -205,6 +206,7 @@ def test_shared_trace_reproduces_the_issues_table_within_0_005(
     assert belady["block_hit_ratio"] >= lru["block_hit_ratio"]
 
 
+@pytest.mark.simulation
 @pytest.mark.parametrize("name", list(TABLE))
 def test_plot_is_a_real_png_and_summary_shows_requests_per_second(
     mooncake_runs: dict[str, TraceRuns], name: str
@@ -217,6 +219,7 @@ def test_plot_is_a_real_png_and_summary_shows_requests_per_second(
     assert f"{runs.report['requests']:,} requests" in runs.summary
 
 
+@pytest.mark.simulation
 @pytest.mark.parametrize("name", list(TABLE))
 def test_summary_labels_block_and_token_ratios_and_names_the_files_it_wrote(
     mooncake_runs: dict[str, TraceRuns], name: str
@@ -241,6 +244,7 @@ def test_summary_labels_block_and_token_ratios_and_names_the_files_it_wrote(
     assert f"Wrote the figures (PNG): {runs.plot}" in summary
 
 
+@pytest.mark.simulation
 def test_the_default_curve_is_the_service_policy_s_own_and_never_below_lru(
     mooncake_runs: dict[str, TraceRuns],
 ) -> None:
