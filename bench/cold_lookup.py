@@ -1,19 +1,29 @@
 """The first lookup of each of many 32k prompts after a restart (nothing in the memo).
 
-Usage: python -m bench.cold_lookup [--prompts 200] [--rounds 3]
+Usage: python -m bench.cold_lookup [--prompts 200] [--rounds 3] [--ids high|low|both]
+       [--tokens bytes|list|numpy] [--payload-bytes 0]
 
 Stores the prompts through one service, starts a fresh one on the same data, and looks each
-prompt up once through our client; prints p50 and p90 per round, and their medians.
+prompt up once through our client; prints p50 and p90 per round, and their medians, with the
+service's minor page faults per lookup (read from /proc). `--ids both` stores two sets of the
+same shape, one with ids below 50,000 as real vocabularies have and the same ids plus
+50,000,000, and alternates them in one process: any gap between them is the ids' own.
+`--tokens` is what the caller hands the client (converted inside the timed call, as an engine's
+ids would be).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import random
 import statistics
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from bench.peers.harness import time_calls
 from bench.services import our_service
@@ -22,19 +32,61 @@ from cache_service.core.tokens import tokens_to_bytes
 
 MODEL = "bench"
 BLOCKS = 512  # 32k tokens in blocks of 64
+TOKENS = BLOCKS * 64
+HIGH_OFFSET = 50_000_000  # the bench's historical ids sit above this
+LOW_IDS = (100, 49_000)  # a real vocabulary's range (SmolLM2 has 49,152 ids)
 
 
-def one_round(prompts: Sequence[bytes]) -> list[float]:
-    """Seconds of each first lookup after a restart."""
+def prompt_ids(count: int, ids: str, seed: int = 0) -> dict[str, list[list[int]]]:
+    """Prompt token ids per set: 'low' random ids, 'high' the same plus HIGH_OFFSET."""
+    rng = random.Random(seed)
+    low = [[rng.randrange(*LOW_IDS) for _ in range(TOKENS)] for _ in range(count)]
+    sets = {"low": low, "high": [[t + HIGH_OFFSET for t in p] for p in low]}
+    return {name: sets[name] for name in (["low", "high"] if ids == "both" else [ids])}
+
+
+def as_given(tokens: list[int], kind: str) -> Any:
+    """The prompt in the form a caller would hand it over."""
+    if kind == "list":
+        return tokens
+    if kind == "numpy":  # what a tokenizer or engine hands over; numpy only for this option
+        numpy = importlib.import_module("numpy")
+        return numpy.asarray(tokens, dtype=numpy.int64)
+    return tokens_to_bytes(tokens)
+
+
+def minor_faults(pid: int) -> int:
+    """Minor page faults of a process so far (/proc/<pid>/stat, field 10)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[7])
+
+
+def one_round(
+    sets: dict[str, list[Any]], payload_bytes: int
+) -> dict[str, tuple[list[float], list[int]]]:
+    """Per set, seconds and service minor faults of each first lookup after a restart."""
+    payloads = [bytes(payload_bytes)] * BLOCKS
+    measured: dict[str, tuple[list[float], list[int]]] = {name: ([], []) for name in sets}
     with tempfile.TemporaryDirectory(prefix="bench-cold-") as folder:
         with our_service(Path(folder)) as service, CacheClient(service.url) as client:
-            for prompt in prompts:
-                client.put_prefix(MODEL, prompt, [b""] * BLOCKS)
+            for prompts in sets.values():
+                for prompt in prompts:
+                    client.put_prefix(MODEL, prompt, payloads)
         with our_service(Path(folder)) as service, CacheClient(service.url) as client:
-            order = iter(prompts)
-            return time_calls(
-                lambda: client.lookup(MODEL, next(order)), repetitions=len(prompts), warmup=0
-            )
+            pid = service.process.pid
+            count = len(next(iter(sets.values())))
+            for index in range(count):  # the sets alternate, prompt by prompt
+                for name, prompts in sets.items():
+                    faults = minor_faults(pid)
+                    seconds = time_one(partial(client.lookup, MODEL, prompts[index]))
+                    measured[name][0].append(seconds)
+                    measured[name][1].append(minor_faults(pid) - faults)
+    return measured
+
+
+def time_one(call: Callable[[], object]) -> float:
+    """Seconds of one call."""
+    return time_calls(call, repetitions=1, warmup=0)[0]
 
 
 def main() -> None:
@@ -42,20 +94,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ids", choices=["high", "low", "both"], default="high")
+    parser.add_argument("--tokens", choices=["bytes", "list", "numpy"], default="bytes")
+    parser.add_argument("--payload-bytes", type=int, default=0)
     args = parser.parse_args()
-    prompts = [
-        tokens_to_bytes(range(50_000_000 + i * 40_000, 50_000_000 + i * 40_000 + BLOCKS * 64))
-        for i in range(args.prompts)
-    ]
-    p50s, p90s = [], []
+    sets = {
+        name: [as_given(p, args.tokens) for p in prompts]
+        for name, prompts in prompt_ids(args.prompts, args.ids).items()
+    }
+    p50s: dict[str, list[float]] = {name: [] for name in sets}
+    faults: dict[str, list[float]] = {name: [] for name in sets}
     for index in range(args.rounds):
-        seconds = sorted(one_round(prompts))
-        p50s.append(statistics.median(seconds) * 1000)
-        p90s.append(seconds[int(len(seconds) * 0.9)] * 1000)
-        print(f"round {index + 1}: p50 {p50s[-1]:.2f} ms, p90 {p90s[-1]:.2f} ms", flush=True)
-    p50, p90 = statistics.median(p50s), statistics.median(p90s)
-    print(f"{args.prompts} prompts, median of {args.rounds} rounds: p50 {p50:.2f} ms, "
-          f"p90 {p90:.2f} ms")  # fmt: skip
+        for name, (seconds, fault_counts) in one_round(sets, args.payload_bytes).items():
+            p50s[name].append(statistics.median(seconds) * 1000)
+            faults[name].append(statistics.median(fault_counts))
+            p90 = sorted(seconds)[int(len(seconds) * 0.9)] * 1000
+            print(f"round {index + 1} {name} ids: p50 {p50s[name][-1]:.2f} ms, p90 {p90:.2f} ms, "
+                  f"{faults[name][-1]:.0f} minor faults", flush=True)  # fmt: skip
+    for name in sets:
+        print(f"{name} ids, {args.tokens}, {args.prompts} prompts, median of {args.rounds} "
+              f"rounds: p50 {statistics.median(p50s[name]):.2f} ms, "
+              f"{statistics.median(faults[name]):.0f} minor faults per lookup")  # fmt: skip
     sys.stdout.flush()
 
 
