@@ -20,12 +20,11 @@ import random
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench.peers.harness import time_calls
+from bench.peers.harness import process_stat, time_calls
 from bench.services import our_service
 from cache_service.client import CacheClient
 from cache_service.core.tokens import tokens_to_bytes
@@ -57,8 +56,7 @@ def as_given(tokens: list[int], kind: str) -> Any:
 
 def minor_faults(pid: int) -> int:
     """Minor page faults of a process so far (/proc/<pid>/stat, field 10)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[7])
+    return int(process_stat(pid)[7])
 
 
 def one_round(
@@ -78,15 +76,11 @@ def one_round(
             for index in range(count):  # the sets alternate, prompt by prompt
                 for name, prompts in sets.items():
                     faults = minor_faults(pid)
-                    seconds = time_one(partial(client.lookup, MODEL, prompts[index]))
+                    call = partial(client.lookup, MODEL, prompts[index])
+                    (seconds,) = time_calls(call, repetitions=1, warmup=0)
                     measured[name][0].append(seconds)
                     measured[name][1].append(minor_faults(pid) - faults)
     return measured
-
-
-def time_one(call: Callable[[], object]) -> float:
-    """Seconds of one call."""
-    return time_calls(call, repetitions=1, warmup=0)[0]
 
 
 def main() -> None:

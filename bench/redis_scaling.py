@@ -54,7 +54,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench.peers.harness import check_equal, stop_process, time_calls
+from bench.peers.harness import check_equal, process_stat, stop_process, time_calls
 from bench.peers.payloads import block_keys, prefix_blocks
 from bench.peers.redis_peer import ensure_redis, hiredis_reason, start_server
 from bench.redis_round_trips import count_redis_work, traced_turns
@@ -115,7 +115,7 @@ def case(operation: str, clients: int) -> str:
 
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU seconds a process has used so far (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = process_stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

@@ -52,6 +52,11 @@ def stop_process(process: subprocess.Popen[Any], *, timeout_seconds: float = 5.0
         process.wait(timeout=timeout_seconds)
 
 
+def process_stat(pid: int) -> list[str]:
+    """A process's /proc/PID/stat fields after its command name (field 3 onwards, from 0)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def time_calls(
     work: Callable[[], object],
     *,
