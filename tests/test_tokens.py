@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import pytest
@@ -60,4 +61,45 @@ def test_an_absent_frame_is_refused() -> None:
 def test_ids_outside_uint32_are_refused_naming_the_field(tokens: list[Any]) -> None:
     with pytest.raises(InvalidField, match=f"integers in 0..{MAX_TOKEN_ID}") as refused:
         as_token_bytes(tokens)
+    assert refused.value.field == "tokens"
+
+
+def test_arrays_of_ids_give_the_bytes_their_list_gives() -> None:
+    """What tokenizers and engines hand over is taken whole, not id by id (numpy's scalars
+    made a 32k prompt cost milliseconds), and means what the same ids as a list mean."""
+    numpy = pytest.importorskip("numpy")
+    ids = [0, 1, 49_151, MAX_TOKEN_ID]
+    expected = tokens_to_bytes(ids)
+    given: list[Any] = [
+        array("I", ids),
+        array("q", ids),
+        numpy.asarray(ids, dtype=numpy.uint32),
+        numpy.asarray(ids, dtype=numpy.int64),
+        numpy.repeat(numpy.asarray(ids, dtype=numpy.uint32), 2)[::2],  # a strided view: its own ids
+    ]
+    for tokens in given:
+        assert as_token_bytes(tokens) == expected, tokens
+
+
+def test_a_torch_tensor_of_ids_is_taken_whole() -> None:
+    torch = pytest.importorskip("torch")
+    ids = [3, 2, 1, 60_000]
+    assert as_token_bytes(torch.tensor(ids)) == tokens_to_bytes(ids)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda np: np.asarray([1, -1], dtype=np.int64),
+        lambda np: np.asarray([1, 2**32], dtype=np.int64),
+        lambda np: np.asarray([1.0, 2.0]),
+        lambda np: np.asarray([[1, 2], [3, 4]], dtype=np.uint32),
+        lambda np: np.asarray(7, dtype=np.uint32),
+    ],
+    ids=["negative", "big", "float", "two-dimensional", "scalar"],
+)
+def test_arrays_that_are_not_a_row_of_uint32_ids_are_refused(make: Any) -> None:
+    numpy = pytest.importorskip("numpy")
+    with pytest.raises(InvalidField, match=f"integers in 0..{MAX_TOKEN_ID}") as refused:
+        as_token_bytes(make(numpy))
     assert refused.value.field == "tokens"

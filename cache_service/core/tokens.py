@@ -12,14 +12,24 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
-from typing import NewType
+from typing import Any, NewType, Protocol, runtime_checkable
 
 from cache_service.core.errors import InvalidField
 
 TOKEN_BYTES = 4  # a token id is a uint32
 MAX_TOKEN_ID = 2**32 - 1
 
-TokenInput = Sequence[int] | bytes | memoryview  # ids, or already uint32 little-endian bytes
+
+@runtime_checkable
+class IdArray(Protocol):
+    """An array of ids from a tokenizer or an engine (a numpy array, a torch tensor)."""
+
+    def tolist(self) -> Any:
+        """The ids as a Python list."""
+
+
+# ids, an array of ids, or already uint32 little-endian bytes
+TokenInput = Sequence[int] | IdArray | bytes | memoryview
 
 _TOKEN_TYPECODE = "I" if array("I").itemsize == TOKEN_BYTES else "L"
 
@@ -51,8 +61,14 @@ def block_of(token_bytes: TokenBytes, index: int, block_size: int) -> bytes:
     return token_bytes[index * stride : (index + 1) * stride]
 
 
-def tokens_to_bytes(tokens: Sequence[int] | array[int]) -> TokenBytes:
+def tokens_to_bytes(tokens: Sequence[int] | IdArray | array[int]) -> TokenBytes:
     """Encode token ids as uint32 little-endian; ValueError for an id outside 0..2^32-1."""
+    if not isinstance(tokens, list):
+        native = _uint32_buffer(tokens)
+        if native is not None:
+            return TokenBytes(native)
+        if isinstance(tokens, IdArray):  # numpy, torch, array: one pass in C, not one per id
+            tokens = tokens.tolist()
     try:
         if isinstance(tokens, list):  # fromlist: a third faster than array() on a list
             packed = array(_TOKEN_TYPECODE)
@@ -66,6 +82,21 @@ def tokens_to_bytes(tokens: Sequence[int] | array[int]) -> TokenBytes:
     if sys.byteorder == "big":  # pragma: no cover - the wire format is little-endian
         packed.byteswap()
     return TokenBytes(packed.tobytes())
+
+
+def _uint32_buffer(tokens: object) -> bytes | None:
+    """The bytes of a flat buffer of native uint32 ids (a numpy uint32 array, array('I')) on
+    a little-endian machine, where every value is a valid id and no id needs a look; else None."""
+    if sys.byteorder != "little":  # pragma: no cover - the wire format is little-endian
+        return None
+    try:
+        view = memoryview(tokens)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    with view:
+        if view.ndim == 1 and view.format in ("I", "=I", "<I") and view.itemsize == TOKEN_BYTES:
+            return view.tobytes()
+    return None
 
 
 def bytes_to_tokens(data: bytes) -> list[int]:
