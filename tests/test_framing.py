@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import struct
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given
@@ -17,6 +19,7 @@ from cache_service.core.framing import (
     decode_frames,
     encode_frames,
     join_frames,
+    read_frames,
 )
 
 MIB = 1 << 20
@@ -26,8 +29,17 @@ def encode(header: dict[str, object], payloads: list[bytes | None]) -> bytes:
     return join_frames(encode_frames(header, payloads))
 
 
-def as_bytes(payloads: list[memoryview | None]) -> list[bytes | None]:
+def as_bytes(payloads: list[memoryview | None] | list[bytes | None]) -> list[bytes | None]:
     return [None if p is None else bytes(p) for p in payloads]
+
+
+def read_stream(body: bytes) -> tuple[dict[str, object], list[bytes | None]]:
+    """read_frames over a stream of `body`, as the client reads an answer."""
+    return read_frames(io.BytesIO(body).read)
+
+
+DECODERS = pytest.mark.parametrize("decode", [decode_frames, read_stream], ids=["buffer", "stream"])
+Decoder = Callable[[bytes], tuple[dict[str, object], list[memoryview | None] | list[bytes | None]]]
 
 
 def test_round_trip_with_no_payloads() -> None:
@@ -86,9 +98,15 @@ def test_header_may_hold_unicode() -> None:
     payloads=st.lists(st.none() | st.binary(max_size=64), max_size=8),
 )
 def test_round_trip_property(header: dict[str, object], payloads: list[bytes | None]) -> None:
-    decoded_header, decoded = decode_frames(encode(header, payloads))
-    assert decoded_header == header
-    assert as_bytes(decoded) == payloads
+    for decode in (decode_frames, read_stream):
+        decoded_header, decoded = decode(encode(header, payloads))
+        assert decoded_header == header
+        assert as_bytes(decoded) == payloads
+
+
+def test_stream_reading_gives_each_payload_bytes_of_its_own() -> None:
+    _, payloads = read_stream(encode({}, [b"a" * 10, None, b""]))
+    assert [type(p) for p in payloads] == [bytes, type(None), bytes]
 
 
 # -- defects ---------------------------------------------------------------------------------
@@ -96,16 +114,18 @@ def test_round_trip_property(header: dict[str, object], payloads: list[bytes | N
 GOOD = encode({"model": "m"}, [b"payload-one", None, b"", b"payload-two"])
 
 
+@DECODERS
 @pytest.mark.parametrize("length", range(len(GOOD)))
-def test_every_truncation_raises_malformed_body(length: int) -> None:
+def test_every_truncation_raises_malformed_body(decode: Decoder, length: int) -> None:
     with pytest.raises(MalformedBody):
-        decode_frames(GOOD[:length])
+        decode(GOOD[:length])
 
 
+@DECODERS
 @pytest.mark.parametrize("extra", [b"\0", b"garbage", struct.pack("<Q", 0)])
-def test_bytes_after_the_last_frame_raise_malformed_body(extra: bytes) -> None:
+def test_bytes_after_the_last_frame_raise_malformed_body(decode: Decoder, extra: bytes) -> None:
     with pytest.raises(MalformedBody, match="after the last frame"):
-        decode_frames(GOOD + extra)
+        decode(GOOD + extra)
 
 
 def _body(head: bytes, tail: bytes = struct.pack("<I", 0)) -> bytes:
@@ -143,22 +163,25 @@ def _body(head: bytes, tail: bytes = struct.pack("<I", 0)) -> bytes:
         pytest.param(_body(b"{}", b"\0\0"), id="count-truncated"),
     ],
 )
-def test_garbage_raises_malformed_body(body: bytes) -> None:
+@DECODERS
+def test_garbage_raises_malformed_body(decode: Decoder, body: bytes) -> None:
     with pytest.raises(MalformedBody):
-        decode_frames(body)
+        decode(body)
 
 
-def test_deeply_nested_header_raises_malformed_body_not_recursion_error() -> None:
+@DECODERS
+def test_deeply_nested_header_raises_malformed_body_not_recursion_error(decode: Decoder) -> None:
     head = b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     with pytest.raises(MalformedBody):
-        decode_frames(_body(head))
+        decode(_body(head))
 
 
 @given(garbage=st.binary(max_size=64))
 def test_random_bytes_either_decode_or_raise_malformed_body(garbage: bytes) -> None:
     for body in (garbage, MAGIC + garbage):
-        with contextlib.suppress(MalformedBody):
-            decode_frames(body)
+        for decode in (decode_frames, read_stream):
+            with contextlib.suppress(MalformedBody):
+                decode(body)
 
 
 def test_malformed_body_is_a_400_request_error() -> None:

@@ -1,5 +1,6 @@
-"""The client's transports against a tiny HTTP server: keep-alive, chunked answers, no body;
-and failures to connect, which must read as such (the client counts them as `connect`)."""
+"""The client's transports against a tiny HTTP server: keep-alive, chunked answers, no body,
+frame answers read frame by frame; and failures to connect, which must read as such (the
+client counts them as `connect`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from cache_service.client import CacheClient
 from cache_service.client.aio_transport import AsyncStreamTransport
 from cache_service.client.transport import StdlibTransport
+from cache_service.core.errors import ServiceError
+from cache_service.core.framing import MEDIA_TYPE, encode_frames, join_frames
 
 CHUNKED = (
     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -81,6 +85,8 @@ def _stream_get(port: int) -> None:
     asyncio.run(run())
 
 
+KEY_A, KEY_B = "aa" * 16, "bb" * 16
+
 GETS = {"stdlib": _stdlib_get, "stream": _stream_get}
 
 
@@ -114,3 +120,36 @@ def test_a_failure_to_connect_is_a_connect_error_or_timeout(
     with pytest.raises(expected) as caught:
         get(_closed_port())
     assert type(caught.value) is expected
+
+
+def _frames_answer(body: bytes) -> bytes:
+    head = f"HTTP/1.1 200 OK\r\nContent-Type: {MEDIA_TYPE}\r\nContent-Length: {len(body)}\r\n\r\n"
+    return head.encode() + body
+
+
+def test_a_frame_answer_is_read_frame_by_frame_and_a_malformed_one_is_invalid() -> None:
+    good = join_frames(encode_frames({"model": "m", "requested": 2, "found": 1}, [b"kv", None]))
+    answers = [_frames_answer(good + b"junk"), _frames_answer(good)]
+
+    async def serve_and_fetch() -> list[object]:
+        server, port = await _serve(answers)
+
+        def fetch_twice() -> list[object]:
+            outcomes: list[object] = []
+            with CacheClient(f"http://127.0.0.1:{port}", timeout=5) as client:
+                for _ in answers:  # one connection: a malformed body must not spoil it
+                    try:
+                        outcomes.append(client.get_blocks("m", [KEY_A, KEY_B]))
+                    except ServiceError as exc:
+                        outcomes.append((exc.status, exc.detail))
+            return outcomes
+
+        outcomes = await asyncio.to_thread(fetch_twice)
+        server.close()
+        await server.wait_closed()
+        return outcomes
+
+    malformed, read = asyncio.run(serve_and_fetch())
+    assert malformed == (502, "unexpected bytes after the last frame")
+    assert read == [b"kv", None]
+    assert type(read[0]) is bytes  # its own bytes, not a view into a body-sized buffer

@@ -33,8 +33,9 @@ counts blocks another writer had stored first with different bytes (the cache ke
 and whose `as_sent` says whether the cache now holds every block sent with the bytes sent.
 
 The blocking client talks plain http through `StdlibTransport` (http.client), which reads
-MiB-sized answers in one call; `copy=False` on lookup and get_blocks returns payloads as
-memoryviews into the answer, so fetching a prefix copies its bytes only off the socket.
+MiB-sized answers in one call, and a fetch's frames one by one, each payload straight into
+bytes of its own: fetching a prefix copies its bytes only off the socket. The async client
+reads the whole answer; `copy=False` there returns payloads as views into it.
 """
 
 from cache_service.client.aio import AsyncCacheClient

@@ -10,6 +10,7 @@ answer into the `ServiceError` that carries its problem+json.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,7 +25,7 @@ from cache_service.wire.reader import UnreadableAnswer, read_fields
 MAX_ERROR_TEXT_CHARS = 2000  # a non-JSON error body (an HTML page from a proxy) is cut here
 
 
-Payload = bytes | memoryview  # bytes, or with copy=False a view into the answer
+Payload = bytes | memoryview  # bytes, or with copy=False possibly a view into the answer
 
 
 Usage = answers.Usage
@@ -118,11 +119,16 @@ def _json_object(response: httpx.Response) -> dict[str, Any]:
     return body
 
 
-def _frames(response: httpx.Response) -> tuple[dict[str, Any], list[memoryview | None]]:
+def _frames(
+    response: httpx.Response,
+) -> tuple[dict[str, Any], Sequence[bytes | memoryview | None]]:
     if not _is_frames(response):
         raise InvalidAnswer(f"expected {MEDIA_TYPE}, got {response.headers.get('content-type')}")
+    read = response.extensions.get("frames")  # the stdlib transport parsed them as it read
     try:
-        return decode_frames(response.content)
+        if isinstance(read, MalformedBody):
+            raise read
+        return read if read is not None else decode_frames(response.content)
     except MalformedBody as exc:
         raise InvalidAnswer(exc.detail) from None
 
@@ -135,8 +141,8 @@ def _read_fields(kind: type[Any], body: object) -> dict[str, Any]:
         raise InvalidAnswer(str(exc)) from None
 
 
-def _payload(frame: memoryview, copy: bool) -> Payload:
-    return bytes(frame) if copy else frame
+def _payload(frame: bytes | memoryview, copy: bool) -> Payload:
+    return bytes(frame) if copy and not isinstance(frame, bytes) else frame
 
 
 def _parse_match(response: httpx.Response, *, fetch: bool, copy: bool = True) -> Match:

@@ -167,7 +167,7 @@ class CacheClient(_BaseCacheClient):
         copy: bool = True,
     ) -> list[Payload | None]:
         """The payload of each key, in order; None for a block the service no longer has.
-        With copy=False each payload is a memoryview into the answer (no copy of the bytes)."""
+        With copy=False a payload may be a memoryview into the answer (no copy of the bytes)."""
         if not keys:
             return []
         return self._send(

@@ -15,6 +15,9 @@ from collections import defaultdict
 
 import httpx
 
+from cache_service.core.errors import MalformedBody
+from cache_service.core.framing import MEDIA_TYPE, read_frames
+
 _Origin = tuple[str, int]
 _RETRYABLE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 
@@ -83,7 +86,7 @@ class StdlibTransport(httpx.BaseTransport):
                     conn.putheader(name, value)
                 conn.endheaders(body or None)
                 answer = conn.getresponse()
-                content = answer.read()
+                content, extensions = _read_answer(answer)
             except _RETRYABLE as exc:
                 conn.close()
                 if reused and attempt == 0:
@@ -101,7 +104,10 @@ class StdlibTransport(httpx.BaseTransport):
             else:
                 self._release(origin, conn)
             return httpx.Response(
-                status_code=answer.status, headers=answer.getheaders(), content=content
+                status_code=answer.status,
+                headers=answer.getheaders(),
+                content=content,
+                extensions=extensions,
             )
         raise AssertionError("unreachable")
 
@@ -125,3 +131,18 @@ class StdlibTransport(httpx.BaseTransport):
                 for conn in idle:
                     conn.close()
             self._idle.clear()
+
+
+def _read_answer(answer: http.client.HTTPResponse) -> tuple[bytes, dict[str, object]]:
+    """The body, or for a frame answer its frames under extensions["frames"] (each payload in
+    bytes of its own: no body-sized buffer, no second copy when the caller keeps payloads)."""
+    content_type = (answer.getheader("content-type") or "").split(";", 1)[0].strip().lower()
+    if answer.status != 200 or content_type != MEDIA_TYPE:
+        return answer.read(), {}
+    frames: object
+    try:
+        frames = read_frames(answer.read)
+    except MalformedBody as exc:
+        frames = exc
+        answer.read()  # the rest, so that the connection can carry the next request
+    return b"", {"frames": frames}

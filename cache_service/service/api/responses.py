@@ -30,23 +30,25 @@ def _json_value(value: Any) -> Any:
 
 
 class FramesResponse(Response):
-    """Sends a FrameWriter's head and frames as two body messages, without copying payloads
+    """Sends a FrameWriter's head, then its chunks, as body messages, without copying payloads
     into one bytes object first (for 28 MiB of KV that copy costs as much as the read)."""
 
     media_type = MEDIA_TYPE
 
     def __init__(self, header: DataclassInstance, frames: FrameWriter) -> None:
         self.head = frames.head(json_object(header))
-        self.frames = frames.frames
+        self.chunks = frames.chunks
         super().__init__(content=b"", media_type=MEDIA_TYPE)
-        self.headers["content-length"] = str(len(self.head) + len(self.frames))
+        self.headers["content-length"] = str(len(self.head) + frames.size)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Send the status, the head, then the frames."""
+        """Send the status, the head, then the frames' chunks."""
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
         await send({"type": "http.response.body", "body": self.head, "more_body": True})
-        await send({"type": "http.response.body", "body": self.frames, "more_body": False})
+        for index, chunk in enumerate(self.chunks, start=1):
+            more = index < len(self.chunks)
+            await send({"type": "http.response.body", "body": chunk, "more_body": more})
         if isinstance(self.background, BackgroundTask):
             await self.background()
