@@ -30,6 +30,7 @@ _FLAG_EXAMPLES = {
     "retention": "agent=3d,chat=7d,batch=2h",
     "model_block_size": "llama-3-8b=16",
     "max_body_size": "512MiB",
+    "keep_freed_memory": "1GiB",
 }
 
 
@@ -123,6 +124,7 @@ def serve(settings: Settings) -> int:
     # Imported here so that `--help` and configuration errors answer without loading the app.
     import uvicorn  # noqa: PLC0415
 
+    from cache_service.service.allocator import keep_freed_memory  # noqa: PLC0415
     from cache_service.service.api import create_app  # noqa: PLC0415
     from cache_service.service.api.protocol import (  # noqa: PLC0415
         ENV_NAME as HEADER_LIMIT_ENV,
@@ -152,6 +154,7 @@ def serve(settings: Settings) -> int:
         "timeout_graceful_shutdown": server.shutdown_timeout,
     }
     if server.workers == 1:
+        keep_freed_memory(server.keep_freed_memory)  # workers do it in app_from_environment
         return run_single(uvicorn.Config(create_app(settings), **options))  # type: ignore[arg-type]
     # Workers are new processes: they read the settings back from the environment, and count
     # metrics in files of one folder that /metrics adds up (Prometheus multiprocess mode).

@@ -16,6 +16,7 @@ from cache_service.core.framing import (
     ABSENT,
     MAGIC,
     MEDIA_TYPE,
+    FrameWriter,
     decode_frames,
     encode_frames,
     join_frames,
@@ -188,3 +189,24 @@ def test_malformed_body_is_a_400_request_error() -> None:
     error = MalformedBody("x")
     assert isinstance(error, RequestError)
     assert error.status == 400
+
+
+def test_frame_writer_chunks_join_to_the_encoded_body() -> None:
+    large = FrameWriter.LARGE_BYTES
+    payloads = [b"a" * 100, None, b"", b"b" * large, b"c" * 3_000_000, b"d" * (large - 1)]
+    payloads += [bytes([n]) * 70_000 for n in range(80)]  # small frames over several chunks
+    writer = FrameWriter()
+    for payload in payloads:
+        writer.add(None if payload is None else memoryview(payload))
+    header: dict[str, object] = {"model": "m"}
+    chunks = writer.body_chunks()
+    assert writer.head(header) + b"".join(chunks) == encode(header, payloads)
+    assert writer.size == sum(len(chunk) for chunk in chunks)
+    assert max(len(chunk) for chunk in chunks) < FrameWriter.CHUNK_BYTES + large
+    assert b"b" * large in chunks  # a large payload is a chunk of its own
+
+
+def test_frame_writer_without_frames_has_no_chunks() -> None:
+    writer = FrameWriter()
+    assert (writer.body_chunks(), writer.size) == ([], 0)
+    assert writer.head({}) == encode({}, [])

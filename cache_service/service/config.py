@@ -85,6 +85,7 @@ class ServerConfig:
     access_log: bool
     shutdown_timeout: float  # seconds for open requests, and as long again for the store
     max_header_bytes: int
+    keep_freed_memory: int  # bytes; 0: glibc's defaults
     metrics_host: str
     metrics_port: int | None  # /metrics on a port of its own, without a key
 

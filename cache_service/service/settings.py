@@ -244,12 +244,21 @@ class Settings(BaseSettings):
         "0 (the default) never, since an idle engine publishes nothing (a vanished host is "
         "caught by ZMQ heartbeats instead).",
     )
+    keep_freed_memory: int = Field(
+        256 * 2**20,
+        ge=0,
+        description="Freed memory the service process keeps for the next request instead of "
+        "returning it to the kernel (glibc only; 0: the allocator's defaults). Stores of tens "
+        "of MB run about 1.5x faster; resident memory stays up to this much higher.",
+    )
     log_level: str = Field("info", description="uvicorn log level.")
     access_log: bool = Field(
         False, description="Log every request (costs about 3% of lookup throughput)."
     )
 
-    @field_validator("capacity", "max_body_size", "usage_log_max_bytes", mode="before")
+    @field_validator(
+        "capacity", "max_body_size", "usage_log_max_bytes", "keep_freed_memory", mode="before"
+    )
     @classmethod
     def _parse_size(cls, value: Any) -> Any:
         return parse_size(value) if isinstance(value, str) else value

@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from cache_service import __version__
 from cache_service.core.cache import Clock
 from cache_service.core.store.protocols import BlockStore
+from cache_service.service.allocator import keep_freed_memory
 from cache_service.service.api.auth import Authenticator
 from cache_service.service.api.cancels import AnswerCancelled
 from cache_service.service.api.docs import install_docs
@@ -66,7 +67,9 @@ class RequestTimer:
 
 def app_from_environment() -> FastAPI:
     """The app of one worker process, configured from CACHE_SERVICE_* variables."""
-    return create_app(Settings())
+    settings = Settings()
+    keep_freed_memory(settings.groups.server.keep_freed_memory)
+    return create_app(settings)
 
 
 def create_app(

@@ -37,7 +37,7 @@ class FramesResponse(Response):
 
     def __init__(self, header: DataclassInstance, frames: FrameWriter) -> None:
         self.head = frames.head(json_object(header))
-        self.chunks = frames.chunks
+        self.chunks = frames.body_chunks()
         super().__init__(content=b"", media_type=MEDIA_TYPE)
         self.headers["content-length"] = str(len(self.head) + frames.size)
 
@@ -47,8 +47,8 @@ class FramesResponse(Response):
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
         await send({"type": "http.response.body", "body": self.head, "more_body": True})
-        for index, chunk in enumerate(self.chunks, start=1):
-            more = index < len(self.chunks)
-            await send({"type": "http.response.body", "body": chunk, "more_body": more})
+        for chunk in self.chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
         if isinstance(self.background, BackgroundTask):
             await self.background()
