@@ -1,19 +1,22 @@
 """The client's transports against a tiny HTTP server: keep-alive, chunked answers, no body,
-frame answers read frame by frame; and failures to connect, which must read as such (the
-client counts them as `connect`)."""
+frame answers read frame by frame, bodies sent in chunks; and failures to connect, which must
+read as such (the client counts them as `connect`)."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
 import socket
 from collections.abc import Callable
+from functools import partial
 
 import httpx
 import pytest
 
 from cache_service.client import CacheClient
 from cache_service.client.aio_transport import AsyncStreamTransport
-from cache_service.client.transport import StdlibTransport
+from cache_service.client.transport import StdlibTransport, body_length
 from cache_service.core.errors import ServiceError
 from cache_service.core.framing import MEDIA_TYPE, encode_frames, join_frames
 
@@ -153,3 +156,35 @@ def test_a_frame_answer_is_read_frame_by_frame_and_a_malformed_one_is_invalid() 
     assert malformed == (502, "unexpected bytes after the last frame")
     assert read == [b"kv", None]
     assert type(read[0]) is bytes  # its own bytes, not a view into a body-sized buffer
+
+
+def test_a_body_in_chunks_arrives_whole_and_in_order() -> None:
+    # More chunks than one sendmsg takes, and more bytes than a socket buffer holds, so that
+    # partial sends happen.
+    chunks: list[bytes | memoryview] = [os.urandom(size) for size in range(1, 3000)]
+    chunks[5] = memoryview(bytearray(b"a view" * 100_000))
+    whole = b"".join(chunks)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))  # fmt: skip
+        digest = hashlib.sha256(await reader.readexactly(length)).hexdigest().encode()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 64\r\n\r\n" + digest)
+        await writer.drain()
+        writer.close()
+
+    async def run() -> httpx.Response:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        transport = StdlibTransport(timeout_seconds=10)
+        headers = [("Host", "x"), ("Content-Length", str(body_length(chunks)))]
+        exchange = partial(transport.exchange, ("127.0.0.1", port), "POST", "/", headers, chunks)
+        response = await asyncio.to_thread(exchange)
+        transport.close()
+        server.close()
+        await server.wait_closed()
+        return response
+
+    assert body_length(chunks) == len(whole)
+    assert asyncio.run(run()).content == hashlib.sha256(whole).hexdigest().encode()

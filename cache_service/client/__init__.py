@@ -33,9 +33,10 @@ counts blocks another writer had stored first with different bytes (the cache ke
 and whose `as_sent` says whether the cache now holds every block sent with the bytes sent.
 
 The blocking client talks plain http through `StdlibTransport` (http.client), which reads
-MiB-sized answers in one call, and a fetch's frames one by one, each payload straight into
-bytes of its own: fetching a prefix copies its bytes only off the socket. The async client
-reads the whole answer; `copy=False` there returns payloads as views into it.
+MiB-sized answers in one call; `copy=False` on lookup and get_blocks returns payloads as
+memoryviews into the answer, and `copy=True` (the default) reads each payload off the socket
+into bytes of its own: either way a prefix's bytes are copied only off the socket. Stores send
+their payloads as they are, without joining them into one body first.
 """
 
 from cache_service.client.aio import AsyncCacheClient

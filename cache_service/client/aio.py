@@ -70,7 +70,7 @@ class AsyncCacheClient(_BaseCacheClient):
                     call.method,
                     call.path,
                     json=call.json,
-                    content=call.content,
+                    content=call.content_bytes(),
                     headers=call.headers,
                 )
         except httpx.HTTPError as exc:

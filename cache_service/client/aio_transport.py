@@ -15,6 +15,8 @@ from collections import defaultdict
 
 import httpx
 
+from cache_service.client.transport import Body
+
 _Origin = tuple[str, int]
 _Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 _HEAD_LIMIT = 64 * 1024
@@ -52,7 +54,7 @@ class AsyncStreamTransport(httpx.AsyncBaseTransport):
         method: str,
         target: str,
         headers: list[tuple[str, str]],
-        body: bytes,
+        body: Body,
         *,
         request: httpx.Request | None = None,
     ) -> httpx.Response:
@@ -60,7 +62,8 @@ class AsyncStreamTransport(httpx.AsyncBaseTransport):
         `headers` must include Host and the body's length."""
         failed = request or httpx.Request(method, f"http://{origin[0]}:{origin[1]}{target}")
         head = [f"{method} {target} HTTP/1.1", *(f"{k}: {v}" for k, v in headers)]
-        message = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+        chunks = [body] if isinstance(body, bytes) else body
+        message = b"".join([("\r\n".join(head) + "\r\n\r\n").encode("latin-1"), *chunks])
         for attempt in range(2):
             reused = bool(self._idle[origin])
             try:

@@ -25,7 +25,7 @@ from cache_service.wire.reader import UnreadableAnswer, read_fields
 MAX_ERROR_TEXT_CHARS = 2000  # a non-JSON error body (an HTML page from a proxy) is cut here
 
 
-Payload = bytes | memoryview  # bytes, or with copy=False possibly a view into the answer
+Payload = bytes | memoryview  # bytes, or with copy=False a view into the answer
 
 
 Usage = answers.Usage

@@ -35,6 +35,7 @@ from cache_service.client.failures import (
     FailOpenTally,
     transport_reason,
 )
+from cache_service.client.transport import Body, body_length
 from cache_service.core.blocks import KEY_BYTES, BlockKey, key_from_hex, key_hex
 from cache_service.core.errors import InvalidField, ServiceError, ServiceUnavailable
 from cache_service.core.framing import MEDIA_TYPE, encode_frames, join_frames
@@ -60,9 +61,19 @@ class _Call(Generic[_T]):
     path: str
     parse: Callable[[httpx.Response], _T]
     json: dict[str, Any] | None = None
-    content: bytes | None = None
+    # A store's frames as chunks: the payloads are sent as they are, never joined into one copy
+    # (tens of MB of fresh memory per store) unless an httpx transport needs bytes.
+    content: bytes | list[bytes | memoryview] | None = None
     headers: dict[str, str] | None = None
     miss: Callable[[], _T] | None = None
+    # Read a frame answer's payloads into bytes of their own (copy=True) rather than the whole
+    # body into one buffer that payload views point into (copy=False): each allocates only what
+    # it returns, since freeing tens of MB makes glibc hand back pages the next answer faults in.
+    frames_apart: bool = False
+
+    def content_bytes(self) -> bytes | None:
+        """The body as one bytes object, for httpx's transports."""
+        return b"".join(self.content) if isinstance(self.content, list) else self.content
 
 
 class _BaseCacheClient:
@@ -100,7 +111,7 @@ class _BaseCacheClient:
 
     def _plain_request(
         self, base_url: httpx.URL, call: _Call[Any]
-    ) -> tuple[tuple[str, int], str, str, list[tuple[str, str]], bytes]:
+    ) -> tuple[tuple[str, int], str, str, list[tuple[str, str]], Body]:
         """(origin, method, target, headers, body) of a call, for a transport's fast path."""
         body = call.content if call.json is None else orjson.dumps(call.json)
         body = body or b""
@@ -108,7 +119,7 @@ class _BaseCacheClient:
         if call.json is not None:
             headers.append(("Content-Type", "application/json"))
         headers += list((call.headers or {}).items())
-        headers.append(("Content-Length", str(len(body))))
+        headers.append(("Content-Length", str(body_length(body))))
         target = base_url.raw_path.decode("ascii").rstrip("/") + call.path
         return (base_url.host, base_url.port or 80), call.method, target, headers, body
 
@@ -141,6 +152,7 @@ class _BaseCacheClient:
             partial(_parse_match, fetch=fetch, copy=copy),
             content=join_frames(encode_frames(header, [token_bytes])),
             headers=FRAME_HEADERS,
+            frames_apart=copy,
             miss=partial(
                 _missed_match, model, tokens_in(token_bytes), block_size, retention, fetch
             ),
@@ -175,7 +187,7 @@ class _BaseCacheClient:
             "POST",
             "/v1/blocks",
             _parse_store,
-            content=join_frames(encode_frames(header, [token_bytes, *payloads])),
+            content=encode_frames(header, [token_bytes, *payloads]),
             headers=FRAME_HEADERS,
             miss=lambda: miss,
         )
@@ -197,6 +209,7 @@ class _BaseCacheClient:
             partial(_parse_blocks, count=len(texts), copy=copy),
             json=body,
             miss=lambda: [None] * len(texts),
+            frames_apart=copy,
         )
 
     @staticmethod

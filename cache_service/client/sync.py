@@ -69,7 +69,7 @@ class CacheClient(_BaseCacheClient):
                     call.method,
                     call.path,
                     json=call.json,
-                    content=call.content,
+                    content=call.content_bytes(),
                     headers=call.headers,
                 )
         except httpx.HTTPError as exc:
@@ -78,7 +78,8 @@ class CacheClient(_BaseCacheClient):
 
     def _exchange(self, call: _Call[_T]) -> httpx.Response:
         assert self._fast is not None
-        return self._fast.exchange(*self._plain_request(self._http.base_url, call))
+        plain = self._plain_request(self._http.base_url, call)
+        return self._fast.exchange(*plain, frames_apart=call.frames_apart)
 
     def lookup(
         self,
@@ -167,7 +168,7 @@ class CacheClient(_BaseCacheClient):
         copy: bool = True,
     ) -> list[Payload | None]:
         """The payload of each key, in order; None for a block the service no longer has.
-        With copy=False a payload may be a memoryview into the answer (no copy of the bytes)."""
+        With copy=False each payload is a memoryview into the answer (no copy of the bytes)."""
         if not keys:
             return []
         return self._send(

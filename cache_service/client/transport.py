@@ -19,6 +19,8 @@ from cache_service.core.errors import MalformedBody
 from cache_service.core.framing import MEDIA_TYPE, read_frames
 
 _Origin = tuple[str, int]
+Body = bytes | list[bytes | memoryview]  # a request body, or its chunks to send in turn
+_IOV_MAX = 1024  # buffers one sendmsg takes on Linux
 _RETRYABLE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 
 
@@ -69,12 +71,14 @@ class StdlibTransport(httpx.BaseTransport):
         method: str,
         target: str,
         headers: list[tuple[str, str]],
-        body: bytes,
+        body: Body,
         *,
         request: httpx.Request | None = None,
+        frames_apart: bool = False,
     ) -> httpx.Response:
         """One request as plain parts (the client's fast path skips building httpx objects);
-        `headers` must include Host."""
+        `headers` must include Host. A body in chunks goes out with scatter-gather writes; with
+        `frames_apart` a frame answer is read frame by frame (extensions["frames"])."""
         failed = request or httpx.Request(method, f"http://{origin[0]}:{origin[1]}{target}")
         for attempt in range(2):
             conn, reused = self._acquire(origin)
@@ -84,9 +88,13 @@ class StdlibTransport(httpx.BaseTransport):
                 conn.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
                 for name, value in headers:
                     conn.putheader(name, value)
-                conn.endheaders(body or None)
+                if isinstance(body, list):
+                    conn.endheaders()
+                    _send_chunks(conn, body)
+                else:
+                    conn.endheaders(body or None)
                 answer = conn.getresponse()
-                content, extensions = _read_answer(answer)
+                content, extensions = _read_answer(answer, frames_apart)
             except _RETRYABLE as exc:
                 conn.close()
                 if reused and attempt == 0:
@@ -133,11 +141,13 @@ class StdlibTransport(httpx.BaseTransport):
             self._idle.clear()
 
 
-def _read_answer(answer: http.client.HTTPResponse) -> tuple[bytes, dict[str, object]]:
-    """The body, or for a frame answer its frames under extensions["frames"] (each payload in
-    bytes of its own: no body-sized buffer, no second copy when the caller keeps payloads)."""
+def _read_answer(
+    answer: http.client.HTTPResponse, frames_apart: bool
+) -> tuple[bytes, dict[str, object]]:
+    """The body; with `frames_apart`, a frame answer's frames under extensions["frames"], each
+    payload in bytes of its own (no body-sized buffer, no second copy)."""
     content_type = (answer.getheader("content-type") or "").split(";", 1)[0].strip().lower()
-    if answer.status != 200 or content_type != MEDIA_TYPE:
+    if not frames_apart or answer.status != 200 or content_type != MEDIA_TYPE:
         return answer.read(), {}
     frames: object
     try:
@@ -146,3 +156,24 @@ def _read_answer(answer: http.client.HTTPResponse) -> tuple[bytes, dict[str, obj
         frames = exc
         answer.read()  # the rest, so that the connection can carry the next request
     return b"", {"frames": frames}
+
+
+def body_length(body: Body) -> int:
+    """The bytes a body sends."""
+    if isinstance(body, bytes):
+        return len(body)
+    return sum(chunk.nbytes if isinstance(chunk, memoryview) else len(chunk) for chunk in body)
+
+
+def _send_chunks(conn: http.client.HTTPConnection, chunks: list[bytes | memoryview]) -> None:
+    """Send chunks in order with sendmsg, up to _IOV_MAX at a time, without joining them."""
+    sock = conn.sock
+    views = [memoryview(chunk).cast("B") for chunk in chunks if len(chunk)]
+    first = 0  # views before it are sent
+    while first < len(views):
+        sent = sock.sendmsg(views[first : first + _IOV_MAX])
+        while sent and sent >= len(views[first]):
+            sent -= len(views[first])
+            first += 1
+        if sent:
+            views[first] = views[first][sent:]
