@@ -58,7 +58,7 @@ class FrameWriter:
     LARGE_BYTES = 1 << 20
 
     def __init__(self) -> None:
-        self.chunks: list[bytes | bytearray] = []
+        self._chunks: list[bytes | bytearray] = []
         self._open = bytearray()  # the chunk small frames are appended to
         self.size = 0
         self.count = 0
@@ -74,7 +74,7 @@ class FrameWriter:
         self.size += length
         if length >= self.LARGE_BYTES:
             self._close()
-            self.chunks.append(bytes(payload))
+            self._chunks.append(bytes(payload))
             return
         self._open += payload
         if len(self._open) >= self.CHUNK_BYTES:
@@ -83,11 +83,11 @@ class FrameWriter:
     def body_chunks(self) -> list[bytes | bytearray]:
         """Every frame, in chunks to send in order (call once, after the last `add`)."""
         self._close()
-        return self.chunks
+        return self._chunks
 
     def _close(self) -> None:
         if self._open:
-            self.chunks.append(self._open)
+            self._chunks.append(self._open)
             self._open = bytearray()
 
     def head(self, header: dict[str, Any]) -> bytes:
