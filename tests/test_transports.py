@@ -130,32 +130,52 @@ def _frames_answer(body: bytes) -> bytes:
     return head.encode() + body
 
 
-def test_a_frame_answer_is_read_frame_by_frame_and_a_malformed_one_is_invalid() -> None:
-    good = join_frames(encode_frames({"model": "m", "requested": 2, "found": 1}, [b"kv", None]))
-    answers = [_frames_answer(good + b"junk"), _frames_answer(good)]
+def _fetch_in_turn(answers: list[bytes]) -> list[object]:
+    """One get_blocks per answer over one connection to a server that sends `answers`: what
+    each returned, or its error's (status, detail)."""
 
     async def serve_and_fetch() -> list[object]:
         server, port = await _serve(answers)
 
-        def fetch_twice() -> list[object]:
+        def fetch_each() -> list[object]:
             outcomes: list[object] = []
             with CacheClient(f"http://127.0.0.1:{port}", timeout=5) as client:
-                for _ in answers:  # one connection: a malformed body must not spoil it
+                for _ in answers:
                     try:
                         outcomes.append(client.get_blocks("m", [KEY_A, KEY_B]))
                     except ServiceError as exc:
                         outcomes.append((exc.status, exc.detail))
             return outcomes
 
-        outcomes = await asyncio.to_thread(fetch_twice)
+        outcomes = await asyncio.to_thread(fetch_each)
         server.close()
         await server.wait_closed()
         return outcomes
 
-    malformed, read = asyncio.run(serve_and_fetch())
+    return asyncio.run(serve_and_fetch())
+
+
+GOOD_FRAMES = join_frames(encode_frames({"model": "m", "requested": 2, "found": 1}, [b"kv", None]))
+
+
+def test_a_frame_answer_is_read_frame_by_frame_and_a_malformed_one_is_invalid() -> None:
+    # One connection: a malformed body must not spoil it.
+    malformed, read = _fetch_in_turn(
+        [_frames_answer(GOOD_FRAMES + b"junk"), _frames_answer(GOOD_FRAMES)]
+    )
     assert malformed == (502, "unexpected bytes after the last frame")
     assert read == [b"kv", None]
     assert type(read[0]) is bytes  # its own bytes, not a view into a body-sized buffer
+
+
+@pytest.mark.parametrize("kept", [0, 6, 30])
+def test_a_frame_answer_cut_short_is_a_transport_error_not_a_malformed_body(kept: int) -> None:
+    # A server killed mid-answer: the head promised more than arrived. That is the connection
+    # failing (503, a miss the client backs off from), not a server that sent junk (502).
+    cut = _frames_answer(GOOD_FRAMES)[: -len(GOOD_FRAMES) + kept]
+    [outcome] = _fetch_in_turn([cut])
+    assert isinstance(outcome, tuple) and outcome[0] == 503, outcome
+    assert "IncompleteRead" in outcome[1]
 
 
 def test_a_body_in_chunks_arrives_whole_and_in_order() -> None:

@@ -18,7 +18,7 @@ import httpx
 import orjson
 
 from cache_service.core.errors import InvalidAnswer, MalformedBody, ServiceError
-from cache_service.core.framing import MEDIA_TYPE, decode_frames
+from cache_service.core.framing import MEDIA_TYPE, decode_frames, is_frames_type
 from cache_service.wire import answers, reports
 from cache_service.wire.reader import UnreadableAnswer, read_fields
 
@@ -105,8 +105,7 @@ def _problem_error(response: httpx.Response) -> ServiceError:
 
 
 def _is_frames(response: httpx.Response) -> bool:
-    content_type: str = response.headers.get("content-type", "")
-    return content_type.split(";", 1)[0].strip().lower() == MEDIA_TYPE
+    return is_frames_type(response.headers.get("content-type"))
 
 
 def _json_object(response: httpx.Response) -> dict[str, Any]:

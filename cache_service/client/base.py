@@ -152,7 +152,7 @@ class _BaseCacheClient:
             partial(_parse_match, fetch=fetch, copy=copy),
             content=join_frames(encode_frames(header, [token_bytes])),
             headers=FRAME_HEADERS,
-            frames_apart=copy,
+            frames_apart=fetch and copy,
             miss=partial(
                 _missed_match, model, tokens_in(token_bytes), block_size, retention, fetch
             ),

@@ -12,11 +12,12 @@ from __future__ import annotations
 import http.client
 import threading
 from collections import defaultdict
+from functools import partial
 
 import httpx
 
 from cache_service.core.errors import MalformedBody
-from cache_service.core.framing import MEDIA_TYPE, read_frames
+from cache_service.core.framing import is_frames_type, read_frames
 
 _Origin = tuple[str, int]
 Body = bytes | list[bytes | memoryview]  # a request body, or its chunks to send in turn
@@ -146,16 +147,30 @@ def _read_answer(
 ) -> tuple[bytes, dict[str, object]]:
     """The body; with `frames_apart`, a frame answer's frames under extensions["frames"], each
     payload in bytes of its own (no body-sized buffer, no second copy)."""
-    content_type = (answer.getheader("content-type") or "").split(";", 1)[0].strip().lower()
-    if not frames_apart or answer.status != 200 or content_type != MEDIA_TYPE:
+    if (
+        not frames_apart
+        or answer.status != 200
+        or not is_frames_type(answer.getheader("content-type"))
+    ):
         return answer.read(), {}
     frames: object
     try:
-        frames = read_frames(answer.read)
+        frames = read_frames(partial(_read_declared, answer))
     except MalformedBody as exc:
         frames = exc
         answer.read()  # the rest, so that the connection can carry the next request
     return b"", {"frames": frames}
+
+
+def _read_declared(answer: http.client.HTTPResponse, wanted: int) -> bytes:
+    """Up to `wanted` bytes of the body; IncompleteRead when the connection ends before the
+    declared length (http.client's read(n) returns short there, and a cut answer must be a
+    transport error, not a malformed body)."""
+    declared = answer.length  # None when chunked (which raises IncompleteRead itself)
+    data = answer.read(wanted)
+    if declared is not None and len(data) < min(wanted, declared):
+        raise http.client.IncompleteRead(data, min(wanted, declared) - len(data))
+    return data
 
 
 def body_length(body: Body) -> int:

@@ -101,6 +101,11 @@ def join_frames(chunks: Iterable[bytes | memoryview]) -> bytes:
     return b"".join(chunks)
 
 
+def is_frames_type(content_type: str | None) -> bool:
+    """Whether a Content-Type header names the frame media type (parameters ignored)."""
+    return (content_type or "").split(";", 1)[0].strip().lower() == MEDIA_TYPE
+
+
 def frame_header_length(body: bytes | memoryview) -> int:
     """The length of a frame body's JSON header; 0 when the body cannot hold what it declares
     (`decode_frames` then says what is malformed)."""
