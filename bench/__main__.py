@@ -11,13 +11,23 @@ from pathlib import Path
 
 from bench import redis_scaling, route_scores
 from bench.report import Row, format_table, skipped, write_json
-from bench.scenarios import churn, eviction_cost, hashing, lookup, payload, replay, store_size
+from bench.scenarios import (
+    churn,
+    eviction_cost,
+    hashing,
+    lookup,
+    payload,
+    replay,
+    rounds,
+    store_size,
+)
 from bench.scenarios.context import Context
 
 SCENARIOS = {
     "hashing": hashing.run,
     "lookup": lookup.run,
     "payload": payload.run,
+    "rounds": rounds.run,
     "store-size": store_size.run,
     "replay": replay.run,
     "churn": churn.run,
