@@ -216,6 +216,7 @@ class DataPath:
                 txn.put_namespace(namespace.scope, namespace.encoded)
             first_seq = txn.next_seq(len(blocks))
             first_expiry, first_class = expires_at, retention
+            unsaved: BlockMeta | None = None  # the last new block, not yet written
             for index, block in enumerate(blocks):
                 # Tail first: the head of a request gets the newest use sequence.
                 seq = first_seq + len(blocks) - 1 - index
@@ -268,17 +269,25 @@ class DataPath:
                     txn.add_payload_bytes(new.payload_size - (old.payload_size if old else 0))
                     if part:  # only tenants' bytes are counted: the default tenant has no quota
                         tenant_bytes += tenants.delta(new, old)
+                    if old is None and link.depth > 0:
+                        if unsaved is not None and unsaved.key == new.parent_key:
+                            unsaved.children += 1  # its parent came in this write: saved once
+                        else:
+                            records.add_child(txn, new.parent_key)
+                    if unsaved is not None:
+                        records.save(txn, unsaved, None, new=True)
+                        unsaved = None
                     if old is None:
-                        records.save(txn, new, None, new=True)
+                        unsaved = new  # saved once its child, if any, is counted on it
                     else:  # an expired block replaced: its early expiry entry stays valid
                         records.save(txn, new, records.position(old))
-                    if old is None and link.depth > 0:
-                        records.add_child(txn, new.parent_key)
                     if link.depth == 0:
                         record_first_block(txn, new)
                     stored.append(key)
                 if index == 0:
                     first_expiry, first_class = new.expires_at, new.retention
+            if unsaved is not None:
+                records.save(txn, unsaved, None, new=True)
             tenants.add(txn, part, tenant_bytes)
             written = len(stored) + refreshed
             last = None
