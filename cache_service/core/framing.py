@@ -106,7 +106,7 @@ def is_frames_type(content_type: str | None) -> bool:
     return (content_type or "").split(";", 1)[0].strip().lower() == MEDIA_TYPE
 
 
-def frame_header_length(body: bytes | memoryview) -> int:
+def frame_header_length(body: bytes | bytearray | memoryview) -> int:
     """The length of a frame body's JSON header; 0 when the body cannot hold what it declares
     (`decode_frames` then says what is malformed)."""
     if len(body) < 8:
@@ -115,7 +115,9 @@ def frame_header_length(body: bytes | memoryview) -> int:
     return declared if 8 + declared <= len(body) else 0
 
 
-def decode_frames(body: bytes | memoryview) -> tuple[dict[str, Any], list[memoryview | None]]:
+def decode_frames(
+    body: bytes | bytearray | memoryview,
+) -> tuple[dict[str, Any], list[memoryview | None]]:
     """Parse a frame body into its header and payload views; MalformedBody on any defect."""
     view = memoryview(body)
     if len(view) < 8 or bytes(view[:4]) != MAGIC:

@@ -22,10 +22,12 @@ from cache_service.core.errors import (
 )
 from cache_service.core.framing import MEDIA_TYPE, decode_frames, frame_header_length
 from cache_service.core.tokens import TokenBytes, as_token_bytes
+from cache_service.service.api.direct_body import SCOPE_KEY, DirectBody
 from cache_service.service.api.schemas import LookupHeader, LookupRequest, NamespaceFields
 from cache_service.service.config import RequestLimits
 
 Model = TypeVar("Model", bound=BaseModel)
+RawBody = bytes | bytearray  # a body as read: a large one is the buffer it was read into
 MIN_BODY_RATE = 2**20  # bytes a second a body must keep up beyond body_timeout
 MAX_REPORTED_ERRORS = 20
 JSON = "application/json"
@@ -52,7 +54,7 @@ def require_media_type(request: Request, *accepted: str) -> None:
     )
 
 
-async def read_body(request: Request, *, limit_bytes: int, timeout_seconds: float) -> bytes:
+async def read_body(request: Request, *, limit_bytes: int, timeout_seconds: float) -> RawBody:
     """The whole body, refused with 413 as soon as it passes `limit_bytes` (with or without
     a Content-Length), and with 408 if it has not all arrived within `timeout_seconds` plus
     a second per MiB received (the connection is then closed, so a client trickling bytes
@@ -60,12 +62,15 @@ async def read_body(request: Request, *, limit_bytes: int, timeout_seconds: floa
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
         raise _too_large(limit_bytes)
+    direct = request.scope.get(SCOPE_KEY)
     chunks: list[bytes] = []
     received = 0
     loop = asyncio.get_running_loop()
     started = loop.time()
     try:
         async with asyncio.timeout(timeout_seconds) as deadline:
+            if isinstance(direct, DirectBody):
+                return await _read_direct(request, direct, deadline, started + timeout_seconds)
             async for chunk in request.stream():
                 received += len(chunk)
                 if received > limit_bytes:
@@ -77,6 +82,8 @@ async def read_body(request: Request, *, limit_bytes: int, timeout_seconds: floa
     except ClientDisconnect:
         raise MalformedBody("the client disconnected before sending the whole body") from None
     except TimeoutError:
+        if isinstance(direct, DirectBody):
+            received = direct.filled
         raise RequestTimeout(
             f"the body did not arrive within {timeout_seconds:g} s plus a second per MiB "
             f"({received} bytes came; body_timeout)",
@@ -84,6 +91,25 @@ async def read_body(request: Request, *, limit_bytes: int, timeout_seconds: floa
             limit_seconds=timeout_seconds,
         ) from None
     return b"".join(chunks)
+
+
+async def _read_direct(
+    request: Request, direct: DirectBody, deadline: asyncio.Timeout, due: float
+) -> RawBody:
+    """A body of known length read into one buffer by the protocol (direct_body.py); the
+    length was checked against the limit, and it earns time as it comes like any other."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        if not direct.active:
+            received: bytes = message.get("body", b"")
+            if not message.get("more_body", False):
+                return received  # it had all come: nothing to take over
+            direct.begin(received)
+        deadline.reschedule(due + direct.filled / MIN_BODY_RATE)
+        if not message.get("more_body", False):
+            return direct.body()
 
 
 def _too_large(limit_bytes: int) -> PayloadTooLarge:
@@ -125,7 +151,7 @@ def validation_problem(
     )
 
 
-def parse_json(model: type[Model], raw: bytes) -> Model:
+def parse_json(model: type[Model], raw: RawBody) -> Model:
     """Validate a JSON body against `model`, raising the service's 4xx errors."""
     try:
         return model.model_validate_json(raw)
@@ -217,14 +243,14 @@ def namespace_of(body: NamespaceFields, tenant: str) -> Namespace:
     return Namespace(model=body.model, kv_layout=body.kv_layout, tenant=tenant, salt=body.salt)
 
 
-async def read_limited_body(request: Request, limits: RequestLimits) -> bytes:
+async def read_limited_body(request: Request, limits: RequestLimits) -> RawBody:
     """The body within the service's size and time limits."""
     return await read_body(
         request, limit_bytes=limits.max_body_size, timeout_seconds=limits.body_timeout
     )
 
 
-async def read_prompt_body(request: Request, limits: RequestLimits) -> tuple[bytes, bool]:
+async def read_prompt_body(request: Request, limits: RequestLimits) -> tuple[RawBody, bool]:
     """A lookup-shaped body (JSON, or frames) within the limits, and whether it is frames."""
     require_media_type(request, JSON, MEDIA_TYPE)
     binary = media_type(request) == MEDIA_TYPE
@@ -253,7 +279,7 @@ async def read_request_json(request: Request, limits: RequestLimits, model: type
 
 
 def parse_lookup(
-    raw: bytes,
+    raw: RawBody,
     binary: bool,
     json_model: type[LookupRequest] = LookupRequest,
     header_model: type[LookupHeader] = LookupHeader,

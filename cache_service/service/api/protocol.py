@@ -9,6 +9,7 @@ it ended (the limit plus one read's worth, since a read may also hold the start 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from http import HTTPStatus
@@ -19,6 +20,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from cache_service.core.errors import HeadersTooLarge, RequestError
+from cache_service.service.api.direct_body import DIRECT_MIN_BYTES, SCOPE_KEY, DirectBody
 
 ENV_NAME = "CACHE_SERVICE_MAX_HEADER_BYTES"  # set by `serve` for every worker process
 DEFAULT_MAX_HEADER_BYTES = 16384
@@ -35,6 +37,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = True  # until the current message's headers are complete
         self._unread_head = 0  # bytes received while in the head
         self._refused = False
+        self._direct: DirectBody | None = None  # the current request's large body
 
     def data_received(self, data: bytes) -> None:
         """Feed the parser, unless the head has gone on far too long."""
@@ -64,9 +67,43 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        """The head is over: what follows is body."""
+        """The head is over: what follows is body, offered to the application to read
+        straight into one buffer when it is large."""
         self._in_head = False
         super().on_headers_complete()
+        length = self._declared_length()
+        # Not for a pipelined request (its cycle waits in line) nor an upgrade.
+        if length >= DIRECT_MIN_BYTES and not self.pipeline and not self.parser.should_upgrade():
+            self._direct = DirectBody(length, self._read_direct)
+            self.scope[SCOPE_KEY] = self._direct  # type: ignore[literal-required]
+
+    def on_message_complete(self) -> None:
+        """The parser saw the whole body: nothing is left to read straight."""
+        self._direct = None
+        super().on_message_complete()
+
+    def _declared_length(self) -> int:
+        """The Content-Length of a request that is not chunked, else 0."""
+        length = 0
+        for name, value in self.headers:
+            if name == b"transfer-encoding":
+                return 0
+            if name == b"content-length" and value.isdigit():
+                length = int(value)
+        return length
+
+    def _read_direct(self) -> None:
+        """The application took the body over: read the rest of it straight into its buffer."""
+        assert self._direct is not None
+        self.transport.set_protocol(_BodyReader(self, self._direct))
+        self.flow.resume_reading()
+
+    def end_direct(self) -> None:
+        """The whole body is in: the parser, left inside the body, is replaced by a fresh one
+        for the next request on the connection."""
+        self._direct = None
+        self.parser = httptools.HttpRequestParser(self)
+        super().on_message_complete()
 
     def _count(self, size: int) -> None:
         self._head_bytes += size
@@ -94,6 +131,46 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             )
         self.transport.write(problem_message(error, self.server_state.default_headers))
         self.transport.close()
+
+
+class _BodyReader(asyncio.BufferedProtocol):
+    """Reads a DirectBody's remaining bytes into its buffer (the kernel's copy the only one),
+    then hands the connection back to the HTTP protocol; it never reads past the body."""
+
+    def __init__(self, http: LimitedHttpToolsProtocol, direct: DirectBody) -> None:
+        self.http = http
+        self.direct = direct
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """The unfilled rest of the body."""
+        return self.direct.space()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """Count what came; at the end, give the connection back."""
+        direct = self.direct
+        direct.grew(nbytes)
+        if direct.complete:
+            self.http.transport.set_protocol(self.http)
+            self.http.end_direct()
+        elif direct.progressed():
+            self.http.cycle.message_event.set()  # the reader extends its body timeout
+
+    def eof_received(self) -> None:
+        """The client ended its side mid-body: as the HTTP protocol would (the transport
+        closes)."""
+        self.http.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """The client went away mid-body: the application sees a disconnect."""
+        self.http.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """Passed on: the answer is written by the HTTP protocol."""
+        self.http.pause_writing()
+
+    def resume_writing(self) -> None:
+        """Passed on: the answer is written by the HTTP protocol."""
+        self.http.resume_writing()
 
 
 def parse_error_cause(exc: BaseException | None, fallback: str) -> str:

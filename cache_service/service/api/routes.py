@@ -18,6 +18,7 @@ from cache_service.service.api.auth import principal
 from cache_service.service.api.bodies import (
     INLINE_BODY_BYTES,
     JSON,
+    RawBody,
     check_count,
     check_token_room,
     namespace_of,
@@ -139,7 +140,7 @@ async def store_blocks(request: Request) -> Response:
     return await state.writes.run(lambda: _store(state, tenant, raw))
 
 
-def _store(state: ServiceState, tenant: str, raw: bytes) -> Response:
+def _store(state: ServiceState, tenant: str, raw: RawBody) -> Response:
     header, frames = decode_frames(raw)
     body = parse_object(StoreHeader, header)
     limits = state.limits
