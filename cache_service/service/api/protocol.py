@@ -5,6 +5,9 @@ uvicorn sets no such limit for httptools, and the ASGI application only sees a r
 its headers are complete, so the limit lives here. The request line and headers are counted
 as the parser reports them; a head that never ends is cut off by the bytes received before
 it ended (the limit plus one read's worth, since a read may also hold the start of a body).
+
+It also offers a large body to be read straight into one buffer (direct_body.py): the
+connection is handed to a buffered protocol for the body's bytes, then back.
 """
 
 from __future__ import annotations
