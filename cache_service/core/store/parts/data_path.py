@@ -222,7 +222,9 @@ class DataPath:
                 seq = first_seq + len(blocks) - 1 - index
                 link = block.link
                 key = store_key(part, link.key)
-                old = txn.get(key)
+                # The unsaved block is not in the store yet, but a key equal to it (a hash
+                # collision inside the chain) must meet it as any stored block.
+                old = unsaved if unsaved is not None and unsaved.key == key else txn.get(key)
                 if old is None and key in txn.damaged:
                     # Not written over (its lost children count would orphan its subtree):
                     # drop_damaged removes it with its subtree, and the next store succeeds.
