@@ -31,7 +31,7 @@ class DirectBody:
         self.filled = 0
         self._buffer: bytearray | None = None
         self._notified = 0
-        self._on_begin = on_begin  # the protocol resumes reading
+        self._on_begin = on_begin  # the protocol hands the connection to a buffered reader
 
     @property
     def active(self) -> bool:
