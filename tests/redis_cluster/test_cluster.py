@@ -114,7 +114,7 @@ class Writer:
 
     client: RedisCluster
     acked: list[tuple[str, float]] = field(default_factory=list)
-    errors: list[tuple[str, float]] = field(default_factory=list)
+    errors: list[tuple[str, float]] = field(default_factory=list)  # (name, attempt began)
     failure: BaseException | None = None
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -131,10 +131,13 @@ class Writer:
         try:
             while not self.stop.is_set():
                 key = f"key:{index}"
+                # An error is dated when its attempt began: a SET sent to the victim before the
+                # failover can spend its retries past it and fail after (seen under load).
+                began = time.monotonic()
                 try:
                     self.client.set(key, key)
                 except (ConnectionError, TimeoutError, ClusterDownError) as error:
-                    self.errors.append((type(error).__name__, time.monotonic()))
+                    self.errors.append((type(error).__name__, began))
                     time.sleep(0.02)
                     continue
                 self.acked.append((key, time.monotonic()))
