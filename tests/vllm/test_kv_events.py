@@ -68,7 +68,10 @@ def vllm_engine(smollm2_folder: Path, tmp_path_factory: pytest.TempPathFactory) 
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_SERVICE_")}
     env.pop("PYTHONHASHSEED", None)  # vLLM's default: sha256 roots at "vllm-none-hash"
     env["PYTHONPATH"] = str(REPO)
+    # float32: the events do not depend on the dtype, and bf16 prefills ~3x slower on CPUs
+    # without bf16 instructions (tests/vllm/test_connector.py's docstring).
     args = ["--connector", "none", "--block-size", str(BLOCK), "--hash-algo", "sha256"]
+    args += ["--dtype", "float32"]
     args += ["--kv-events", f"tcp://*:{port}", "--kv-events-replay", f"tcp://*:{replay}"]
     args += ["--kv-events-topic", TOPIC]
     process = EngineProcess(VLLM_PYTHON, smollm2_folder, log, *args, env=env)
