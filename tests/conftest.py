@@ -273,6 +273,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default="short",
         help="tests/reliability at CI scale (short, the default) or at full scale (long)",
     )
+    parser.addoption(
+        "--eligibility",
+        choices=("short", "long"),
+        default="short",
+        help="tests/test_default_policy.py on the held-out seed (short, the default) or on both",
+    )
 
 
 @pytest.fixture
