@@ -4,7 +4,8 @@ A lookup proves its prefix block by block. For a prompt seen recently, one read 
 the last block it matched is still the very copy that was verified (its incarnation, a number
 drawn once per write that no other write of any block gets) and alive, no block of the prefix
 can have been removed (only leaves are deleted), replaced (a stored block's content never
-changes while it has children) or expired (a parent never expires before its child).
+changes while it has children) or expired (a parent never expires before its child; while a
+write is ahead of the clock a parent may be from the future, and the store reads every block).
 The memo is keyed by the exact prompt bytes (compared in full, never trusted to a hash) and
 bounded in bytes; it is per process and only an accelerator: a stale entry costs one read.
 """

@@ -172,6 +172,20 @@ def test_a_block_from_the_future_above_a_younger_child_takes_the_longest_class(
     assert_prefix_closed(raw)
 
 
+def test_a_lookup_told_its_prefix_was_verified_reads_it_again_while_a_write_is_ahead(
+    store: BlockStore,
+) -> None:
+    """A memo of a verified match (`known`) stands for the blocks under it only while no
+    parent can be from the future: a younger child no longer proves its parent alive."""
+    links = chain([1, 2])
+    put(store, links, now=T0, ttl_seconds=TTLS["chat"], retention="chat")
+    verified = store.match(NSID, links, now=T0)
+    assert verified.matched == 2 and verified.incarnation is not None
+    put(store, links[:1], now=T0 + AHEAD, ttl_seconds=TTLS["chat"], retention="chat")
+    again = store.match(NSID, links, now=T0, known=(2, verified.incarnation))
+    assert again.matched == 0  # its first block is from the future, as without the memo
+
+
 def test_the_latest_write_survives_a_restart(tmp_path: Path) -> None:
     store = LmdbStore(tmp_path / "lmdb", map_size_bytes=LMDB_MAP_SIZE_BYTES, lifetimes=BOUNDED)
     links = chain([1, 2])

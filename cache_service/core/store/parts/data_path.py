@@ -29,6 +29,7 @@ from cache_service.core.blocks import (
 )
 from cache_service.core.errors import MissingParent
 from cache_service.core.eviction import Use
+from cache_service.core.lifetimes import UNBOUNDED
 from cache_service.core.store.parts.backend import Txn
 from cache_service.core.store.parts.codec import checksum
 from cache_service.core.store.parts.damage import DamageLog
@@ -89,7 +90,10 @@ class DataPath:
             root = namespace.root
             if not with_payloads:
                 start = 0
-                if known and known[0]:
+                # The memo rests on "a parent never expires before its child", which holds
+                # while no write is ahead of the clock; while one is, a parent may be from the
+                # future (read as absent) under a younger child: every block is read.
+                if known and known[0] and txn.judging(now) is UNBOUNDED:
                     held = txn.incarnation(store_key(part, links[known[0] - 1].key), now)
                     if held == known[1]:
                         start = known[0]  # still the very copy verified before: it stands
