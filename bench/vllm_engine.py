@@ -6,7 +6,7 @@ can be read) with our connector, vLLM's file-based `ExampleConnector`, or none, 
 one line per command on stdout, each starting with `@@engine ` (vLLM logs there too):
 
     {"op": "generate", "prompts": [[ids...], ...], "max_tokens": 8, "cache_salt": "s",
-     "kv_transfer_params": {...}, "logprobs": 5}
+     "kv_transfer_params": {...}, "logprobs": 5, "ignore_eos": false}
         -> {"outputs": [{"tokens": [...], "cached_tokens": n, "seconds": s,
                          "top": [{"id": logprob, ...}, ...]}, ...]}
            (prompts one at a time, each timed from submission to its last token; "top":
@@ -18,7 +18,8 @@ one line per command on stdout, each starting with `@@engine ` (vLLM logs there 
 
 `--kv-events tcp://*:PORT` (with `--kv-events-replay`, `--kv-events-topic`) makes it publish
 vLLM's KV events, as `vllm serve --kv-events-config` would; `--hash-algo` is vLLM's
-`--prefix-caching-hash-algo`.
+`--prefix-caching-hash-algo`; `--num-blocks` sizes its KV cache in blocks (vLLM's
+`num_gpu_blocks_override`), so a test can make its own prefix cache evict.
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=4608)
     parser.add_argument("--max-num-batched-tokens", type=int, default=0)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument(
+        "--num-blocks", type=int, default=0, help="the KV cache's blocks (vLLM's override)"
+    )
     # On CPU this is the share of the machine's memory vLLM checks is free at start (its KV
     # cache is VLLM_CPU_KVCACHE_SPACE): the default 0.92 fails beside anything else running.
     parser.add_argument("--memory-utilization", type=float, default=0.3)
@@ -181,6 +185,7 @@ def _generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(
         temperature=0.0,
         max_tokens=int(command.get("max_tokens", 8)),
+        ignore_eos=bool(command.get("ignore_eos", False)),
         logprobs=top or None,
         extra_args=extra or None,
     )
@@ -231,6 +236,8 @@ def main() -> None:
     options: dict[str, Any] = {}
     if args.max_num_batched_tokens:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.num_blocks:
+        options["num_gpu_blocks_override"] = args.num_blocks
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
