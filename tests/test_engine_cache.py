@@ -6,6 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cache_service.core.blocks import BlockKey
+from cache_service.core.tokens import tokens_to_bytes
 from cache_service.tools.replay.engine_cache import (
     EngineCache,
     EngineCacheTooSmall,
@@ -15,14 +17,13 @@ from cache_service.tools.replay.engine_cache import (
 BLOCK = 4
 
 
-def prompt(*labels: int) -> list[bytes]:
+def prompt(*labels: int) -> list[BlockKey]:
     """Chained hashes of a prompt made of blocks labelled `labels` (equal prefixes, equal
     hashes)."""
-    tokens = b"".join(label.to_bytes(4, "little") * BLOCK for label in labels)
-    return block_hashes(tokens, BLOCK)
+    return block_hashes(tokens_to_bytes([label for label in labels for _ in range(BLOCK)]), BLOCK)
 
 
-def serve(cache: EngineCache, hashes: list[bytes], *, extra: int = 1, output: int = 0) -> int:
+def serve(cache: EngineCache, hashes: list[BlockKey], *, extra: int = 1, output: int = 0) -> int:
     """Serve a prompt of the hashes' blocks plus `extra` tokens; its hit blocks."""
     return cache.serve(hashes, len(hashes) * BLOCK + extra, output).hit_blocks
 
@@ -30,7 +31,7 @@ def serve(cache: EngineCache, hashes: list[bytes], *, extra: int = 1, output: in
 def test_hashes_chain_so_a_block_depends_on_everything_before_it() -> None:
     assert prompt(1, 2)[1] != prompt(3, 2)[1]
     assert prompt(1, 2, 3)[:2] == prompt(1, 2, 4)[:2]
-    assert len(block_hashes(b"\x00" * (4 * BLOCK * 3 - 1), BLOCK)) == 2  # full blocks only
+    assert len(block_hashes(tokens_to_bytes([0] * (BLOCK * 3 - 1)), BLOCK)) == 2  # full only
 
 
 def test_a_freed_prompt_is_hit_again_but_never_its_last_token() -> None:
@@ -101,7 +102,7 @@ def test_hits_are_a_seen_prefix_and_an_unbounded_pool_hits_every_seen_prefix(
     larger than the whole trace hits exactly that (capped at prompt_tokens - 1)."""
     bounded = EngineCache(num_blocks=num_blocks, block_tokens=BLOCK)
     unbounded = EngineCache(num_blocks=10_000, block_tokens=BLOCK)
-    seen: set[bytes] = set()
+    seen: set[BlockKey] = set()
     for labels, output in requests:
         hashes = prompt(*labels)
         tokens = len(hashes) * BLOCK + 1

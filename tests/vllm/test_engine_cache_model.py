@@ -12,11 +12,11 @@ computes the KV of m - 1 of them (the last one sampled is never fed back).
 from __future__ import annotations
 
 import random
-import struct
 from pathlib import Path
 
 import pytest
 
+from cache_service.core.tokens import tokens_to_bytes
 from cache_service.tools.replay.engine_cache import EngineCache, block_hashes
 from tests.vllm.conftest import engine
 
@@ -49,8 +49,8 @@ def _model_hits(requests: list[tuple[list[int], int]]) -> tuple[list[int], int]:
     cache = EngineCache(num_blocks=NUM_BLOCKS, block_tokens=BLOCK)
     hits, evicted = [], 0
     for prompt, generated in requests:
-        tokens = struct.pack(f"<{len(prompt)}I", *prompt)
-        served = cache.serve(block_hashes(tokens, BLOCK), len(prompt), generated - 1)
+        hashes = block_hashes(tokens_to_bytes(prompt), BLOCK)
+        served = cache.serve(hashes, len(prompt), generated - 1)
         hits.append(served.hit_blocks * BLOCK)
         evicted += served.evicted
     return hits, evicted

@@ -25,19 +25,19 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-import xxhash
+from cache_service.core.blocks import BlockKey, Namespace
+from cache_service.core.hashing import BlockHasher
+from cache_service.core.tokens import TokenBytes
+
+_HASHER = BlockHasher()
+_ENGINE = Namespace(model="replay-engine")  # one engine's hashes: only their equality counts
 
 
-def block_hashes(token_bytes: bytes, block_tokens: int) -> list[bytes]:
-    """An engine's chained hashes of a prompt's full blocks (uint32 LE tokens): equal only
-    for equal prefixes, as vLLM's are; the values are the model's own, not vLLM's."""
-    stride = 4 * block_tokens
-    parent = b""
-    out = []
-    for start in range(0, len(token_bytes) - stride + 1, stride):
-        parent = xxhash.xxh3_128_digest(parent + token_bytes[start : start + stride])
-        out.append(parent)
-    return out
+def block_hashes(token_bytes: TokenBytes, block_tokens: int) -> list[BlockKey]:
+    """An engine's chained hashes of a prompt's full blocks: the cache's own chain keys in a
+    namespace of the model's, equal only for equal prefixes, as vLLM's are (the values are
+    not vLLM's)."""
+    return _HASHER.chain(_ENGINE, token_bytes, block_size=block_tokens).keys
 
 
 class EngineCacheTooSmall(ValueError):
