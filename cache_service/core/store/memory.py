@@ -78,6 +78,7 @@ class _MemoryTxn:
         self.lifetimes = backend.lifetimes
 
     count_hits = generic.count_hits
+    read_hits = generic.read_hits
     lift_expiry = generic.lift_expiry
     incarnation = generic.incarnation
 
@@ -211,6 +212,7 @@ class MemoryStore(ComposedStore[MemoryBackend]):
         lacks={
             "disk": "the blocks live in this process's memory, gone when it exits",
             "remote": "no server: nothing between the cache and its blocks can fail",
+            "local_reads": "the blocks live in this process's memory, which no other reads",
         },
     )
 

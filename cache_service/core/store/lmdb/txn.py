@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from cache_service.core.blocks import (
@@ -20,7 +20,7 @@ from cache_service.core.blocks import (
 )
 from cache_service.core.lifetimes import UNBOUNDED, Lifetimes
 from cache_service.core.store.parts import generic
-from cache_service.core.store.parts.backend import SORT_KEY_BYTES
+from cache_service.core.store.parts.backend import SORT_KEY_BYTES, PayloadSink
 from cache_service.core.store.parts.codec import (
     DAMAGED,
     DEPTH,
@@ -30,6 +30,8 @@ from cache_service.core.store.parts.codec import (
     MISSING,
     PARENT_AT,
     PARENT_END,
+    PAYLOAD_AT,
+    PAYLOAD_FIELDS,
     RECORD_VERSION,
     RETENTION_LEN_AT,
     ROOT_AT,
@@ -40,6 +42,7 @@ from cache_service.core.store.parts.codec import (
     VERSION_AT,
     CorruptRecord,
     check_record,
+    checksum,
     decode_meta,
     encode_meta,
     intact,
@@ -123,10 +126,55 @@ class LmdbTxn:
     def count_hits(
         self, namespace: NamespaceId, links: Sequence[ChainLink], start: int, now: float
     ) -> tuple[int, int]:
-        # check_record, unrolled over the chain's own arrays: a 32k-token lookup runs this
-        # body 512 times, so it builds no tuples, links or concatenations.
         if not isinstance(links, Chain):
             return generic.count_hits(self, namespace, links, start, now)
+        return self._walk(namespace, links, start, now, None)
+
+    def read_hits(
+        self,
+        namespace: NamespaceId,
+        links: Sequence[ChainLink],
+        now: float,
+        sink: PayloadSink,
+        *,
+        copied: bool,
+        damage: DamageLog,
+    ) -> tuple[int, int, int]:
+        if not isinstance(links, Chain):
+            return generic.read_hits(
+                self, namespace, links, now, sink, copied=copied, damage=damage
+            )
+        get, payloads, corrupt = self._txn.get, self._dbs["payloads"], 0
+
+        def take(depth: int, stored: bytes, raw: bytes) -> bool:
+            # The payload's size and checksum, straight from the verified record.
+            nonlocal corrupt
+            payload = get(stored, db=payloads)
+            if payload is not None and copied:
+                payload = bytes(payload)
+            size, sum_ = PAYLOAD_FIELDS.unpack_from(raw, PAYLOAD_AT)
+            if payload is None or len(payload) != size or checksum(payload) != sum_:
+                damage.note_payload(StoreKey(stored))
+                corrupt = 1
+                return False
+            sink(depth, payload)
+            return True
+
+        matched, collisions = self._walk(namespace, links, 0, now, take)
+        return matched, collisions, corrupt
+
+    def _walk(
+        self,
+        namespace: NamespaceId,
+        links: Chain,
+        start: int,
+        now: float,
+        take: Callable[[int, bytes, bytes], bool] | None,
+    ) -> tuple[int, int]:
+        """How many blocks from `start` are stored, alive and verified (and, with `take`,
+        taken: it reads the payload and may end the run), and 1 if a collision ended it."""
+        # check_record, unrolled over the chain's own arrays: a 32k-token lookup runs this
+        # body 512 times, so it builds no tuples, links or concatenations.
         get, blocks, digest = self._txn.get, self._blocks, seal
         keys, tokens, stride = links.keys, links.token_bytes, links.stride
         partition, root = namespace.partition, namespace.root
@@ -160,6 +208,8 @@ class LmdbTxn:
                 or raw[TOKENS_AT + raw[RETENTION_LEN_AT] :] != tokens[offset : offset + stride]
             ):
                 return depth - start, 1
+            if take is not None and not take(depth, stored, raw):
+                return depth - start, 0
             parent = key
         return len(keys) - start, 0
 

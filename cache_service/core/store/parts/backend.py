@@ -20,7 +20,7 @@ it in the backend's `DamageLog`, from which `drop_damaged` removes it later.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -28,6 +28,9 @@ from cache_service.core.blocks import BlockMeta, ChainLink, NamespaceId, StoreKe
 from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.store.parts.damage import DamageLog, Salvage
 from cache_service.core.store.protocols import Space
+
+# Where a read hands each payload: (index in the chain, the payload or None).
+PayloadSink = Callable[[int, "bytes | memoryview | None"], None]
 
 VICTIMS = "victims"  # leaf blocks, by eviction priority
 EXPIRY = "expiry"  # every block, by expires_at
@@ -168,6 +171,22 @@ class Txn(Protocol):
     ) -> tuple[int, int]:
         """How many blocks of a chain from `start` `check` as HIT, and 1 if a COLLISION
         ended the run (else 0): the lookup's hot loop, in one call."""
+        ...
+
+    def read_hits(
+        self,
+        namespace: NamespaceId,
+        links: Sequence[ChainLink],
+        now: float,
+        sink: PayloadSink,
+        *,
+        copied: bool,
+        damage: DamageLog,
+    ) -> tuple[int, int, int]:
+        """`count_hits` from block 0 that also hands each hit's payload to `sink` once its
+        length and checksum pass (a view valid during the call, or with `copied` bytes copied
+        before the check); a payload that fails is noted in `damage` and ends the run.
+        (matched, collisions, corrupt payloads)."""
         ...
 
     def lift_expiry(self, key: StoreKey, expires_at: float, retention: str) -> StoreKey | None:

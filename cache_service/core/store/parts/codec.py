@@ -141,6 +141,8 @@ def record_size(token_bytes: int, retention_len: int = 8) -> int:
 # Fixed offsets into the record, for reads that check a record without decoding it.
 DEPTH = struct.Struct("<I")
 EXPIRES = struct.Struct("<d")
+PAYLOAD_FIELDS = struct.Struct("<QQ")  # payload_size, payload checksum
+PAYLOAD_AT = 57
 VERSION_AT, DEPTH_AT, EXPIRES_AT = 8, 9, 33
 ROOT_AT, PARENT_AT, PARENT_END, RETENTION_LEN_AT = 73, 89, 105, 121
 STORED_SEQ_AT, STORED_SEQ_END = 113, 121  # a stored copy's incarnation: unique per write

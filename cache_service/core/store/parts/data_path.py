@@ -24,20 +24,18 @@ from cache_service.core.blocks import (
     StoreKey,
     StoreUsage,
     Touch,
-    link_parts,
     store_key,
 )
 from cache_service.core.errors import MissingParent
 from cache_service.core.eviction import Use
 from cache_service.core.lifetimes import UNBOUNDED
-from cache_service.core.store.parts.backend import Txn
+from cache_service.core.store.parts.backend import PayloadSink, Txn
 from cache_service.core.store.parts.codec import checksum
 from cache_service.core.store.parts.damage import DamageLog
+from cache_service.core.store.parts.generic import verified_payload
 from cache_service.core.store.parts.records import Records
 from cache_service.core.store.parts.removals import record_first_block
 from cache_service.core.store.parts.txns import Transactions
-
-PayloadSink = Callable[[int, "bytes | memoryview | None"], None]
 
 
 def collect_payloads(
@@ -69,11 +67,13 @@ class DataPath:
         with_payloads: bool = False,
         sink: PayloadSink | None = None,
         known: tuple[int, bytes] | None = None,
+        copied: bool = False,
     ) -> MatchResult:
         """Count the leading links that are stored, alive and verified; with payloads, each
-        verified payload goes to `sink` (a view valid during the call) or into the result.
-        `known` = (n, incarnation): the first n links were verified before and block n-1 had
-        that incarnation; if it still has, they are not read again."""
+        verified payload goes to `sink` (a view valid during the call, or with `copied` bytes
+        of its own, copied before they are checked: one pass over the stored bytes) or into
+        the result. `known` = (n, incarnation): the first n links were verified before and
+        block n-1 had that incarnation; if it still has, they are not read again."""
         matched = collisions = corrupt = 0
         collected: list[bytes] = []
 
@@ -87,7 +87,6 @@ class DataPath:
             encoded = txn.get_namespace(namespace.scope) if links else None
             if encoded is not None and encoded != namespace.encoded:  # another namespace's root
                 return MatchResult(matched=0, collisions=1, payloads=() if with_payloads else None)
-            root = namespace.root
             if not with_payloads:
                 start = 0
                 # The memo rests on "a parent never expires before its child", which holds
@@ -105,27 +104,9 @@ class DataPath:
                     else None
                 )
                 return MatchResult(matched=matched, collisions=collisions, incarnation=last)
-            lifetimes = txn.judging(now)
-            for key, parent, tokens, depth in link_parts(links):
-                # One decode a block (it verifies the record's checksum): the payload's size
-                # and checksum are in the record anyway, so `check` would read it twice.
-                meta = txn.get(store_key(part, key))
-                if meta is None or not meta.is_alive(now, lifetimes):
-                    break  # absent, damaged (noted by get), expired or from the future
-                if (
-                    meta.namespace_root != root
-                    or meta.parent != parent
-                    or meta.depth != depth
-                    or meta.tokens != tokens
-                ):
-                    collisions += 1
-                    break
-                payload = self._verified_payload(txn, meta)
-                if payload is None:
-                    corrupt += 1
-                    break
-                keep(matched, payload)
-                matched += 1
+            matched, collisions, corrupt = txn.read_hits(
+                namespace, links, now, keep, copied=copied, damage=self.damage
+            )
         return MatchResult(
             matched=matched,
             collisions=collisions,
@@ -160,22 +141,10 @@ class DataPath:
                 ):
                     sink(index, None)
                     continue
-                payload = self._verified_payload(txn, meta)
+                payload = verified_payload(txn, meta, self.damage)
                 corrupt += payload is None
                 sink(index, payload)
         return corrupt
-
-    def _verified_payload(self, txn: Txn, meta: BlockMeta) -> bytes | memoryview | None:
-        """The block's payload if it passes its length and checksum; a damaged one is noted."""
-        payload = txn.get_payload(meta.key)
-        if (
-            payload is None
-            or len(payload) != meta.payload_size
-            or checksum(payload) != meta.checksum
-        ):
-            self.damage.note_payload(meta.key)
-            return None
-        return payload
 
     def usage(self) -> StoreUsage:
         """Blocks, payload bytes and the space the backend really uses."""

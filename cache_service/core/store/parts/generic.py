@@ -7,9 +7,17 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from cache_service.core.blocks import ChainLink, NamespaceId, StoreKey, link_parts, store_key
-from cache_service.core.store.parts.backend import Txn
-from cache_service.core.store.parts.codec import COLLISION, HIT
+from cache_service.core.blocks import (
+    BlockMeta,
+    ChainLink,
+    NamespaceId,
+    StoreKey,
+    link_parts,
+    store_key,
+)
+from cache_service.core.store.parts.backend import PayloadSink, Txn
+from cache_service.core.store.parts.codec import COLLISION, HIT, checksum
+from cache_service.core.store.parts.damage import DamageLog
 
 _SEQ = struct.Struct("<Q")  # the incarnation: a stored copy's sequence, as LMDB keeps it
 
@@ -26,6 +34,53 @@ def count_hits(
             return matched, int(status == COLLISION)
         matched += 1
     return matched, 0
+
+
+def read_hits(
+    txn: Txn,
+    namespace: NamespaceId,
+    links: Sequence[ChainLink],
+    now: float,
+    sink: PayloadSink,
+    *,
+    copied: bool,
+    damage: DamageLog,
+) -> tuple[int, int, int]:
+    """read_hits through `get` and `get_payload`, one decoded record at a time."""
+    matched = 0
+    part, root = namespace.partition, namespace.root
+    lifetimes = txn.judging(now)
+    for key, parent, tokens, depth in link_parts(links):
+        meta = txn.get(store_key(part, key))
+        if meta is None or not meta.is_alive(now, lifetimes):
+            return matched, 0, 0  # absent, damaged (noted by get), expired or from the future
+        if (
+            meta.namespace_root != root
+            or meta.parent != parent
+            or meta.depth != depth
+            or meta.tokens != tokens
+        ):
+            return matched, 1, 0
+        payload = verified_payload(txn, meta, damage, copied=copied)
+        if payload is None:
+            return matched, 0, 1
+        sink(matched, payload)
+        matched += 1
+    return matched, 0, 0
+
+
+def verified_payload(
+    txn: Txn, meta: BlockMeta, damage: DamageLog, *, copied: bool = False
+) -> bytes | memoryview | None:
+    """The block's payload if it passes its length and checksum; a damaged one is noted.
+    With `copied`, bytes copied out first and checked while the copy is still in cache."""
+    payload = txn.get_payload(meta.key)
+    if copied and payload is not None:
+        payload = bytes(payload)
+    if payload is None or len(payload) != meta.payload_size or checksum(payload) != meta.checksum:
+        damage.note_payload(meta.key)
+        return None
+    return payload
 
 
 def lift_expiry(txn: Txn, key: StoreKey, expires_at: float, retention: str) -> StoreKey | None:
