@@ -50,3 +50,20 @@ def test_the_rules_of_two_fields_are_in_the_schema(tmp_path: Path) -> None:
     for name in ("LookupRequest", "StoreHeader", "PinRequest", "PurgeRequest"):
         assert "block-size-mismatch" in models[name]["properties"]["block_size"]["description"]
     assert "unknown-retention" in models["LookupRequest"]["properties"]["retention"]["description"]
+
+
+def test_every_reference_names_a_published_schema(tmp_path: Path) -> None:
+    schema = schema_of(Settings(data_dir=tmp_path))
+    published = set(schema["components"]["schemas"])
+
+    def refs(node: Any) -> list[str]:
+        if isinstance(node, dict):
+            own = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+            return own + [ref for value in node.values() for ref in refs(value)]
+        if isinstance(node, list):
+            return [ref for value in node for ref in refs(value)]
+        return []
+
+    prefix = "#/components/schemas/"
+    names = {ref.removeprefix(prefix) for ref in refs(schema) if ref.startswith(prefix)}
+    assert names and names <= published, sorted(names - published)

@@ -175,6 +175,11 @@ def _parse_store(response: httpx.Response) -> StoreResult:
     return StoreResult(**_read_fields(answers.StoreResponse, _json_object(response)))
 
 
+def _parse_local_reads(response: httpx.Response) -> answers.LocalReadsResponse:
+    body = _json_object(response)
+    return answers.LocalReadsResponse(**_read_fields(answers.LocalReadsResponse, body))
+
+
 def _parse_info(response: httpx.Response) -> ServiceInfo:
     return ServiceInfo(**_read_fields(reports.InfoResponse, _json_object(response)))
 

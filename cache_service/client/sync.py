@@ -2,23 +2,40 @@
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 import httpx
 
-from cache_service.client.answers import Match, Payload, ServiceInfo, StoredBlocks, StoreResult
+from cache_service.client.answers import (
+    Match,
+    Payload,
+    ServiceInfo,
+    StoredBlocks,
+    StoreResult,
+    _parse_local_reads,
+)
 from cache_service.client.base import _T, Clock, _BaseCacheClient, _Call
+from cache_service.client.local_reads import (
+    LOCAL_READS_PATH,
+    LocalRead,
+    LocalReadsSetup,
+    cut_match,
+)
 from cache_service.client.route_answer import RouteAnswer, build_route_call
 from cache_service.client.transport import StdlibTransport
 from cache_service.core.blocks import BlockKey
 from cache_service.core.errors import ServiceError
-from cache_service.core.tokens import TokenInput
+from cache_service.core.tokens import TokenInput, as_token_bytes
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
+
+
+LOCAL_READS_CALL = _Call("GET", LOCAL_READS_PATH, _parse_local_reads)
 
 
 class CacheClient(_BaseCacheClient):
@@ -36,6 +53,8 @@ class CacheClient(_BaseCacheClient):
         backoff_max_seconds: float = 30.0,
         clock: Clock = time.monotonic,
         metrics_registry: CollectorRegistry | None = None,
+        local_reads: bool = False,
+        local_reads_path: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__(
             base_url,
@@ -49,6 +68,8 @@ class CacheClient(_BaseCacheClient):
         if transport is None and self._base_url.scheme == "http":
             transport = self._fast = StdlibTransport(timeout_seconds=timeout)  # see its doc
         self._base_headers = list(self._default_headers(api_key).items())
+        # Same-host reads (see client.local_reads): asked for at the first lookup with fetch.
+        self._local = LocalReadsSetup(local_reads, local_reads_path)
         self._http = httpx.Client(
             base_url=self._base_url,
             headers=self._default_headers(api_key),
@@ -56,14 +77,16 @@ class CacheClient(_BaseCacheClient):
             transport=transport,
         )
 
-    def _send(self, call: _Call[_T]) -> _T:
+    def _send(self, call: _Call[_T], while_waiting: Callable[[], object] | None = None) -> _T:
+        """Send `call`; on our own transport `while_waiting` runs while the service answers
+        (elsewhere not at all: the caller checks)."""
         skipped = self._short_circuit(call)
         if skipped is not None:
             return skipped()
         epoch = self._epoch
         try:
             if self._fast is not None:  # our own transport: no httpx request pipeline needed
-                response = self._exchange(call)
+                response = self._exchange(call, while_waiting)
             else:
                 response = self._http.request(
                     call.method,
@@ -76,10 +99,14 @@ class CacheClient(_BaseCacheClient):
             return self._on_transport_error(call, epoch, exc)
         return self._on_response(call, epoch, response)
 
-    def _exchange(self, call: _Call[_T]) -> httpx.Response:
+    def _exchange(
+        self, call: _Call[_T], while_waiting: Callable[[], object] | None = None
+    ) -> httpx.Response:
         assert self._fast is not None
         plain = self._plain_request(self._http.base_url, call)
-        return self._fast.exchange(*plain, frames_apart=call.frames_apart)
+        return self._fast.exchange(
+            *plain, frames_apart=call.frames_apart, while_waiting=while_waiting
+        )
 
     def lookup(
         self,
@@ -93,7 +120,14 @@ class CacheClient(_BaseCacheClient):
         fetch: bool = False,
         copy: bool = True,
     ) -> Match:
-        """The longest cached prefix of `tokens`; with fetch, its payloads too."""
+        """The longest cached prefix of `tokens`; with fetch, its payloads too (read from the
+        store's files when `local_reads` is on and the service offers them, see
+        `local_reads_status`)."""
+        if fetch and self._local.wanted:
+            return self._lookup_local(
+                model, tokens, kv_layout=kv_layout, salt=salt, retention=retention,
+                block_size=block_size, copy=copy,
+            )  # fmt: skip
         return self._send(
             self._build_lookup(
                 model,
@@ -106,6 +140,62 @@ class CacheClient(_BaseCacheClient):
                 copy=copy,
             )
         )
+
+    def _lookup_local(
+        self,
+        model: str,
+        tokens: TokenInput,
+        *,
+        kv_layout: str,
+        salt: str | None,
+        retention: str | None,
+        block_size: int | None,
+        copy: bool,
+    ) -> Match:
+        """The lookup over HTTP while the payloads are read from the store's files (see
+        client.local_reads); what the files lack of the service's match comes over HTTP."""
+        token_bytes = as_token_bytes(tokens)
+        reader = self._local.reader(lambda: self._send(LOCAL_READS_CALL))
+        if reader is None:
+            return self._send(
+                self._build_lookup(
+                    model, token_bytes, kv_layout=kv_layout, salt=salt, retention=retention,
+                    block_size=block_size, fetch=True, copy=copy,
+                )
+            )  # fmt: skip
+        size = reader.block_size(model, block_size)
+        reads: list[LocalRead] = []
+
+        def read_files() -> None:  # while the service looks the prompt up
+            reads.append(
+                reader.read(model, token_bytes, block_size=size, kv_layout=kv_layout, salt=salt)
+            )
+
+        lookup = self._build_lookup(
+            model, token_bytes, kv_layout=kv_layout, salt=salt, retention=retention,
+            block_size=block_size, fetch=False,
+        )  # fmt: skip
+        match = self._send(lookup, while_waiting=read_files)
+        if not match.matched_blocks:
+            return cut_match(match, 0, [])
+        if not reads:  # another transport, or the service was not asked
+            read_files()
+        read = reads[0]
+        payloads = read.agreed(match)
+        missing = list(match.keys[len(payloads) :])
+        if missing:  # evicted, damaged or not in these files: what the service still has
+            fetched = self.get_blocks(model, missing, kv_layout=kv_layout, salt=salt, copy=copy)
+            for payload in fetched:
+                if payload is None:
+                    break
+                payloads.append(payload)
+        return cut_match(match, len(payloads), payloads)
+
+    @property
+    def local_reads_status(self) -> str:
+        """Same-host reads: "off" (not asked for), "not asked yet", "on: <folder>", or
+        "unavailable: <why>"."""
+        return self._local.status
 
     def store(
         self,
@@ -222,7 +312,8 @@ class CacheClient(_BaseCacheClient):
         return True
 
     def close(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pool (and the store's files, if read here)."""
+        self._local.close()
         self._http.close()
 
     def __enter__(self) -> Self:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from functools import partial
 
 import httpx
@@ -76,10 +77,12 @@ class StdlibTransport(httpx.BaseTransport):
         *,
         request: httpx.Request | None = None,
         frames_apart: bool = False,
+        while_waiting: Callable[[], object] | None = None,
     ) -> httpx.Response:
         """One request as plain parts (the client's fast path skips building httpx objects);
         `headers` must include Host. A body in chunks goes out with scatter-gather writes; with
-        `frames_apart` a frame answer is read frame by frame (extensions["frames"])."""
+        `frames_apart` a frame answer is read frame by frame (extensions["frames"]);
+        `while_waiting` runs once, after the request is sent and before the answer is read."""
         failed = request or httpx.Request(method, f"http://{origin[0]}:{origin[1]}{target}")
         for attempt in range(2):
             conn, reused = self._acquire(origin)
@@ -94,6 +97,9 @@ class StdlibTransport(httpx.BaseTransport):
                     _send_chunks(conn, body)
                 else:
                     conn.endheaders(body or None)
+                if while_waiting is not None:  # the service works meanwhile, on its own core
+                    work, while_waiting = while_waiting, None
+                    work()
                 answer = conn.getresponse()
                 content, extensions = _read_answer(answer, frames_apart)
             except _RETRYABLE as exc:

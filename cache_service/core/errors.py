@@ -19,7 +19,8 @@ The hierarchy::
     │   ├── PayloadTooLarge          413  body or block count over a configured limit
     │   ├── UnsupportedMediaType     415  wrong Content-Type
     │   ├── MissingParent            409  a stored block's parent is neither stored nor sent
-    │   └── NotStored                409  a prefix to pin is not (all) stored
+    │   ├── NotStored                409  a prefix to pin is not (all) stored
+    │   └── NotEnabled               404  a route the service was not started with (names the flag)
     ├── StorageError                 5xx: the store could not do what was asked
     │   ├── InsufficientStorage      507  full, and nothing can be evicted
     │   ├── StoreFull                (internal) the backend ran out of room mid-write; retried
@@ -212,6 +213,14 @@ class NotStored(RequestError):
     status = 409
     problem = "not-stored"
     title = "Prefix not stored"
+
+
+class NotEnabled(RequestError):
+    """A route of a feature the operator did not turn on; the detail names the flag."""
+
+    status = 404
+    problem = "not-enabled"
+    title = "Not enabled on this service"
 
 
 class NotSupportedByStore(PromptCacheError):

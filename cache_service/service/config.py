@@ -39,6 +39,7 @@ class StoreConfig:
     capacity_bytes: int  # --capacity: what the store is sized for and records
     map_size_bytes: int  # LMDB's map: the capacity, eviction's slack and unreused pages
     sync_mode: str  # --lmdb-sync
+    local_reads: bool  # --local-reads: same-host clients read the LMDB files themselves
     eviction_policy: str
     removal_log_entries: int
     lifetimes: Lifetimes  # the retention classes' TTLs, which bound a block's expiry

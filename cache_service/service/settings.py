@@ -109,6 +109,12 @@ class Settings(BaseSettings):
     default_retention: str = Field("chat", description="Class for requests that name none.")
     seed: str = Field(DEFAULT_SEED, description="Hash seed; every worker of a fleet must share it.")
     lmdb_sync: str = Field("full", description="LMDB durability: full, nometasync or nosync.")
+    local_reads: bool = Field(
+        False,
+        description="Tell clients on this host where the LMDB files are (GET /v1/local-reads), "
+        "so they read payloads straight from them, verified: for clients trusted with every "
+        "tenant's data, as read access to the files is. LMDB stores only.",
+    )
     max_body_size: int = Field(512 * 2**20, gt=0, description="Largest request body in bytes.")
     max_blocks_per_request: int = Field(
         8192, gt=0, description="Most payloads in one store, or keys in one fetch."
@@ -363,6 +369,7 @@ class Settings(BaseSettings):
                 capacity_bytes=self.capacity,
                 map_size_bytes=2 * self.capacity + 256 * 2**20,
                 sync_mode=self.lmdb_sync,
+                local_reads=self.local_reads,
                 eviction_policy=self.eviction_policy,
                 removal_log_entries=self.removal_log_entries,
                 lifetimes=retention.lifetimes(),

@@ -1,4 +1,5 @@
-"""The service's JSON answers: lookup, store, a fetch's frame header, and a routing question.
+"""The service's JSON answers: lookup, store, a fetch's frame header, a routing question, and
+where a client on the service's host reads payloads itself.
 
 Each is a frozen dataclass whose fields are the JSON object's, in the order the service
 writes them (orjson writes a dataclass's fields in order, so the bytes on the wire follow this
@@ -184,3 +185,27 @@ class RouteResponse:
         }
     )
     unscored: list[RouteUnscored]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LocalReadsResponse:
+    """What a client on the service's own host needs to read payloads straight from the
+    store's LMDB files, verified as the service verifies them (answered only with
+    --local-reads)."""
+
+    path: str = field(metadata={"description": "The LMDB folder, as the service opened it."})
+    boot_id: str = field(
+        metadata={"description": "The kernel's boot id: a client whose own differs is on "
+                  "another host (or a restarted one) and must not use the path."}
+    )  # fmt: skip
+    seed: str = field(metadata={"description": "The hash seed the store's keys are made with."})
+    tenant: str = field(metadata={"description": "The caller's tenant, as its key names it."})
+    retention: dict[str, float] = field(
+        metadata={"description": "Each class's TTL in seconds: a block is judged alive as the "
+                  "service judges it."}
+    )  # fmt: skip
+    slack_seconds: float
+    default_block_size: int
+    block_sizes: dict[str, int] = field(
+        metadata={"description": "Models whose block size is not the default."}
+    )

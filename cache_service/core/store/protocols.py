@@ -55,6 +55,8 @@ BEHAVIOURS: Mapping[str, str] = {
     "pins": "prefixes can be pinned: never evicted nor expired until unpinned (POST /v1/pin)",
     "disk": "the store lives in a folder on a file system whose room is watched (`disk`)",
     "remote": "the store is a server whose failures are counted as misses (`remote`)",
+    "local_reads": "another process on the same host may read the store's files while it "
+    "runs (`LmdbReader`: lookups with payloads, verified, never a write)",
 }
 
 

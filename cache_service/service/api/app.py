@@ -20,6 +20,7 @@ from cache_service.service.api.cancels import AnswerCancelled
 from cache_service.service.api.docs import install_docs
 from cache_service.service.api.lifecycle import ServiceLifecycle
 from cache_service.service.api.limits import QuotaGate
+from cache_service.service.api.local_reads import router as local_reads_router
 from cache_service.service.api.openapi import install_openapi
 from cache_service.service.api.operator_routes import router as operator_router
 from cache_service.service.api.problems import install_problem_handlers
@@ -111,6 +112,7 @@ def create_app(
     app.include_router(router)
     app.include_router(operator_router)
     app.include_router(route_router)
+    app.include_router(local_reads_router)
     app.include_router(status_router)
     install_problem_handlers(app)
     install_openapi(app, bearer_auth=keys is not None)

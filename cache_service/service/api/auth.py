@@ -33,6 +33,7 @@ ROUTE_ROLES: Mapping[str, Role] = {
     "/v1/route": Role.READER,
     "/v1/blocks/fetch": Role.READER,
     "/v1/info": Role.READER,
+    "/v1/local-reads": Role.READER,
     "/v1/blocks": Role.WRITER,
     "/v1/pin": Role.WRITER,
     "/v1/unpin": Role.WRITER,

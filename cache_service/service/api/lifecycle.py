@@ -25,7 +25,7 @@ from cache_service.service.api.background import (
 )
 from cache_service.service.api.guard import StoreGuard
 from cache_service.service.api.startup import open_store, serving_line, store_capacity
-from cache_service.service.api.state import ServiceState, WriteGate
+from cache_service.service.api.state import LocalReadsOffer, ServiceState, WriteGate
 from cache_service.service.backend_metrics import SYNC_SECONDS, BackendCounters
 from cache_service.service.config import ServiceConfig, StoreConfig
 from cache_service.service.kv_events.hub import KvEventsHub
@@ -179,6 +179,11 @@ class ServiceLifecycle:
         quotas = QuotaBook(list(self.keys), folder) if self.keys is not None else None
         writes = WriteGate(config.limits.max_pending_writes, guard)
         state = ServiceState(cache, metrics, config.limits, opened.kind, writes, usage_log, quotas)
+        on_disk = opened.store.disk
+        if config.store.local_reads and on_disk is not None:  # refused at start elsewhere
+            state.local_reads = LocalReadsOffer(
+                str(on_disk.folder.resolve()), config.seed, config.store.lifetimes
+            )
         running = _Running(opened, state, guard, collector, sweeper_lock, metrics_port)
         remote = opened.store.remote
         if remote is not None:  # a remote store: its failures are misses, not 5xx

@@ -20,7 +20,12 @@ from cache_service.service.api.schemas import (
     UnpinResponse,
 )
 from cache_service.wire import answers, reports
-from cache_service.wire.answers import FetchHeader, LookupResponse, StoreResponse
+from cache_service.wire.answers import (
+    FetchHeader,
+    LocalReadsResponse,
+    LookupResponse,
+    StoreResponse,
+)
 from cache_service.wire.reports import InfoResponse, StatsResponse
 
 REF = "#/components/schemas/{model}"
@@ -31,6 +36,7 @@ RESPONSE_MODELS: tuple[type, ...] = (
     FetchHeader,
     InfoResponse,
     StatsResponse,
+    LocalReadsResponse,
     ExplainResponse,
     PinResponse,
     PurgeResponse,
@@ -47,6 +53,7 @@ _STATUS_MEANINGS = {
     408: "The body did not arrive within body_timeout",
     401: "No API key, or an unknown one",
     403: "The key may not act for that tenant, or a quota would be passed",
+    404: "A feature the service was not started with (the detail names its flag)",
     409: "Parent block (or prefix to pin) not stored",
     413: "Body, tokens or blocks over a limit",
     415: "Wrong Content-Type",

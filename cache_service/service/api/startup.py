@@ -79,7 +79,8 @@ def open_store(config: ServiceConfig) -> OpenedStore:
 def refuse_unsupported(opened: OpenedStore, config: ServiceConfig) -> None:
     """NotSupportedByStore for settings the store could not honour (never silently ignored),
     decided from its declared capabilities: the capacity and eviction settings when given to
-    a store that evicts on its own (Redis), and tenant byte quotas to one that does not count
+    a store that evicts on its own (Redis), --local-reads to one whose files no other process
+    reads, and tenant byte quotas to one that does not count
     a tenant's bytes."""
     capabilities = opened.store.capabilities
     name = capabilities.backend
@@ -99,6 +100,11 @@ def refuse_unsupported(opened: OpenedStore, config: ServiceConfig) -> None:
                 name,
                 capabilities.why_not("store_eviction"),
             )
+    if config.store.local_reads and not capabilities.has("local_reads"):
+        raise NotSupportedByStore(
+            f"--local-reads does not apply to the {name} store: "
+            f"{capabilities.why_not('local_reads')}; remove it, or use LMDB"
+        )
     quotas = config.capacity.tenant_capacity_bytes
     if quotas and not capabilities.has("tenant_bytes"):
         raise NotSupportedByStore(

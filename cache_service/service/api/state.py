@@ -13,6 +13,7 @@ from starlette.requests import Request
 
 from cache_service.core.cache import PrefixCache
 from cache_service.core.errors import Overloaded
+from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.operators import Operators
 from cache_service.service.api.guard import NotReady, StoreGuard
 from cache_service.service.config import RequestLimits
@@ -77,6 +78,16 @@ class WriteGate:
         return not self.pending
 
 
+@dataclass(frozen=True)
+class LocalReadsOffer:
+    """What --local-reads tells a same-host client (with its tenant): the store's folder, the
+    hash seed and the retention table."""
+
+    path: str
+    seed: str
+    lifetimes: Lifetimes
+
+
 @dataclass
 class ServiceState:
     """The resources the lifespan opened."""
@@ -92,6 +103,8 @@ class ServiceState:
     kv_events: KvEventsHub | None = None
     # The status page's charts: this worker's samples of the fleet's totals.
     history: StatusHistory = field(default_factory=StatusHistory)
+    # Where same-host clients read the LMDB files themselves; None without --local-reads.
+    local_reads: LocalReadsOffer | None = None
     operators: Operators = field(init=False)
 
     def __post_init__(self) -> None:

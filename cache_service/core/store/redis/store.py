@@ -93,6 +93,8 @@ class RedisStore(RedisReads, RedisWrites, RedisControls):
             "used_memory_dataset), and one report is reused for 1 s",
             "removal_log": "no removal log or first-block hints (explain says less)",
             "tenant_bytes": "tenant_bytes is 0: the Redis store does not count a tenant's bytes",
+            "local_reads": "the blocks live on Redis servers: a client reads them through the "
+            "service (or Redis)",
             "disk": "Redis keeps the blocks; its persistence is Redis's own",
         },
     )
