@@ -1,12 +1,17 @@
-"""Store and lookup-with-fetch, ours and Redis on the same rounds, at two real block sizes.
+"""Store and lookup-with-fetch, ours and Redis on the same rounds, at two real block sizes;
+and the same-host read against the LMDB floor.
 
-Three servers run side by side: ours with the default `--lmdb-sync full`, ours with `nosync`
-(the durability Redis has here: none), and `redis-server` without persistence. Each round
-stores one prompt's blocks in each (ours with a fresh salt, so every round writes new blocks;
-Redis after an untimed FLUSHALL) and reads them back (ours: `lookup(fetch=True)` with default
-arguments, the call a worker and the vLLM connector make; Redis: one pipelined GET), in an order
-that rotates every round so that no subject always runs on a warmer or cooler machine. Each
-ratio is the median of the per-round ratios; every round's ratio is kept in the JSON.
+Three servers run side by side: ours with the default `--lmdb-sync full` (and
+`--local-reads`), ours with `nosync` (the durability Redis has here: none), and
+`redis-server` without persistence. Each round stores one prompt's blocks in each (ours with a
+fresh salt, so every round writes new blocks; Redis after an untimed FLUSHALL) and reads them
+back (ours: `lookup(fetch=True)` with default arguments, the call a worker and the vLLM
+connector make; Redis: one pipelined GET). Two more subjects read on the same rounds: a client
+with `local_reads=True` on the first server, reading the prompt that server stored last (the
+lookup over HTTP, the payloads from the store's files), and the LMDB read floor (py-lmdb in
+this process: the same blocks written to a fresh environment and read back in one
+
+is the median of the per-round ratios; every round's ratio is kept in the JSON.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ from cache_service.core.tokens import tokens_to_bytes
 SCENARIO = "rounds"
 MODEL = "bench-rounds"
 SYNC, NOSYNC, REDIS = "ours (lmdb-sync full)", "ours (lmdb-sync nosync)", "redis"
+LOCAL, FLOOR = "ours, same host (local reads)", "lmdb floor"
 STORE_TARGETS = {SYNC: 0.8, NOSYNC: 1.0}  # issue 29: shares of Redis pipelined SET
 FETCH_TARGET = 1.5  # issue 29: a multiple of Redis pipelined GET
+LOCAL_TARGET = 0.5  # issue 29: a share of the LMDB read floor, measured in the same run
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,9 @@ class _Subject:
     fetch_seconds: list[float] = field(default_factory=list)
 
 
-def _ours(url: str, name: str, shape: Shape, blocks: list[bytes], stack: ExitStack) -> _Subject:
+def _ours(
+    url: str, name: str, shape: Shape, blocks: list[bytes], stack: ExitStack, *, stored: list[str]
+) -> _Subject:
     client = stack.enter_context(CacheClient(url, timeout=120))
     tokens = tokens_to_bytes(range(shape.blocks * shape.block_tokens))
     size = shape.block_tokens
@@ -80,12 +89,53 @@ def _ours(url: str, name: str, shape: Shape, blocks: list[bytes], stack: ExitSta
         result = client.put_prefix(MODEL, tokens, blocks, salt=f"r{round_}", block_size=size)
         if result.stored_blocks != len(blocks):
             raise AssertionError(f"{name} stored {result.stored_blocks} of {len(blocks)} blocks")
+        stored.append(f"r{round_}")
 
     def fetch(round_: int) -> list[bytes | memoryview | None]:
         match = client.lookup(MODEL, tokens, fetch=True, salt=f"r{round_}", block_size=size)
         return list(match.payloads or [])
 
     return _Subject(name, "our client", store, fetch if name == SYNC else None)
+
+
+def _local(url: str, shape: Shape, stored: list[str], stack: ExitStack) -> _Subject:
+    """Lookups with fetch by a same-host client of the first server, of the prompt that
+    server stored last (`stored`: its salts, in order; the first subject runs first in the
+    warm-up round, so there always is one)."""
+    client = stack.enter_context(CacheClient(url, timeout=120, local_reads=True))
+    tokens = tokens_to_bytes(range(shape.blocks * shape.block_tokens))
+
+    def fetch(_round: int) -> list[bytes | memoryview | None]:
+        salt = stored[-1]
+        match = client.lookup(MODEL, tokens, fetch=True, salt=salt, block_size=shape.block_tokens)
+        if not client.local_reads_status.startswith("on"):  # else this row would lie
+            raise AssertionError(f"same-host reads are {client.local_reads_status}")
+        return list(match.payloads or [])
+
+    return _Subject(LOCAL, "our client, local_reads=True", lambda _round: None, fetch)
+
+
+def _lmdb_floor(folder: str, shape: Shape, blocks: list[bytes]) -> _Subject:
+    """py-lmdb in this process: the blocks written (nosync) and read back, copied to bytes."""
+    import lmdb  # noqa: PLC0415
+
+    env = lmdb.open(folder, map_size=4 * shape.blocks * shape.block_bytes, sync=False)
+    keys = block_keys(len(blocks), namespace=b"rounds-floor")
+
+    def empty() -> None:
+        with env.begin(write=True) as txn:
+            txn.drop(env.open_db(), delete=False)
+
+    def store(_round: int) -> None:
+        with env.begin(write=True) as txn:
+            for key, value in zip(keys, blocks, strict=True):
+                txn.put(key, value)
+
+    def fetch(_round: int) -> list[bytes | memoryview | None]:
+        with env.begin() as txn:
+            return [txn.get(key) for key in keys]
+
+    return _Subject(FLOOR, "py-lmdb, in-process, copied to bytes", store, fetch, reset=empty)
 
 
 def _redis(port: int, shape: Shape, blocks: list[bytes], stack: ExitStack) -> _Subject:
@@ -146,23 +196,23 @@ def _run_rounds(subjects: list[_Subject], blocks: list[bytes], rounds: int) -> N
 
 
 def _ratio_rows(
-    shape: Shape, operation: str, ours: _Subject, redis: _Subject, *, target: float, total: int
+    shape: Shape, operation: str, ours: _Subject, peer: _Subject, *, target: float, total: int
 ) -> list[Row]:
     """Latency and bandwidth rows for both, the ours bandwidth row carrying the median ratio."""
     case = f"{shape.label} {operation}"
     mine = ours.store_seconds if operation == "store" else ours.fetch_seconds
-    theirs = redis.store_seconds if operation == "store" else redis.fetch_seconds
+    theirs = peer.store_seconds if operation == "store" else peer.fetch_seconds
     per_round = [t / m for m, t in zip(mine, theirs, strict=True)]  # > 1: ours is faster
-    client = ours.client if operation == "store" else "our client, lookup(fetch=True)"
+    client = ours.client if operation == "store" else f"{ours.client}, lookup(fetch=True)"
     rows = payload_rows(case, ours.name, client, mine, payload_bytes=total)
-    rows += payload_rows(case, redis.name, redis.client, theirs, payload_bytes=total)
+    rows += payload_rows(case, peer.name, peer.client, theirs, payload_bytes=total)
     for row in rows:
         row.scenario = SCENARIO
     bandwidth = rows[1]
     bandwidth.ratio = statistics.median(per_round)
-    bandwidth.ratio_to = f"{redis.name} ({redis.client}), same rounds"
+    bandwidth.ratio_to = f"{peer.name} ({peer.client}), same rounds"
     verdict = "met" if bandwidth.ratio >= target else "not met"
-    bandwidth.note = f"target {target}x Redis, {verdict}; median of per-round ratios"
+    bandwidth.note = f"target {target}x {peer.name}, {verdict}; median of per-round ratios"
     bandwidth.extra["per_round_ratios"] = [round(r, 3) for r in per_round]
     return rows
 
@@ -172,24 +222,32 @@ def _measure(shape: Shape, redis_path: str, rounds: int) -> list[Row]:
     total = sum(map(len, blocks))
     with ExitStack() as stack:
         sizes = f"{MODEL}={shape.block_tokens}"
-        sync = stack.enter_context(our_service(capacity="8GiB", model_block_size=sizes))
+        sync = stack.enter_context(
+            our_service(capacity="8GiB", model_block_size=sizes, local_reads="true")
+        )
         nosync = stack.enter_context(
             our_service(capacity="8GiB", model_block_size=sizes, lmdb_sync="nosync")
         )
         port = stack.enter_context(_redis_server(redis_path))
+        stored: list[str] = []  # the salts of the prompts the first server stored
         subjects = [
-            _ours(sync.url, SYNC, shape, blocks, stack),
-            _ours(nosync.url, NOSYNC, shape, blocks, stack),
+            _ours(sync.url, SYNC, shape, blocks, stack, stored=stored),
+            _ours(nosync.url, NOSYNC, shape, blocks, stack, stored=[]),
             _redis(port, shape, blocks, stack),
+            _local(sync.url, shape, stored, stack),
+            _lmdb_floor(stack.enter_context(tempfile.TemporaryDirectory()), shape, blocks),
         ]
         _run_rounds(subjects, blocks, rounds)
-    ours_sync, ours_nosync, redis = subjects
+    ours_sync, ours_nosync, redis, local, floor = subjects
     rows = _ratio_rows(shape, "store", ours_sync, redis, target=STORE_TARGETS[SYNC], total=total)
     nosync_rows = _ratio_rows(
         shape, "store", ours_nosync, redis, target=STORE_TARGETS[NOSYNC], total=total
     )
     rows += nosync_rows[:2]  # Redis's store rows are already in
     rows += _ratio_rows(shape, "lookup+fetch", ours_sync, redis, target=FETCH_TARGET, total=total)
+    rows += _ratio_rows(
+        shape, "lookup+fetch, same host", local, floor, target=LOCAL_TARGET, total=total
+    )
     return rows
 
 
