@@ -26,15 +26,13 @@ from cache_service.core.errors import StorageError
 from cache_service.core.eviction import make_policy
 from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.store.lmdb.disk import DAMAGE_ERRORS, damaged_file
-from cache_service.core.store.lmdb.store import FORMAT_VERSION, LmdbSpace
+from cache_service.core.store.lmdb.store import FORMAT_KEY, FORMAT_VERSION, TABLES, LmdbSpace
 from cache_service.core.store.lmdb.txn import LmdbTxn
-from cache_service.core.store.parts.backend import AUX_TABLES, INDEXES, PayloadSink
+from cache_service.core.store.parts.backend import PayloadSink
 from cache_service.core.store.parts.damage import DamageLog
 from cache_service.core.store.parts.data_path import DataPath
 from cache_service.core.store.parts.txns import Transactions
 from cache_service.core.store.protocols import Space
-
-_TABLES = ("blocks", "payloads", "namespaces", *INDEXES, "meta", *AUX_TABLES)
 
 
 class LmdbReadOnlyBackend:
@@ -54,9 +52,9 @@ class LmdbReadOnlyBackend:
             raise StorageError(f"cannot open {self.path} for reading: {exc}") from exc
         try:
             self.main_db = self.env.open_db(None)
-            self.dbs = {name: self.env.open_db(name.encode(), create=False) for name in _TABLES}
+            self.dbs = {name: self.env.open_db(name.encode(), create=False) for name in TABLES}
             with self.env.begin() as txn:
-                found = txn.get(b"format", db=self.dbs["meta"])
+                found = txn.get(FORMAT_KEY, db=self.dbs["meta"])
         except lmdb.Error as exc:
             self.env.close()
             raise StorageError(f"{self.path} is not a store this build reads: {exc}") from exc

@@ -45,7 +45,9 @@ SYNC_MODES = {
     "nometasync": {"sync": True, "metasync": False},
     "nosync": {"sync": False, "metasync": False},
 }
-_FORMAT = b"format"
+FORMAT_KEY = b"format"  # in the meta table: the store format's version (FORMAT_VERSION)
+# The environment's named tables; a reader in another process opens the same ones.
+TABLES = ("blocks", "payloads", "namespaces", *INDEXES, "meta", *AUX_TABLES)
 _IDENTITY = b"identity"  # the settings the data was made with (see cache_service.core.identity)
 
 
@@ -108,10 +110,7 @@ class LmdbBackend:
         )
         self.env.reader_check()  # clear reader slots left by killed processes
         self.main_db = self.env.open_db(None)
-        self.dbs = {
-            name: self.env.open_db(name.encode())
-            for name in ("blocks", "payloads", "namespaces", *INDEXES, "meta", *AUX_TABLES)
-        }
+        self.dbs = {name: self.env.open_db(name.encode()) for name in TABLES}
         self.damage = DamageLog()
         self.lifetimes = lifetimes  # each class's TTL bounds a block's expiry (core.lifetimes)
         # Set when the opening checks passed but a full disk kept their record from being
@@ -123,7 +122,7 @@ class LmdbBackend:
             if self._check_record(identity):
                 migrate(self.env, self.dbs["blocks"], where=str(self.path))
                 with self.env.begin(write=True) as txn:
-                    txn.put(_FORMAT, FORMAT_VERSION, db=self.dbs["meta"])
+                    txn.put(FORMAT_KEY, FORMAT_VERSION, db=self.dbs["meta"])
         except lmdb.Error as exc:
             self.unrecorded = self._open_on_full_disk(exc)
         except BaseException:
@@ -141,10 +140,10 @@ class LmdbBackend:
         a refused opener rewrites nothing)."""
         meta = self.dbs["meta"]
         with self.env.begin(write=True) as txn:
-            found = txn.get(_FORMAT, db=meta)
+            found = txn.get(FORMAT_KEY, db=meta)
             stored_format = bytes(found) if found is not None else None
             if stored_format is None:
-                txn.put(_FORMAT, FORMAT_VERSION, db=meta)
+                txn.put(FORMAT_KEY, FORMAT_VERSION, db=meta)
             elif stored_format != FORMAT_VERSION and stored_format not in MIGRATES_FROM:
                 raise StorageError(
                     f"{self.path} holds store format {stored_format!r}; this build reads "
@@ -193,7 +192,7 @@ class LmdbBackend:
         error = write_error(exc, self.path)
         if isinstance(error, DiskFull):
             with self.env.begin() as txn:
-                found = txn.get(_FORMAT, db=self.dbs["meta"])
+                found = txn.get(FORMAT_KEY, db=self.dbs["meta"])
             if found is not None and bytes(found) == FORMAT_VERSION:
                 return error
         self.env.close()  # a refused opener leaves no environment open behind it
