@@ -44,9 +44,10 @@ LOCAL_READS_PATH = "/v1/local-reads"
 
 @dataclass(frozen=True)
 class LocalRead:
-    """What the files held of a prompt: its chain, block size and leading payloads."""
+    """What the files held of a prompt: its chain (None if it could not be made), block size
+    and leading payloads."""
 
-    chain: Chain
+    chain: Chain | None
     block_size: int
     payloads: list[Payload]
 
@@ -54,7 +55,7 @@ class LocalRead:
         """The payloads of the service's match that this read holds (its leading ones): none
         unless the keys agree, so that a read hashed otherwise never stands in for them."""
         count = min(match.matched_blocks, len(self.payloads))
-        if not count or match.block_size != self.block_size:
+        if not count or self.chain is None or match.block_size != self.block_size:
             return []
         if self.chain.hex_keys(count) != list(match.keys[:count]):
             return []
@@ -111,8 +112,11 @@ class LocalReads:
         """The prompt's leading blocks that the files hold, verified, each payload copied out
         of the map (none where the files fail: HTTP then answers)."""
         namespace = Namespace(model, kv_layout, self._tenant, salt or "")
-        chain = self._hasher.chain(namespace, token_bytes, block_size=block_size)
         out: list[Payload] = []
+        try:
+            chain = self._hasher.chain(namespace, token_bytes, block_size=block_size)
+        except ValueError:  # a block size the service refuses as well: it says so
+            return LocalRead(None, block_size, out)
         try:
             self._reader.read_prefix(
                 self._hasher.namespace_id(namespace),
@@ -148,7 +152,7 @@ class LocalReadsSetup:
                 try:
                     self._reads = LocalReads(ask(), path=self._path)
                     self.status = f"on: {self._reads.path}"
-                except (LocalReadsUnavailable, PromptCacheError) as exc:
+                except (LocalReadsUnavailable, PromptCacheError, OSError) as exc:
                     self.status = f"unavailable: {exc}"
                     log.warning("same-host reads off, payloads come over HTTP: %s", exc)
             return self._reads

@@ -14,6 +14,7 @@ import pytest
 
 from cache_service.client import CacheClient
 from cache_service.client.local_reads import LocalReads, LocalReadsUnavailable
+from cache_service.core.errors import ServiceError
 from cache_service.wire.answers import LocalReadsResponse
 from tests.integration.conftest import ServerProcess
 
@@ -149,3 +150,14 @@ def test_an_offer_from_another_host_is_refused(tmp_path: Path) -> None:
         LocalReads(offer, host_boot_id="this-boot")
     with pytest.raises(LocalReadsUnavailable, match="no LMDB store"):
         LocalReads(offer, host_boot_id="another-boot")  # same host, but no store there
+
+
+def test_a_block_size_the_service_refuses_is_its_answer_not_a_local_error(
+    local_server: ServerProcess,
+) -> None:
+    with CacheClient(local_server.url, local_reads=True) as client:
+        with pytest.raises(ServiceError) as refused:
+            client.lookup(MODEL, PROMPT, fetch=True, block_size=-1)
+        assert refused.value.status == 422
+        match = client.lookup(MODEL, PROMPT, fetch=True)  # the connection is still good
+    assert match.payloads == BLOCKS

@@ -40,10 +40,13 @@ class LmdbReadOnlyBackend:
 
     def __init__(self, path: str | os.PathLike[str], *, lifetimes: Lifetimes) -> None:
         self.path = Path(path)
-        if not (self.path / "data.mdb").is_file():
+        try:
+            found_file = (self.path / "data.mdb").is_file()
+        except OSError as exc:  # a folder this process may not enter
+            raise StorageError(f"cannot open {self.path} for reading: {exc}") from exc
+        if not found_file:
             raise StorageError(f"{self.path} holds no LMDB store (no data.mdb)")
         try:
-            # No map size: a reader maps what the writer's meta page says the map is.
             self.env = lmdb.open(
                 str(self.path), readonly=True, lock=True, max_dbs=16, readahead=False,
                 create=False,
@@ -51,6 +54,9 @@ class LmdbReadOnlyBackend:
         except lmdb.Error as exc:
             raise StorageError(f"cannot open {self.path} for reading: {exc}") from exc
         try:
+            # py-lmdb maps 10 MiB unless told; 0 takes the size the writer set, so that a
+            # resize (MapResizedError, below) is needed only when the writer grows the map.
+            self.env.set_mapsize(0)
             self.main_db = self.env.open_db(None)
             self.dbs = {name: self.env.open_db(name.encode(), create=False) for name in TABLES}
             with self.env.begin() as txn:
