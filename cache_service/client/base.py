@@ -49,6 +49,9 @@ FRAME_HEADERS = {"Content-Type": MEDIA_TYPE}
 _T = TypeVar("_T")
 
 INSUFFICIENT_STORAGE = 507
+# Keys in one fetch: under the service's default max_blocks_per_request (8,192), so a long
+# prompt over small blocks is fetched in several requests rather than refused.
+FETCH_KEYS = 1024
 _MAX_DOUBLINGS = 64  # 2**64 * any sane initial backoff is far past any max: stops float overflow
 SCHEMES = ("http", "https")
 

@@ -12,13 +12,17 @@ are dropped, and what the files lack of it (evicted, damaged, or a folder that i
 service's) is fetched over HTTP; what neither has ends the match there. A cache may forget
 between the two; it never answers with bytes it did not verify.
 
-The service offers this only with --local-reads (GET /v1/local-reads), and the client uses it
-only when the offer's boot id is its own kernel's and the folder opens as a store.
+The service offers this only with --local-reads (GET /v1/local-reads, over loopback), and
+the client uses it only when the offer's boot id is its own kernel's and the folder opens as
+the very store the service named (its random store id). An offer that cannot be used is asked
+for again after `RETRY_SECONDS`, so that a service restarting or a folder mounted late turns
+same-host reads on once they work.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -40,6 +44,7 @@ from cache_service.wire.answers import LocalReadsResponse, Usage
 log = logging.getLogger("cache_service.client")
 WallClock = Callable[[], float]
 LOCAL_READS_PATH = "/v1/local-reads"
+RETRY_SECONDS = 60.0  # after an unusable offer or a failed ask, payloads come over HTTP this long
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,12 @@ class LocalReads:
             self._reader = LmdbReader(path or offer.path, lifetimes=lifetimes)
         except PromptCacheError as exc:
             raise LocalReadsUnavailable(str(exc)) from None
+        if not offer.store_id or self._reader.store_id != offer.store_id:
+            self._reader.close()
+            raise LocalReadsUnavailable(
+                f"{self._reader.path} holds store {self._reader.store_id or '(no id)'}, "
+                f"not the service's {offer.store_id or '(no id)'}"
+            )
         self.path = str(self._reader.path)
         self._hasher = BlockHasher(seed=offer.seed)
         self._tenant = offer.tenant
@@ -137,24 +148,36 @@ class LocalReads:
 class LocalReadsSetup:
     """A client's same-host reads: wanted or not, opened at the first use, or why not."""
 
-    def __init__(self, wanted: bool, path: str | os.PathLike[str] | None) -> None:
+    def __init__(
+        self,
+        wanted: bool,
+        path: str | os.PathLike[str] | None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.wanted = wanted
         self._path = path
         self._reads: LocalReads | None = None
         self._lock = threading.Lock()
+        self._clock = clock
+        self._ask_after = -math.inf
         self.status = "not asked yet" if wanted else "off"
 
     def reader(self, ask: Callable[[], LocalReadsResponse]) -> LocalReads | None:
-        """The open reader; the first call asks the service (`ask`) and opens the files, once:
-        a refusal or an unusable offer turns same-host reads off for this client (logged)."""
+        """The open reader; a call without one asks the service (`ask`) and opens the files,
+        at most once per RETRY_SECONDS: meanwhile payloads come over HTTP (logged)."""
         with self._lock:
-            if self._reads is None and self.status == "not asked yet":
+            if self._reads is None and self.wanted and self._clock() >= self._ask_after:
                 try:
                     self._reads = LocalReads(ask(), path=self._path)
                     self.status = f"on: {self._reads.path}"
                 except (LocalReadsUnavailable, PromptCacheError, OSError) as exc:
+                    self._ask_after = self._clock() + RETRY_SECONDS
                     self.status = f"unavailable: {exc}"
-                    log.warning("same-host reads off, payloads come over HTTP: %s", exc)
+                    log.warning(
+                        "same-host reads off for %.0f s, payloads come over HTTP: %s",
+                        RETRY_SECONDS, exc,
+                    )  # fmt: skip
             return self._reads
 
     def close(self) -> None:
@@ -163,6 +186,8 @@ class LocalReadsSetup:
             if self._reads is not None:
                 self._reads.close()
                 self._reads = None
+            if self.wanted:  # no files are opened again after the client closed
+                self.wanted = False
                 self.status = "closed"
 
 

@@ -18,7 +18,7 @@ from cache_service.client.answers import (
     StoreResult,
     _parse_local_reads,
 )
-from cache_service.client.base import _T, Clock, _BaseCacheClient, _Call
+from cache_service.client.base import _T, FETCH_KEYS, Clock, _BaseCacheClient, _Call
 from cache_service.client.local_reads import (
     LOCAL_READS_PATH,
     LocalRead,
@@ -183,11 +183,16 @@ class CacheClient(_BaseCacheClient):
         read = reads[0]
         payloads = read.agreed(match)
         missing = list(match.keys[len(payloads) :])
-        if missing:  # evicted, damaged or not in these files: what the service still has
-            fetched = self.get_blocks(model, missing, kv_layout=kv_layout, salt=salt, copy=copy)
+        # Evicted, damaged or not in these files: what the service still has, in requests
+        # under its max_blocks_per_request, up to the first block it no longer has.
+        for start in range(0, len(missing), FETCH_KEYS):
+            fetched = self.get_blocks(
+                model, missing[start : start + FETCH_KEYS], kv_layout=kv_layout, salt=salt,
+                copy=copy,
+            )  # fmt: skip
             for payload in fetched:
                 if payload is None:
-                    break
+                    return cut_match(match, len(payloads), payloads)
                 payloads.append(payload)
         return cut_match(match, len(payloads), payloads)
 

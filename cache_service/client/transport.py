@@ -99,7 +99,11 @@ class StdlibTransport(httpx.BaseTransport):
                     conn.endheaders(body or None)
                 if while_waiting is not None:  # the service works meanwhile, on its own core
                     work, while_waiting = while_waiting, None
-                    work()
+                    try:
+                        work()
+                    except BaseException:  # the answer is never read: the connection is spent
+                        conn.close()
+                        raise
                 answer = conn.getresponse()
                 content, extensions = _read_answer(answer, frames_apart)
             except _RETRYABLE as exc:

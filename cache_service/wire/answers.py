@@ -194,6 +194,10 @@ class LocalReadsResponse:
     --local-reads)."""
 
     path: str = field(metadata={"description": "The LMDB folder, as the service opened it."})
+    store_id: str = field(
+        metadata={"description": "The store's own random id, made with it: files at the path "
+                  "holding another id are another store's."}
+    )  # fmt: skip
     boot_id: str = field(
         metadata={"description": "The kernel's boot id: a client whose own differs is on "
                   "another host (or a restarted one) and must not use the path."}

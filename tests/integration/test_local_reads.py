@@ -1,7 +1,8 @@
 """Same-host reads against a real service: the payloads come from the store's files, equal to
 what HTTP serves; a folder that is not the service's, or a damaged payload, never makes the
 client answer with bytes the service would not vouch for; without --local-reads the client
-says why and fetches over HTTP; a store whose files no other process reads refuses the flag."""
+says why and fetches over HTTP, and asks again later; a store whose files no other process
+reads refuses the flag."""
 
 from __future__ import annotations
 
@@ -10,11 +11,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import lmdb
 import pytest
 
-from cache_service.client import CacheClient
-from cache_service.client.local_reads import LocalReads, LocalReadsUnavailable
-from cache_service.core.errors import ServiceError
+from cache_service.client import CacheClient, sync
+from cache_service.client.local_reads import (
+    RETRY_SECONDS,
+    LocalReads,
+    LocalReadsSetup,
+    LocalReadsUnavailable,
+)
+from cache_service.core.errors import ServiceError, StorageError
+from cache_service.core.store.lmdb.reader import LmdbReader
 from cache_service.wire.answers import LocalReadsResponse
 from tests.integration.conftest import ServerProcess
 
@@ -82,18 +90,56 @@ def test_a_prefix_of_the_stored_prompt_reads_only_its_blocks(local_server: Serve
 def test_a_folder_that_is_not_the_services_is_never_trusted(
     make_server: Callable[..., ServerProcess], local_server: ServerProcess
 ) -> None:
-    # Another service's store, holding other bytes for the same prompt: a client pointed at
-    # its folder reads blocks that verify there, but their keys are the other store's seed's.
-    other = make_server(seed="another-seed", model_block_size=f"{MODEL}={BLOCK}")
+    # Another service's store with the same seed, holding other bytes for the same prompt:
+    # its blocks would verify, but its store id is not the one the service named.
+    other = make_server(model_block_size=f"{MODEL}={BLOCK}")
     with CacheClient(other.url) as writer:
         writer.put_prefix(MODEL, PROMPT, [b"x" * 3000] * 8)
     other.stop()
-    before = fetch_requests(local_server)
     with CacheClient(local_server.url, local_reads=True, local_reads_path=other.data_dir) as client:
         match = client.lookup(MODEL, PROMPT, fetch=True)
+        status = client.local_reads_status
+    assert status.startswith("unavailable: ") and "not the service's" in status
+    assert match.payloads == BLOCKS  # the service's own blocks, over HTTP
+
+
+def test_files_that_fail_to_read_leave_the_payloads_to_http_in_bounded_fetches(
+    local_server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unreadable(*_args: object, **_kwargs: object) -> None:
+        raise lmdb.ReadonlyError("the files failed")
+
+    monkeypatch.setattr(LmdbReader, "read_prefix", unreadable)
+    monkeypatch.setattr(sync, "FETCH_KEYS", 3)  # 8 blocks: fetches of 3, 3 and 2 keys
+    before = fetch_requests(local_server)
+    with CacheClient(local_server.url, local_reads=True) as client:
+        match = client.lookup(MODEL, PROMPT, fetch=True)
         assert client.local_reads_status.startswith("on: ")
-    assert match.payloads == BLOCKS  # the service's own blocks, fetched over HTTP
-    assert fetch_requests(local_server) == before + 1
+    assert match.matched_blocks == 8 and match.payloads == BLOCKS
+    assert fetch_requests(local_server) == before + 3
+
+
+def test_an_offer_that_could_not_be_used_is_asked_for_again_later(
+    local_server: ServerProcess,
+) -> None:
+    offer = LocalReadsResponse(**httpx.get(local_server.url + "/v1/local-reads").json())
+    now, asked = [0.0], []
+
+    def ask() -> LocalReadsResponse:
+        asked.append(now[0])
+        if len(asked) == 1:
+            raise StorageError("the service was restarting")
+        return offer
+
+    setup = LocalReadsSetup(True, None, clock=lambda: now[0])
+    assert setup.reader(ask) is None and setup.status.startswith("unavailable: ")
+    now[0] = RETRY_SECONDS / 2
+    assert setup.reader(ask) is None and asked == [0.0]  # not asked again yet
+    now[0] = RETRY_SECONDS
+    assert setup.reader(ask) is not None and setup.status.startswith("on: ")
+    assert asked == [0.0, RETRY_SECONDS]
+    setup.close()
+    assert setup.status == "closed" and setup.reader(ask) is None
 
 
 def test_a_damaged_payload_ends_the_match_before_it(local_server: ServerProcess) -> None:
@@ -138,6 +184,7 @@ def test_a_store_no_other_process_reads_refuses_the_flag(
 def test_an_offer_from_another_host_is_refused(tmp_path: Path) -> None:
     offer = LocalReadsResponse(
         path=str(tmp_path),
+        store_id="0" * 32,
         boot_id="another-boot",
         seed="s",
         tenant="",

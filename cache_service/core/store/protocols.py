@@ -95,6 +95,10 @@ class OnDisk:
     file_bytes: Callable[[], int]  # the data file's size now
     # Why the store opened without updating its settings record (a full disk), if it did.
     unrecorded: Exception | None = None
+    store_id: str = ""  # the store's own random id, made with it ("" if it has none)
+    # Frees the reader slots of processes that died reading the files (their snapshots would
+    # keep old pages from reuse); how many it freed.
+    clear_stale_readers: Callable[[], int] = lambda: 0
 
 
 class Remote(Protocol):

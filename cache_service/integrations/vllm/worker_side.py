@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from cache_service.client import CacheClient
+from cache_service.client.base import FETCH_KEYS
 from cache_service.core.errors import ServiceError
 from cache_service.integrations.kv_layout import BlockRefused
 from cache_service.integrations.vllm.counters import Counters
@@ -40,9 +41,6 @@ from cache_service.integrations.vllm.plan import LoadTask, StepPlan, StoreTask
 logger = logging.getLogger(__name__)
 NOTES = RateLimitedLog(logger)
 DRAIN_SECONDS = 30.0  # at shutdown, queued stores get this long to finish
-# Keys in one fetch: under the service's default max_blocks_per_request (8,192), so a long
-# prompt over small service blocks is fetched in several requests rather than refused.
-FETCH_KEYS = 1024
 
 
 @dataclass(frozen=True, slots=True)

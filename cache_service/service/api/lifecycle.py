@@ -39,6 +39,8 @@ log = logging.getLogger("cache_service")
 
 # The stop's last touch flush gets what is left of --shutdown-timeout, but at least this.
 FINAL_FLUSH_SECONDS = 1.0
+# With --local-reads, how often the reader slots of clients that died reading are freed.
+READER_CHECK_SECONDS = 60.0
 
 
 def given_store(store: BlockStore, config: StoreConfig) -> OpenedStore:
@@ -182,7 +184,10 @@ class ServiceLifecycle:
         on_disk = opened.store.disk
         if config.store.local_reads and on_disk is not None:  # refused at start elsewhere
             state.local_reads = LocalReadsOffer(
-                str(on_disk.folder.resolve()), config.seed, config.store.lifetimes
+                str(on_disk.folder.resolve()),
+                on_disk.store_id,
+                config.seed,
+                config.store.lifetimes,
             )
         running = _Running(opened, state, guard, collector, sweeper_lock, metrics_port)
         remote = opened.store.remote
@@ -224,6 +229,17 @@ class ServiceLifecycle:
         workers.append(
             asyncio.create_task(repeat(SAMPLE_SECONDS, self._sample_status, "status history"))
         )
+        on_disk = running.opened.store.disk
+        if running.state.local_reads is not None and on_disk is not None:
+
+            async def check_readers() -> None:
+                freed = on_disk.clear_stale_readers()
+                if freed:
+                    log.info("freed %d reader slots of processes that died reading", freed)
+
+            workers.append(
+                asyncio.create_task(repeat(READER_CHECK_SECONDS, check_readers, "reader check"))
+            )
         backend = running.backend
         if backend is not None:
 

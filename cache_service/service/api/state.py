@@ -84,6 +84,7 @@ class LocalReadsOffer:
     hash seed and the retention table."""
 
     path: str
+    store_id: str
     seed: str
     lifetimes: Lifetimes
 

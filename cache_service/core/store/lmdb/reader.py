@@ -26,8 +26,15 @@ from cache_service.core.errors import StorageError
 from cache_service.core.eviction import make_policy
 from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.store.lmdb.disk import DAMAGE_ERRORS, damaged_file
-from cache_service.core.store.lmdb.store import FORMAT_KEY, FORMAT_VERSION, TABLES, LmdbSpace
+from cache_service.core.store.lmdb.store import (
+    FORMAT_KEY,
+    FORMAT_VERSION,
+    TABLES,
+    LmdbSpace,
+    read_store_id,
+)
 from cache_service.core.store.lmdb.txn import LmdbTxn
+from cache_service.core.store.lmdb.txn_gate import TxnGate
 from cache_service.core.store.parts.backend import PayloadSink
 from cache_service.core.store.parts.damage import DamageLog
 from cache_service.core.store.parts.data_path import DataPath
@@ -69,23 +76,36 @@ class LmdbReadOnlyBackend:
             raise StorageError(
                 f"{self.path} holds store format {found!r}; this build reads {FORMAT_VERSION!r}"
             )
+        self.store_id = read_store_id(self.env, self.dbs["meta"])
         self.damage = DamageLog()
         self.lifetimes = lifetimes
         self.space: Space = LmdbSpace(self.path, int(self.env.stat()["psize"]), len(self.dbs))
+        # A resize or close waits for the transactions other threads have open.
+        self._gate = TxnGate()
+        self._closed = False
 
     @contextmanager
     def read(self, *, views: bool = False) -> Iterator[LmdbTxn]:
         """A read transaction; after the writer grew the map, the new size is adopted first."""
-        try:
-            txn = self._begin(views)
-        except lmdb.MapResizedError:
-            self.env.set_mapsize(0)  # 0: take the size the writer set
-            txn = self._begin(views)
-        try:
-            with txn:
-                yield LmdbTxn(self, txn)
-        except DAMAGE_ERRORS as exc:
-            raise damaged_file(self.path, exc) from exc
+        for _attempt in range(2):
+            with self._gate.shared():
+                if self._closed:
+                    raise StorageError(f"{self.path} was closed")
+                try:
+                    txn = self._begin(views)
+                except lmdb.MapResizedError:
+                    pass
+                else:
+                    try:
+                        with txn:
+                            yield LmdbTxn(self, txn)
+                    except DAMAGE_ERRORS as exc:
+                        raise damaged_file(self.path, exc) from exc
+                    return
+            with self._gate.exclusive():
+                if not self._closed:
+                    self.env.set_mapsize(0)  # 0: take the size the writer set
+        raise StorageError(f"{self.path}: the map grew again while it was being adopted")
 
     def _begin(self, views: bool) -> lmdb.Transaction:
         return self.env.begin(buffers=True) if views else self.env.begin()
@@ -95,8 +115,10 @@ class LmdbReadOnlyBackend:
         raise StorageError(f"{self.path} is open for reading only")
 
     def close(self) -> None:
-        """Close the environment (and give back its reader slot)."""
-        self.env.close()
+        """Close the environment (and give back its reader slot) once no read is open."""
+        with self._gate.exclusive():
+            self._closed = True
+            self.env.close()
 
 
 class LmdbReader(DataPath):
@@ -107,6 +129,7 @@ class LmdbReader(DataPath):
         self.txns = Transactions(self.backend, make_policy())  # the policy learns from writes
         self.damage = self.backend.damage
         self.path = self.backend.path
+        self.store_id = self.backend.store_id
 
     def read_prefix(
         self,

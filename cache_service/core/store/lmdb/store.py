@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
@@ -49,6 +50,16 @@ FORMAT_KEY = b"format"  # in the meta table: the store format's version (FORMAT_
 # The environment's named tables; a reader in another process opens the same ones.
 TABLES = ("blocks", "payloads", "namespaces", *INDEXES, "meta", *AUX_TABLES)
 _IDENTITY = b"identity"  # the settings the data was made with (see cache_service.core.identity)
+# In the meta table: this store's own random id, written once when it is made, so that a
+# same-host reader can tell the service's files from another store's at the same path.
+STORE_ID_KEY = b"store_id"
+
+
+def read_store_id(env: Any, meta: Any) -> str:
+    """The store's own id ("" for a store no writer of this build has opened yet)."""
+    with env.begin() as txn:
+        found = txn.get(STORE_ID_KEY, db=meta)
+    return bytes(found).decode("ascii", "replace") if found is not None else ""
 
 
 class LmdbSpace:
@@ -131,6 +142,7 @@ class LmdbBackend:
         if self.disk_full:  # the last run's last commit (a purge?) freed pages: reach them
             release_freed(self.env, self.dbs["meta"])
         self.space = LmdbSpace(self.path, int(self.env.stat()["psize"]), len(self.dbs))
+        self.store_id = read_store_id(self.env, self.dbs["meta"])
 
     def _check_record(self, identity: IdentityCheck | None) -> bool:
         """Check the format and the identity record, writing what a new store lacks, in one
@@ -144,6 +156,8 @@ class LmdbBackend:
             stored_format = bytes(found) if found is not None else None
             if stored_format is None:
                 txn.put(FORMAT_KEY, FORMAT_VERSION, db=meta)
+            if txn.get(STORE_ID_KEY, db=meta) is None:  # new, or made before store ids
+                txn.put(STORE_ID_KEY, os.urandom(16).hex().encode(), db=meta)
             elif stored_format != FORMAT_VERSION and stored_format not in MIGRATES_FROM:
                 raise StorageError(
                     f"{self.path} holds store format {stored_format!r}; this build reads "
@@ -237,4 +251,10 @@ class LmdbStore(ComposedStore[LmdbBackend]):
         self.space: LmdbSpace = backend.space  # with the data file's size
         self.path = backend.path
         self.env = backend.env
-        self.disk = OnDisk(backend.path, backend.space.file_bytes, backend.unrecorded)
+        self.disk = OnDisk(
+            backend.path,
+            backend.space.file_bytes,
+            backend.unrecorded,
+            backend.store_id,
+            backend.env.reader_check,
+        )
