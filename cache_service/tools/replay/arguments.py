@@ -17,9 +17,15 @@ from cache_service.core.retention import (
 from cache_service.core.units import parse_size
 from cache_service.tools.replay.capacity_runs import default_jobs
 from cache_service.tools.replay.command import ReplayConfig, run_replay
-from cache_service.tools.replay.cost import Prices
+from cache_service.tools.replay.cost import DEFAULT_STORE_GB_DAY, Prices
 from cache_service.tools.replay.engine import ReplayError
+from cache_service.tools.replay.fleet import (
+    DEFAULT_ENGINE_BLOCK_TOKENS,
+    FleetOptions,
+    engine_blocks_for_memory,
+)
 from cache_service.tools.replay.plots import PlotUnavailable, plot_report
+from cache_service.tools.replay.routing import ROUTINGS
 from cache_service.tools.replay.summary import format_summary
 from cache_service.tools.replay.traces import FORMATS, TraceError
 
@@ -156,6 +162,74 @@ def add_replay_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
         help="store of the embedded cache (memory: faster, for traces that fit in RAM)",
     )
     parser.add_argument("--workdir", type=Path, help="folder for the temporary LMDB store")
+    fleet = parser.add_argument_group(
+        "a fleet in front of the store",
+        "Engines with their own prefix caches (vLLM's) take the first hits; the store serves "
+        "what they miss. Each routing is replayed with the store and without it.",
+    )
+    fleet.add_argument("--engines", type=_positive, help="simulated engines in front of the store")
+    fleet.add_argument(
+        "--engine-cache-blocks",
+        type=_positive,
+        help="each engine's own cache in blocks (vLLM's num_gpu_blocks)",
+    )
+    fleet.add_argument(
+        "--engine-kv-gib",
+        type=float,
+        help="each engine's own cache as the memory it gives KV: blocks = GiB x 2^30 / "
+        "(--kv-bytes-per-token x --engine-block-size)",
+    )
+    fleet.add_argument(
+        "--engine-block-size",
+        type=_positive,
+        default=DEFAULT_ENGINE_BLOCK_TOKENS,
+        help=f"tokens per engine block (default {DEFAULT_ENGINE_BLOCK_TOKENS}, vLLM's)",
+    )
+    fleet.add_argument(
+        "--routing",
+        type=_routing_list,
+        default=list(ROUTINGS),
+        metavar="NAME[,NAME...]",
+        help=f"routings to compare ({', '.join(ROUTINGS)}; default all)",
+    )
+    fleet.add_argument(
+        "--price-store-gb-day",
+        type=float,
+        default=DEFAULT_STORE_GB_DAY,
+        help=f"$ per GB held in the store a day (default {DEFAULT_STORE_GB_DAY}: about $0.12 "
+        "per GB-month, an SSD volume's list price)",
+    )
+
+
+def _routing_list(text: str) -> list[str]:
+    """Known routing names, comma separated, each once, in the order given."""
+    names = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [name for name in names if name not in ROUTINGS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"name routings among {', '.join(ROUTINGS)}"
+            + (f" (unknown: {', '.join(unknown)})" if unknown else "")
+        )
+    return names
+
+
+def _fleet(args: argparse.Namespace) -> FleetOptions | None:
+    """The fleet the flags describe, or None without --engines."""
+    sized = [args.engine_cache_blocks is not None, args.engine_kv_gib is not None]
+    if args.engines is None:
+        if any(sized):
+            raise ReplayError("--engine-cache-blocks and --engine-kv-gib need --engines")
+        return None
+    if sized.count(True) != 1:
+        raise ReplayError("with --engines, give one of --engine-cache-blocks or --engine-kv-gib")
+    blocks = args.engine_cache_blocks
+    if blocks is None:
+        blocks = engine_blocks_for_memory(
+            args.engine_kv_gib, args.kv_bytes_per_token, args.engine_block_size
+        )
+    return FleetOptions(
+        engines=args.engines, engine_cache_blocks=blocks, engine_block_tokens=args.engine_block_size
+    )
 
 
 def run_replay_command(args: argparse.Namespace) -> int:
@@ -182,12 +256,20 @@ def run_replay_command(args: argparse.Namespace) -> int:
             mrc=args.mrc,
             capacities=args.capacities,
             kv_bytes_per_token=args.kv_bytes_per_token,
-            prices=Prices(args.price_hit, args.price_miss, args.price_output, args.active_params),
+            prices=Prices(
+                args.price_hit,
+                args.price_miss,
+                args.price_output,
+                args.active_params,
+                args.price_store_gb_day,
+            ),
             window_seconds=args.window_seconds,
             strict=args.strict,
             store=args.store,
             workdir=args.workdir,
             jobs=args.jobs,
+            fleet=_fleet(args),
+            routings=args.routing,
         )
         report = run_replay(config)
         written: list[tuple[str, Path]] = []

@@ -30,9 +30,12 @@ from cache_service.tools.replay.engine import (
     replay_embedded,
     replay_http,
 )
+from cache_service.tools.replay.fleet import FleetOptions
+from cache_service.tools.replay.fleet_report import fleet_section
 from cache_service.tools.replay.mrc import lru_curve
 from cache_service.tools.replay.policy_curves import Hits, compare_policies
 from cache_service.tools.replay.progress import Progress
+from cache_service.tools.replay.routing import ROUTINGS
 from cache_service.tools.replay.stats import Outcome, ReplayStats
 from cache_service.tools.replay.traces import TraceError, TraceRequest, read_trace
 
@@ -75,6 +78,10 @@ class ReplayConfig:
     store: str = "lmdb"
     workdir: Path | None = None
     jobs: int = field(default_factory=default_jobs)  # replays of the curves run side by side
+    # Engines with their own prefix caches in front of the store (None: the store alone), and
+    # the routings to compare.
+    fleet: FleetOptions | None = None
+    routings: Sequence[str] = ROUTINGS
 
 
 @dataclass
@@ -178,6 +185,13 @@ def run_replay(config: ReplayConfig, *, log: TextIO = sys.stderr) -> dict[str, A
     """Replay the traces and return the report (docs/content/guides/replay.md lists its fields)."""
     if config.url is not None and config.capacity_tokens is not None:
         raise ReplayError("--capacity-tokens needs the embedded cache: a service has its own")
+    if config.fleet is not None and config.url is not None:
+        raise ReplayError("--engines simulates the engines and the store: drop --url")
+    if config.fleet is not None and config.mrc:
+        raise ReplayError(
+            "--mrc with --engines (the store's curve on top of the engines' caches) is not "
+            "built yet: run the curves without --engines"
+        )
     if len(config.compare) > 1 and not config.mrc:
         raise ReplayError(
             f"--policy {','.join(config.compare)} compares policies, which needs --mrc; "
@@ -230,7 +244,18 @@ def run_replay(config: ReplayConfig, *, log: TextIO = sys.stderr) -> dict[str, A
         "policies": None,
         "cost": cost_report(main.total, config.prices),
         "ceiling_cost": cost_report(ceiling, config.prices),
+        "fleet": None,
     }
+    if config.fleet is not None:
+        report["fleet"] = fleet_section(
+            requests,
+            _embedded(config, units, config.capacity_tokens),
+            config.fleet,
+            config.routings,
+            window_seconds=main.window_seconds,
+            kv_bytes_per_token=config.kv_bytes_per_token,
+            prices=config.prices,
+        )
     if config.mrc:
         report.update(_curves(requests, config, units, log=log))
     return report

@@ -8,6 +8,9 @@ from typing import Any
 from cache_service.tools.replay.stats import Tally
 
 PER_MILLION = 1e6
+# What keeping a GB (10^9 bytes) in the store costs a day: an SSD volume's list price, about
+# $0.12 per GB-month (cloud block storage ranges $0.08-0.17).
+DEFAULT_STORE_GB_DAY = 0.004
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +21,7 @@ class Prices:
     miss_per_million: float = 0.15
     output_per_million: float = 0.60
     active_parameters: float = 8e9
+    store_per_gb_day: float = DEFAULT_STORE_GB_DAY
 
 
 def cost_report(tally: Tally, prices: Prices) -> dict[str, Any]:
@@ -41,4 +45,23 @@ def cost_report(tally: Tally, prices: Prices) -> dict[str, Any]:
         "active_parameters": prices.active_parameters,
         # 2 FLOPs per parameter per token: a lower bound, attention is left out.
         "prefill_flops_saved": tally.hit_tokens * 2 * prices.active_parameters,
+    }
+
+
+def fleet_cost(
+    hit_tokens: int, miss_tokens: int, output_tokens: int, store_gb_days: float, prices: Prices
+) -> dict[str, Any]:
+    """A fleet's bill: engine and store hits at the hit price, computed prompt tokens at the
+    miss price, output, and the store's footprint at its price per GB-day."""
+    tokens = (
+        hit_tokens * prices.hit_per_million
+        + miss_tokens * prices.miss_per_million
+        + output_tokens * prices.output_per_million
+    ) / PER_MILLION
+    store = store_gb_days * prices.store_per_gb_day
+    return {
+        "tokens_usd": round(tokens, 6),
+        "store_gb_days": round(store_gb_days, 6),
+        "store_usd": round(store, 6),
+        "total_usd": round(tokens + store, 6),
     }

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,14 @@ def replay_embedded(
     requests: Sequence[TraceRequest], options: EmbeddedOptions, on_outcome: OnOutcome
 ) -> None:
     """Drive every request through a private PrefixCache, in trace time."""
+    with embedded_store(options) as store:
+        drive_store(requests, options, store, on_outcome)
+
+
+@contextmanager
+def embedded_store(options: EmbeddedOptions) -> Iterator[BlockStore]:
+    """A private store for one replay (its policy and the retention's lifetimes), removed
+    after it."""
     with tempfile.TemporaryDirectory(prefix="replay-", dir=options.workdir) as folder:
         policy = make_policy(options.policy)
         lifetimes = options.retention.lifetimes()
@@ -73,7 +82,7 @@ def replay_embedded(
                 lifetimes=lifetimes,
             )
         try:
-            drive_store(requests, options, store, on_outcome)
+            yield store
         finally:
             store.close()
 
@@ -89,15 +98,7 @@ def drive_store(
     before the next one starts."""
     units = options.units
     clock = VirtualClock()
-    capacity_blocks = None
-    if options.capacity_tokens is not None:
-        capacity_blocks = options.capacity_tokens // units.cache_tokens
-    cache = PrefixCache(
-        store,
-        config=CacheConfig(default_block_size=units.cache_tokens, retention=options.retention),
-        limits=CapacityLimits(capacity_blocks=capacity_blocks),
-        clock=clock,
-    )
+    cache = embedded_cache(options, store, clock)
     payload = bytes(options.payload_bytes_per_token * units.cache_tokens)
     for request in requests:
         clock.now = request.timestamp
@@ -108,10 +109,25 @@ def drive_store(
             retention=retention,
             payload=payload,
         )
-        on_outcome(_outcome(request, units, found.matched_blocks // units.ratio), retention)
+        on_outcome(outcome_of(request, units, found.matched_blocks // units.ratio), retention)
 
 
-def _outcome(request: TraceRequest, units: BlockUnits, hit_blocks: int) -> Outcome:
+def embedded_cache(options: EmbeddedOptions, store: BlockStore, clock: VirtualClock) -> PrefixCache:
+    """A PrefixCache over `store` as a replay runs it: the replay's cache blocks, its
+    capacity in blocks, trace time."""
+    units = options.units
+    capacity_blocks = None
+    if options.capacity_tokens is not None:
+        capacity_blocks = options.capacity_tokens // units.cache_tokens
+    return PrefixCache(
+        store,
+        config=CacheConfig(default_block_size=units.cache_tokens, retention=options.retention),
+        limits=CapacityLimits(capacity_blocks=capacity_blocks),
+        clock=clock,
+    )
+
+
+def outcome_of(request: TraceRequest, units: BlockUnits, hit_blocks: int) -> Outcome:
     """A request's result in the trace's own units."""
     return Outcome(
         request=request,
@@ -189,4 +205,4 @@ def replay_http(
                     retention=retention,
                 )
             hit_blocks = found.cached_tokens // units.trace_tokens
-            on_outcome(_outcome(request, units, hit_blocks), retention or service_default)
+            on_outcome(outcome_of(request, units, hit_blocks), retention or service_default)

@@ -33,11 +33,13 @@ _HASHER = BlockHasher()
 _ENGINE = Namespace(model="replay-engine")  # one engine's hashes: only their equality counts
 
 
-def block_hashes(token_bytes: TokenBytes, block_tokens: int) -> list[BlockKey]:
+def block_hashes(
+    token_bytes: TokenBytes, block_tokens: int, namespace: Namespace = _ENGINE
+) -> list[BlockKey]:
     """An engine's chained hashes of a prompt's full blocks: the cache's own chain keys in a
     namespace of the model's, equal only for equal prefixes, as vLLM's are (the values are
-    not vLLM's)."""
-    return _HASHER.chain(_ENGINE, token_bytes, block_size=block_tokens).keys
+    not vLLM's). Prompts in other namespaces (another model, another cache salt) share none."""
+    return _HASHER.chain(namespace, token_bytes, block_size=block_tokens).keys
 
 
 class EngineCacheTooSmall(ValueError):
@@ -70,6 +72,7 @@ class EngineCache:
         # Head first: the next block handed out. Block 0 is the null block, never free.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._cached: dict[Hashable, dict[int, None]] = {}
+        self._hashed = 0  # blocks that hold a hash
         self._output_ids = itertools.count()
 
     @property
@@ -79,7 +82,7 @@ class EngineCache:
 
     def cached_blocks(self) -> int:
         """Blocks that hold a hash (free or not)."""
-        return sum(1 for value in self._hash if value is not None)
+        return self._hashed
 
     def longest_hit(self, hashes: Sequence[Hashable], prompt_tokens: int) -> int:
         """How many leading prompt blocks are cached, at most `prompt_tokens - 1` tokens'."""
@@ -124,6 +127,7 @@ class EngineCache:
         for index in range(hit, full):
             key = hashes[index] if index < len(hashes) else ("output", next(self._output_ids))
             self._hash[blocks[index]] = key
+            self._hashed += 1
             self._cached.setdefault(key, {})[blocks[index]] = None
         self._free_tail_first(blocks)
         return EngineServe(hit_blocks=hit, computed_blocks=needed - hit, evicted=evicted)
@@ -138,6 +142,7 @@ class EngineCache:
         if not holders:
             del self._cached[key]
         self._hash[block] = None
+        self._hashed -= 1
         return 1
 
     def _free_tail_first(self, blocks: list[int]) -> None:

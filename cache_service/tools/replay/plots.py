@@ -29,6 +29,8 @@ def plot_report(report: dict[str, Any], path: str | Path) -> None:
         panels.append(_plot_curve)
     if report.get("policies"):
         panels.append(_plot_policies)
+    if report.get("fleet"):
+        panels.append(_plot_fleet)
     figure, axes = plt.subplots(
         len(panels), 1, figsize=(10, 4.8 if len(panels) == 1 else 4.5 * len(panels)), squeeze=False
     )
@@ -71,6 +73,28 @@ def _plot_over_time(axis: Any, report: dict[str, Any]) -> None:
     axis.grid(alpha=0.3)
     axis.legend(loc="lower right", fontsize=8)
     axis.set_title("Hit ratio over time")
+
+
+def _plot_fleet(axis: Any, report: dict[str, Any]) -> None:
+    """Per routing, over time: the engines' share of prompt tokens, and with the store's."""
+    fleet = report["fleet"]
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
+    for (name, run), color in zip(fleet["routings"].items(), colors * 4, strict=False):
+        points = run["with_store"]["windows"]
+        starts = [point["start_seconds"] / 60 for point in points]
+        engine = [p["engine_share"] if p["requests"] else None for p in points]
+        both = [p["engine_share"] + p["store_share"] if p["requests"] else None for p in points]
+        axis.plot(starts, both, color=color, lw=1.2, label=f"{name}: engines + store")
+        axis.plot(starts, engine, color=color, lw=1, ls="--", label=f"{name}: engine caches")
+    axis.set_xlabel("trace time (minutes)")
+    axis.set_ylabel(f"share of prompt tokens per {fleet['window_seconds']:g} s window")
+    axis.set_ylim(0, 1)
+    axis.grid(alpha=0.3)
+    axis.legend(loc="upper left", fontsize=7, ncol=2)
+    axis.set_title(
+        f"A fleet of {fleet['engines']} engines ({fleet['engine_cache_tokens']:,} tokens of "
+        "cache each) in front of the store: hits by tier"
+    )
 
 
 def _plot_curve(axis: Any, report: dict[str, Any]) -> None:

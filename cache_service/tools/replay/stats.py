@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from cache_service.tools.replay.traces import TraceRequest
 
@@ -91,10 +92,25 @@ class ReplayStats:
 
     def window_points(self) -> list[dict[str, Any]]:
         """Per window, in time order (empty windows included, so plots show gaps)."""
-        if not self.windows:
-            return []
-        points = []
-        for index in range(min(self.windows), max(self.windows) + 1):
-            tally = self.windows.get(index, Tally())
-            points.append({"start_seconds": index * self.window_seconds, **tally.as_dict()})
-        return points
+        return window_series(self.windows, self.window_seconds, Tally)
+
+
+class Figures(Protocol):
+    """A tally a report shows."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """Its figures."""
+        ...
+
+
+def window_series(
+    windows: Mapping[int, Figures], width: float, empty: Callable[[], Figures]
+) -> list[dict[str, Any]]:
+    """Each window's figures from the first to the last in time order, with its start;
+    windows without requests shown as `empty()`, so that plots show the gaps."""
+    if not windows:
+        return []
+    return [
+        {"start_seconds": index * width, **windows.get(index, empty()).as_dict()}
+        for index in range(min(windows), max(windows) + 1)
+    ]

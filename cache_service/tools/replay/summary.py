@@ -92,7 +92,35 @@ def format_summary(report: dict[str, Any], written: Sequence[tuple[str, Path]] =
             )
     if report.get("policies"):
         lines.extend(format_policy_comparison(report))
+    if report.get("fleet"):
+        lines.extend(format_fleet(report["fleet"]))
     if report["skipped_lines"]:
         lines.append(f"Skipped {report['skipped_lines']:,} malformed lines (listed above)")
     lines.extend(f"Wrote {what}: {path}" for what, path in written)
     return "\n".join(lines)
+
+
+def format_fleet(fleet: dict[str, Any]) -> list[str]:
+    """The fleet's lines: prompt tokens by tier under each routing, with and without the
+    store, and the bills."""
+    store = fleet["store_capacity_tokens"]
+    lines = [
+        f"Fleet: {fleet['engines']} engines, each caching {fleet['engine_cache_tokens']:,} "
+        f"tokens ({fleet['engine_cache_blocks']:,} blocks of {fleet['engine_block_tokens']}); "
+        "store " + ("unbounded" if store is None else f"{store:,} tokens"),
+        f"{'Routing':<14} {'engines':>8} {'store':>7} {'missed':>7}   {'engines alone':>13} "
+        f"{'store adds':>10}   {'bill with store':>15} {'without':>10}",
+    ]
+    for name, run in fleet["routings"].items():
+        stored, alone = run["with_store"], run["engines_only"]
+        lines.append(
+            f"{name:<14} {stored['engine_share']:8.1%} {stored['store_share']:7.1%} "
+            f"{stored['miss_share']:7.1%}   {alone['engine_share']:13.1%} "
+            f"{run['store_adds_share']:10.1%}   {_usd(stored['cost']['total_usd']):>15} "
+            f"{_usd(alone['cost']['total_usd']):>10}"
+        )
+    return lines
+
+
+def _usd(amount: float) -> str:
+    return f"${amount:,.2f}"

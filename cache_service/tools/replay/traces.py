@@ -52,6 +52,7 @@ class TraceRequest:
     tenant: str
     model: str
     salt: str
+    session: str = ""  # a conversation's or agent run's id, for sticky routing ("": none)
 
 
 def detect_format(record: dict[str, Any]) -> str:
@@ -178,6 +179,7 @@ def parse_record(record: Any, fmt: str, *, source: int, line: int) -> TraceReque
         tenant=tenant,
         model=model,
         salt=salt,
+        session=_str(record, "session", ""),
     )
 
 
