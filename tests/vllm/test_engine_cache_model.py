@@ -26,7 +26,7 @@ MAX_MODEL_LEN = 512
 REQUESTS = 36
 
 
-def _requests() -> list[tuple[list[int], int]]:
+def drawn_requests() -> list[tuple[list[int], int]]:
     """(prompt ids, tokens to generate) for each request, drawn once from a fixed seed."""
     draw = random.Random(30)
 
@@ -60,7 +60,7 @@ def _model_hits(requests: list[tuple[list[int], int]]) -> tuple[list[int], int]:
 def test_the_engine_cache_model_predicts_a_real_engines_cached_tokens_per_request(
     smollm2_folder: Path, tmp_path: Path
 ) -> None:
-    requests = _requests()
+    requests = drawn_requests()
     assert all(len(p) + m <= MAX_MODEL_LEN for p, m in requests)
     predicted, evicted = _model_hits(requests)
     assert evicted > 10 and sum(h > 0 for h in predicted) > REQUESTS // 3  # a real test
