@@ -96,8 +96,7 @@ def test_the_fleet_model_predicts_the_engines_and_the_stores_tokens_per_request(
     finally:
         service.stop()
     parted = [
-        f"request {i}: engine {r[0]} + store {r[1]}, "
-        f"simulated {p.engine_tokens} + {p.store_tokens}"
+        f"request {i}: engine {r[0]} + store {r[1]}, simulated {p.engine_tokens} + {p.store_tokens}"
         for i, (r, p) in enumerate(zip(real, predicted, strict=True))
         if r != (p.engine_tokens, p.store_tokens)
     ]
