@@ -306,7 +306,6 @@ def test_the_command_line_runs_a_fleet_and_refuses_what_it_cannot(tmp_path: Path
     for flags, said in [
         (["--engines", "2"], "give one of --engine-cache-blocks or --engine-kv-gib"),
         (["--engine-cache-blocks", "9"], "need --engines"),
-        (["--engines", "2", "--engine-cache-blocks", "9", "--mrc"], "not built yet"),
         (
             ["--engines", "2", "--engine-cache-blocks", "9", "--url", "http://127.0.0.1:9"],
             "drop --url",
@@ -318,3 +317,39 @@ def test_the_command_line_runs_a_fleet_and_refuses_what_it_cannot(tmp_path: Path
     ]:
         refused = cli(str(trace), *flags, cwd=tmp_path)
         assert refused.returncode == 2 and said in refused.stderr, (flags, refused.stderr)
+
+
+def test_the_stores_marginal_curve_meets_the_fleet_run_at_the_stores_own_capacity(
+    tmp_path: Path,
+) -> None:
+    rng = random.Random(7)
+    stems = [[rng.randrange(1000) for _ in range(3 * BLOCK)] for _ in range(4)]
+    lines = []
+    for second in range(60):
+        prompt = rng.choice(stems) + [rng.randrange(1000) for _ in range(rng.randrange(1, 9))]
+        lines.append({"timestamp": second, "tokens": prompt})
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    config = ReplayConfig(
+        traces=[str(trace)],
+        block_size=BLOCK,
+        workdir=tmp_path,
+        store="memory",
+        capacity_tokens=6 * BLOCK,
+        mrc=True,
+        jobs=1,
+        fleet=FleetOptions(2, 8, BLOCK),
+        routings=["round-robin", "prefix-aware"],
+    )
+    fleet = run_replay(config, log=io.StringIO())["fleet"]
+    assert list(fleet["curves"]) == ["round-robin", "prefix-aware"]
+    for name, points in fleet["curves"].items():
+        capacities = [point["capacity_tokens"] for point in points]
+        assert capacities == sorted(capacities) and 6 * BLOCK in capacities
+        at_own = next(p for p in points if p["capacity_tokens"] == 6 * BLOCK)
+        ran = fleet["routings"][name]["with_store"]
+        assert (at_own["engine_tokens"], at_own["store_tokens"]) == (
+            ran["engine_tokens"],
+            ran["store_tokens"],
+        )
+        assert points[-1]["store_tokens"] >= points[0]["store_tokens"]

@@ -11,10 +11,10 @@ import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import replace
-from typing import TextIO
+from typing import TextIO, TypeVar
 
 from cache_service.tools.replay.engine import EmbeddedOptions, replay_embedded
 from cache_service.tools.replay.policy_curves import Hits
@@ -22,6 +22,10 @@ from cache_service.tools.replay.stats import Outcome
 from cache_service.tools.replay.traces import TraceRequest
 
 RunKey = tuple[str, int]  # (policy, capacity in tokens)
+K = TypeVar("K", bound=Hashable)
+R = TypeVar("R")
+# One whole replay at one key: (key, requests, options) -> its result.
+Point = Callable[[K, Sequence[TraceRequest], EmbeddedOptions], R]
 
 # What a worker process replays: set once per process by `_adopt`, so the trace is sent to
 # each worker once rather than with every run.
@@ -51,14 +55,62 @@ def replay_hits(
     return totals[0], totals[1]
 
 
+def _replay_point(key: RunKey, requests: Sequence[TraceRequest], options: EmbeddedOptions) -> Hits:
+    return replay_hits(requests, options, *key)
+
+
 def _adopt(requests: Sequence[TraceRequest], options: EmbeddedOptions) -> None:
     global _worker_requests, _worker_options
     _worker_requests, _worker_options = requests, options
 
 
-def _run(key: RunKey) -> Hits:
+def _run(point: Point[K, R], key: K) -> R:
     assert _worker_options is not None
-    return replay_hits(_worker_requests, _worker_options, *key)
+    return point(key, _worker_requests, _worker_options)
+
+
+def run_points(
+    requests: Sequence[TraceRequest],
+    options: EmbeddedOptions,
+    keys: Sequence[K],
+    point: Point[K, R],
+    *,
+    jobs: int,
+    name: Callable[[K], str],
+    log: TextIO = sys.stderr,
+) -> dict[K, R]:
+    """`point` at every key (one whole replay each), `jobs` at a time; a line on `log` per
+    run, naming it with `name`. `point` must be a module-level function (workers import it)."""
+    pending = list(dict.fromkeys(keys))
+    results: dict[K, R] = {}
+    if not pending:
+        return results
+    started = time.perf_counter()
+
+    def done(key: K, result: R) -> None:
+        results[key] = result
+        log.write(
+            f"capacity curve: {name(key)} done ({len(results)}/{len(pending)}, "
+            f"{time.perf_counter() - started:,.0f} s)\n"
+        )
+        log.flush()
+
+    if jobs <= 1 or len(pending) == 1 or len(requests) < MIN_REQUESTS_FOR_PROCESSES:
+        for key in pending:
+            done(key, point(key, requests, options))
+        return results
+    # Spawned, not forked: the parent may hold threads and open stores a fork would copy.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        max_workers=min(jobs, len(pending)),
+        mp_context=context,
+        initializer=_adopt,
+        initargs=(list(requests), options),
+    ) as pool:
+        futures: dict[Future[R], K] = {pool.submit(_run, point, key): key for key in pending}
+        for future in as_completed(futures):
+            done(futures[future], future.result())
+    return results
 
 
 def run_capacities(
@@ -70,33 +122,12 @@ def run_capacities(
     log: TextIO = sys.stderr,
 ) -> dict[RunKey, Hits]:
     """Every (policy, capacity) replay of `keys`, `jobs` at a time; a line on `log` per run."""
-    pending = list(dict.fromkeys(keys))
-    results: dict[RunKey, Hits] = {}
-    if not pending:
-        return results
-    started = time.perf_counter()
-
-    def done(key: RunKey, hits: Hits) -> None:
-        results[key] = hits
-        log.write(
-            f"capacity curve: {key[0]} @{key[1]:,} tokens done ({len(results)}/{len(pending)}, "
-            f"{time.perf_counter() - started:,.0f} s)\n"
-        )
-        log.flush()
-
-    if jobs <= 1 or len(pending) == 1 or len(requests) < MIN_REQUESTS_FOR_PROCESSES:
-        for key in pending:
-            done(key, replay_hits(requests, options, *key))
-        return results
-    # Spawned, not forked: the parent may hold threads and open stores a fork would copy.
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(
-        max_workers=min(jobs, len(pending)),
-        mp_context=context,
-        initializer=_adopt,
-        initargs=(list(requests), options),
-    ) as pool:
-        futures: dict[Future[Hits], RunKey] = {pool.submit(_run, key): key for key in pending}
-        for future in as_completed(futures):
-            done(futures[future], future.result())
-    return results
+    return run_points(
+        requests,
+        options,
+        keys,
+        _replay_point,
+        jobs=jobs,
+        name=lambda key: f"{key[0]} @{key[1]:,} tokens",
+        log=log,
+    )

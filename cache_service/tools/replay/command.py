@@ -31,6 +31,7 @@ from cache_service.tools.replay.engine import (
     replay_http,
 )
 from cache_service.tools.replay.fleet import FleetOptions
+from cache_service.tools.replay.fleet_curve import fleet_curves
 from cache_service.tools.replay.fleet_report import fleet_section
 from cache_service.tools.replay.mrc import lru_curve
 from cache_service.tools.replay.policy_curves import Hits, compare_policies
@@ -187,11 +188,6 @@ def run_replay(config: ReplayConfig, *, log: TextIO = sys.stderr) -> dict[str, A
         raise ReplayError("--capacity-tokens needs the embedded cache: a service has its own")
     if config.fleet is not None and config.url is not None:
         raise ReplayError("--engines simulates the engines and the store: drop --url")
-    if config.fleet is not None and config.mrc:
-        raise ReplayError(
-            "--mrc with --engines (the store's curve on top of the engines' caches) is not "
-            "built yet: run the curves without --engines"
-        )
     if len(config.compare) > 1 and not config.mrc:
         raise ReplayError(
             f"--policy {','.join(config.compare)} compares policies, which needs --mrc; "
@@ -256,6 +252,20 @@ def run_replay(config: ReplayConfig, *, log: TextIO = sys.stderr) -> dict[str, A
             kv_bytes_per_token=config.kv_bytes_per_token,
             prices=config.prices,
         )
+        if config.mrc:
+            extra = [*config.capacities]
+            if config.capacity_tokens is not None:
+                extra.append(config.capacity_tokens)
+            report["fleet"]["curves"] = fleet_curves(
+                requests,
+                _embedded(config, units, None),
+                config.fleet,
+                config.routings,
+                extra_capacity_tokens=extra,
+                kv_bytes_per_token=config.kv_bytes_per_token,
+                jobs=config.jobs,
+                log=log,
+            )
     if config.mrc:
         report.update(_curves(requests, config, units, log=log))
     return report

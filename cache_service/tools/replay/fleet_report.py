@@ -101,4 +101,5 @@ def fleet_section(
         "store_price_per_gb_day": prices.store_per_gb_day,
         "window_seconds": window_seconds,
         "routings": by_routing,
+        "curves": None,  # with --mrc: the store's marginal curve per routing (fleet_curve)
     }

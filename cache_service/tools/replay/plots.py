@@ -31,13 +31,16 @@ def plot_report(report: dict[str, Any], path: str | Path) -> None:
         panels.append(_plot_policies)
     if report.get("fleet"):
         panels.append(_plot_fleet)
+        if report["fleet"].get("curves"):
+            panels.append(_plot_fleet_curves)
     figure, axes = plt.subplots(
         len(panels), 1, figsize=(10, 4.8 if len(panels) == 1 else 4.5 * len(panels)), squeeze=False
     )
     for panel, row in zip(panels, axes, strict=True):
         panel(row[0], report)
     figure.suptitle(_title(report))
-    figure.tight_layout()
+    # Leave the suptitle about half an inch, whatever the figure's height.
+    figure.tight_layout(rect=(0, 0, 1, 1 - 0.35 / figure.get_figheight()))
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
@@ -95,6 +98,32 @@ def _plot_fleet(axis: Any, report: dict[str, Any]) -> None:
         f"A fleet of {fleet['engines']} engines ({fleet['engine_cache_tokens']:,} tokens of "
         "cache each) in front of the store: hits by tier"
     )
+
+
+def _plot_fleet_curves(axis: Any, report: dict[str, Any]) -> None:
+    """Per routing, by the store's capacity: what the store adds (solid), and the engines'
+    own share (dashed)."""
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
+    for (name, points), color in zip(report["fleet"]["curves"].items(), colors * 4, strict=False):
+        xs = [point["capacity_tokens"] for point in points]
+        axis.plot(
+            xs, [p["store_share"] for p in points], color=color, marker=".", label=f"{name}: store"
+        )
+        axis.plot(
+            xs,
+            [p["engine_share"] for p in points],
+            color=color,
+            ls="--",
+            lw=1,
+            label=f"{name}: engines",
+        )
+    axis.set_xscale("log")
+    axis.set_xlabel("store capacity (tokens)")
+    axis.set_ylabel("share of prompt tokens")
+    axis.set_ylim(0, 1)
+    axis.grid(alpha=0.3)
+    axis.legend(loc="upper left", fontsize=7, ncol=2)
+    axis.set_title("What the store adds on top of the engines' caches, by its capacity")
 
 
 def _plot_curve(axis: Any, report: dict[str, Any]) -> None:

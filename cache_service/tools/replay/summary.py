@@ -119,6 +119,12 @@ def format_fleet(fleet: dict[str, Any]) -> list[str]:
             f"{run['store_adds_share']:10.1%}   {_usd(stored['cost']['total_usd']):>15} "
             f"{_usd(alone['cost']['total_usd']):>10}"
         )
+    for name, points in (fleet.get("curves") or {}).items():
+        shown = points[:: max(1, -(-len(points) // MAX_CURVE_ROWS))]
+        lines.append(
+            f"The store adds, by its capacity ({name}): "
+            + "; ".join(f"{p['capacity_tokens']:,} tokens {p['store_share']:.1%}" for p in shown)
+        )
     return lines
 
 
