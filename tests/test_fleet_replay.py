@@ -241,17 +241,13 @@ def test_a_request_larger_than_an_engines_cache_is_a_clear_error(tmp_path: Path)
 
 
 def test_the_report_splits_each_routing_by_tier_and_prices_the_store(tmp_path: Path) -> None:
-    trace = tmp_path / "trace.jsonl"
     prompt = list(range(8 * BLOCK + 1))
     lines = [
         {"timestamp": t, "tokens": prompt, "output_length": 3} for t in (0, 86_400, 2 * 86_400)
     ]
-    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    config = ReplayConfig(
-        traces=[str(trace)],
-        block_size=BLOCK,
-        workdir=tmp_path,
-        store="memory",
+    config = fleet_config(
+        tmp_path,
+        lines,
         fleet=FleetOptions(2, 64, BLOCK),
         routings=["round-robin", "sticky"],
         kv_bytes_per_token=1_000_000,
@@ -274,6 +270,15 @@ def test_the_report_splits_each_routing_by_tier_and_prices_the_store(tmp_path: P
     assert stored["cost"]["store_usd"] == pytest.approx(32 * 1e6 / 1e9 * 2 * 0.004)
     together = fleet["routings"]["sticky"]["with_store"]
     assert together["engine_tokens"] == 16 * BLOCK and together["store_tokens"] == 0
+
+
+def fleet_config(tmp_path: Path, lines: list[dict[str, Any]], **overrides: Any) -> ReplayConfig:
+    """A replay of `lines` (a token trace written to tmp_path) in blocks of BLOCK."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return ReplayConfig(
+        traces=[str(trace)], block_size=BLOCK, workdir=tmp_path, store="memory", **overrides
+    )
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -328,13 +333,9 @@ def test_the_stores_marginal_curve_meets_the_fleet_run_at_the_stores_own_capacit
     for second in range(60):
         prompt = rng.choice(stems) + [rng.randrange(1000) for _ in range(rng.randrange(1, 9))]
         lines.append({"timestamp": second, "tokens": prompt})
-    trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    config = ReplayConfig(
-        traces=[str(trace)],
-        block_size=BLOCK,
-        workdir=tmp_path,
-        store="memory",
+    config = fleet_config(
+        tmp_path,
+        lines,
         capacity_tokens=6 * BLOCK,
         mrc=True,
         jobs=1,
