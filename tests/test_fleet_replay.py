@@ -354,3 +354,20 @@ def test_the_stores_marginal_curve_meets_the_fleet_run_at_the_stores_own_capacit
             ran["store_tokens"],
         )
         assert points[-1]["store_tokens"] >= points[0]["store_tokens"]
+
+
+def test_prompt_tokens_past_what_the_trace_gives_count_as_computed_in_every_tier(
+    tmp_path: Path,
+) -> None:
+    lines = [
+        {"timestamp": t, "hash_ids": [1, 2], "block_tokens": BLOCK, "input_length": 20}
+        for t in range(3)
+    ]
+    report = run_replay(
+        fleet_config(tmp_path, lines, fleet=FleetOptions(1, 64, BLOCK), routings=["sticky"]),
+        log=io.StringIO(),
+    )
+    stored = report["fleet"]["routings"]["sticky"]["with_store"]
+    assert stored["prompt_tokens"] == report["prompt_tokens"] == 60
+    # The ids cover 8 tokens: 2 blocks, both cached after the first request.
+    assert stored["engine_tokens"] == 2 * 2 * BLOCK and stored["miss_tokens"] == 60 - 16

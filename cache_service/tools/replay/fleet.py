@@ -14,7 +14,7 @@ Requests run one at a time, as in engine_cache: batching and preemption are not 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 
 from cache_service.core.store.protocols import BlockStore
@@ -109,11 +109,18 @@ def drive_fleet(
         tokens = request_tokens(request)
         prompt = _prompt(tokens, request.input_length)
         namespace = request_namespace(request)
+        # A trace may count more prompt tokens than it gives (input_length past its ids or
+        # tokens): the rest is computed, its blocks under hashes no other prompt repeats.
+        prompt_tokens = max(tokens_in(prompt), request.input_length)
         # An engine keeps tenants' equal prompts together, as vLLM does; a salt parts them.
-        hashes = block_hashes(prompt, size, replace(namespace, tenant=""))
-        chosen = router.pick(request, hashes, tokens_in(prompt))
+        hashes: list[Hashable] = list(block_hashes(prompt, size, replace(namespace, tenant="")))
+        hashes += [
+            ("untold", request.source, request.line, index)
+            for index in range(len(hashes), prompt_tokens // size)
+        ]
+        chosen = router.pick(request, hashes, prompt_tokens)
         try:
-            served = engines[chosen].serve(hashes, tokens_in(prompt), request.output_length)
+            served = engines[chosen].serve(hashes, prompt_tokens, request.output_length)
         except EngineCacheTooSmall as exc:
             raise ReplayError(f"trace line {request.line}: {exc}") from None
         engine_tokens = served.hit_blocks * size
@@ -125,12 +132,12 @@ def drive_fleet(
                 retention=request.retention or options.retention.default_class,
                 payload=payload,
             )
-            stored = min(found.matched_blocks * units.cache_tokens, tokens_in(prompt) - 1)
+            stored = min(found.matched_blocks * units.cache_tokens, prompt_tokens - 1)
             store_tokens = max(0, stored // group * group - engine_tokens)
             held = cache.store.usage().blocks * units.cache_tokens
-        computed = tokens_in(prompt) - engine_tokens - store_tokens
+        computed = prompt_tokens - engine_tokens - store_tokens
         router.served(chosen, computed + request.output_length)
-        on_tiers(request, TierHits(chosen, tokens_in(prompt), engine_tokens, store_tokens, held))
+        on_tiers(request, TierHits(chosen, prompt_tokens, engine_tokens, store_tokens, held))
 
 
 def _prompt(tokens: TokenBytes, input_length: int) -> TokenBytes:
