@@ -18,7 +18,7 @@ from starlette.requests import Request
 from cache_service.core.errors import StorageError
 from cache_service.core.retention import DEFAULT_LIFETIMES
 from cache_service.core.store.lmdb.reader import LmdbReader
-from cache_service.core.store.lmdb.store import LmdbStore
+from cache_service.core.store.lmdb.store import FORMAT_KEY, STORE_ID_KEY, LmdbStore
 from cache_service.core.store.lmdb.txn_gate import TxnGate
 from cache_service.service.api.local_reads import _on_loopback
 
@@ -135,3 +135,24 @@ def test_the_slot_of_a_reader_killed_mid_read_is_freed(tmp_path: Path) -> None:
             child.kill()
             child.join()
         store.close()
+
+
+@pytest.mark.parametrize("with_id", [True, False])
+def test_a_store_of_a_format_this_build_does_not_read_is_refused_with_or_without_an_id(
+    tmp_path: Path, with_id: bool
+) -> None:
+    LmdbStore(tmp_path, map_size_bytes=MAP).close()
+    env = lmdb.open(str(tmp_path), max_dbs=16)
+    meta = env.open_db(b"meta")
+    with env.begin(write=True) as txn:
+        txn.put(FORMAT_KEY, b"99", db=meta)
+        if not with_id:  # a store made before store ids
+            txn.delete(STORE_ID_KEY, db=meta)
+    env.close()
+    with pytest.raises(StorageError, match="holds store format b'99'"):
+        LmdbStore(tmp_path, map_size_bytes=MAP)
+    env = lmdb.open(str(tmp_path), max_dbs=16)
+    meta = env.open_db(b"meta")
+    with env.begin() as txn:  # the refused opener wrote nothing
+        assert (txn.get(STORE_ID_KEY, db=meta) is not None) is with_id
+    env.close()

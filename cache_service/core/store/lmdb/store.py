@@ -156,13 +156,13 @@ class LmdbBackend:
             stored_format = bytes(found) if found is not None else None
             if stored_format is None:
                 txn.put(FORMAT_KEY, FORMAT_VERSION, db=meta)
-            if txn.get(STORE_ID_KEY, db=meta) is None:  # new, or made before store ids
-                txn.put(STORE_ID_KEY, os.urandom(16).hex().encode(), db=meta)
             elif stored_format != FORMAT_VERSION and stored_format not in MIGRATES_FROM:
                 raise StorageError(
                     f"{self.path} holds store format {stored_format!r}; this build reads "
                     f"{FORMAT_VERSION!r} (and migrates {b', '.join(sorted(MIGRATES_FROM))!r})"
                 )
+            if txn.get(STORE_ID_KEY, db=meta) is None:  # new, or made before store ids
+                txn.put(STORE_ID_KEY, os.urandom(16).hex().encode(), db=meta)
             if identity is not None:
                 raw = txn.get(_IDENTITY, db=meta)
                 stored = bytes(raw) if raw is not None else None
