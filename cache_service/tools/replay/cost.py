@@ -24,13 +24,19 @@ class Prices:
     store_per_gb_day: float = DEFAULT_STORE_GB_DAY
 
 
+def token_bill(hit_tokens: int, miss_tokens: int, output_tokens: int, prices: Prices) -> float:
+    """Dollars for prompt tokens hit and missed, and for output tokens."""
+    return (
+        hit_tokens * prices.hit_per_million
+        + miss_tokens * prices.miss_per_million
+        + output_tokens * prices.output_per_million
+    ) / PER_MILLION
+
+
 def cost_report(tally: Tally, prices: Prices) -> dict[str, Any]:
     """The bill with and without the cache, and the prefill FLOPs the hits saved."""
-    output = tally.output_tokens * prices.output_per_million / PER_MILLION
-    with_cache = (
-        tally.hit_tokens * prices.hit_per_million + tally.miss_tokens * prices.miss_per_million
-    ) / PER_MILLION + output
-    without_cache = tally.prompt_tokens * prices.miss_per_million / PER_MILLION + output
+    with_cache = token_bill(tally.hit_tokens, tally.miss_tokens, tally.output_tokens, prices)
+    without_cache = token_bill(0, tally.prompt_tokens, tally.output_tokens, prices)
     saved = without_cache - with_cache
     return {
         "prices_per_million_tokens": {
@@ -53,11 +59,7 @@ def fleet_cost(
 ) -> dict[str, Any]:
     """A fleet's bill: engine and store hits at the hit price, computed prompt tokens at the
     miss price, output, and the store's footprint at its price per GB-day."""
-    tokens = (
-        hit_tokens * prices.hit_per_million
-        + miss_tokens * prices.miss_per_million
-        + output_tokens * prices.output_per_million
-    ) / PER_MILLION
+    tokens = token_bill(hit_tokens, miss_tokens, output_tokens, prices)
     store = store_gb_days * prices.store_per_gb_day
     return {
         "tokens_usd": round(tokens, 6),

@@ -16,29 +16,23 @@ from cache_service.tools.replay.accesses import build_accesses
 from cache_service.tools.replay.capacity_runs import run_points
 from cache_service.tools.replay.curves import belady_capacities
 from cache_service.tools.replay.engine import EmbeddedOptions, embedded_store
-from cache_service.tools.replay.fleet import FleetOptions, TierHits, drive_fleet
+from cache_service.tools.replay.fleet import FleetOptions, drive_fleet
+from cache_service.tools.replay.fleet_stats import TierTally
 from cache_service.tools.replay.traces import TraceRequest
 
 FleetKey = tuple[FleetOptions, int]  # (the fleet and its routing, the store's capacity in tokens)
-TierSums = tuple[int, int, int]  # (engine tokens, store tokens, prompt tokens)
 
 
 def fleet_point(
     key: FleetKey, requests: Sequence[TraceRequest], options: EmbeddedOptions
-) -> TierSums:
-    """Tokens from the engines and from the store, and prompt tokens, at one store capacity."""
+) -> TierTally:
+    """Prompt tokens by tier over the whole trace, at one store capacity."""
     fleet, capacity = key
-    sums = [0, 0, 0]
-
-    def count(_request: TraceRequest, tiers: TierHits) -> None:
-        sums[0] += tiers.engine_tokens
-        sums[1] += tiers.store_tokens
-        sums[2] += tiers.prompt_tokens
-
+    tally = TierTally()
     sized = replace(options, capacity_tokens=capacity)
     with embedded_store(sized) as store:
-        drive_fleet(requests, sized, fleet, store, count)
-    return sums[0], sums[1], sums[2]
+        drive_fleet(requests, sized, fleet, store, tally.add)
+    return tally
 
 
 def fleet_curves(
@@ -69,17 +63,14 @@ def fleet_curves(
         log=log,
     )
     curves: dict[str, list[dict[str, Any]]] = {}
-    for (plan, tokens), (engine, store, prompt) in sorted(
+    for (plan, tokens), tally in sorted(
         results.items(), key=lambda item: (routings.index(item[0][0].routing), item[0][1])
     ):
         curves.setdefault(plan.routing, []).append(
             {
                 "capacity_tokens": tokens,
                 "capacity_bytes": tokens * kv_bytes_per_token,
-                "engine_tokens": engine,
-                "store_tokens": store,
-                "engine_share": round(engine / prompt, 6) if prompt else 0.0,
-                "store_share": round(store / prompt, 6) if prompt else 0.0,
+                **tally.as_dict(),
             }
         )
     return curves
