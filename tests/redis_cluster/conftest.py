@@ -22,6 +22,8 @@ import pytest
 
 if TYPE_CHECKING:
     from bench.redis_cluster import LocalRedisCluster
+    from cache_service.core.store.redis.connect import RedisAddress
+    from cache_service.core.store.redis.store import RedisStore
 
 
 def missing(reason: str) -> None:
@@ -67,6 +69,24 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisClus
         yield started
     finally:
         started.stop()
+
+
+def store_address(cluster: LocalRedisCluster) -> RedisAddress:
+    """The address of a cluster's primaries, as the Redis store takes it."""
+    from cache_service.core.store.redis.connect import parse_nodes  # noqa: PLC0415
+
+    return parse_nodes(",".join(f"{a.host}:{a.port}" for a in cluster.primaries()), tls=False)
+
+
+@pytest.fixture
+def store(cluster: LocalRedisCluster) -> Iterator[RedisStore]:
+    """A Redis store on the emptied `cluster`."""
+    from cache_service.core.store.redis.store import RedisStore  # noqa: PLC0415
+
+    cluster.flush_all()
+    opened = RedisStore(store_address(cluster))
+    yield opened
+    opened.close()
 
 
 @pytest.fixture(scope="module")

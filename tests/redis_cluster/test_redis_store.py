@@ -10,7 +10,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -38,13 +38,13 @@ from cache_service.core.errors import (
 from cache_service.core.hashing import BlockHasher, tenant_partition
 from cache_service.core.identity import StoreIdentity, identity_of
 from cache_service.core.store.redis.breaker import CircuitBreaker
-from cache_service.core.store.redis.connect import RedisAddress, check_versions, parse_nodes
+from cache_service.core.store.redis.connect import check_versions, parse_nodes
 from cache_service.core.store.redis.pins import pin_key
 from cache_service.core.store.redis.store import RedisStore
 from cache_service.core.store.redis.values import block_key
 from cache_service.core.store.registry import open_store, parse_store_url
 from cache_service.core.tokens import tokens_to_bytes
-from tests.redis_cluster.conftest import require_tools
+from tests.redis_cluster.conftest import require_tools, store_address
 from tests.redis_cluster.nodes import MEMORY, single_node
 
 BLOCK = 4
@@ -52,19 +52,6 @@ TTL = 3600.0
 HASHER = BlockHasher()
 NS = Namespace(model="redis-model")
 NSID = HASHER.namespace_id(NS)
-
-
-@pytest.fixture
-def store(cluster: LocalRedisCluster) -> Iterator[RedisStore]:
-    """A Redis store on the emptied cluster."""
-    cluster.flush_all()
-    opened = RedisStore(_address(cluster))
-    yield opened
-    opened.close()
-
-
-def _address(cluster: LocalRedisCluster) -> RedisAddress:
-    return parse_nodes(",".join(f"{a.host}:{a.port}" for a in cluster.primaries()), tls=False)
 
 
 def chain(labels: list[int], namespace: Namespace = NS) -> Chain:
@@ -523,7 +510,7 @@ def test_a_hung_primary_makes_lookups_miss_within_the_read_timeout(
 def test_writes_are_tried_again_for_as_long_as_a_failover_of_this_cluster_may_take(
     cluster: LocalRedisCluster,
 ) -> None:
-    address = _address(cluster)
+    address = store_address(cluster)
     fast = RedisStore(address)
     assert fast.write_retry_seconds == 5.0  # node timeout 1 s: 3 s, below the floor
     fast.close()

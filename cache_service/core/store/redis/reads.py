@@ -1,6 +1,7 @@
 """Lookups and payload reads on the Redis store: records read in at most two pipelined round
-trips (the first PROBE_BLOCKS blocks, then the rest at once), each verified before it counts;
-a Redis failure is a miss (counted), never an error for the caller."""
+trips (the first PROBE_BLOCKS blocks, or as many as the prompt matched last time, then the
+rest at once), each verified before it counts; a Redis failure is a miss (counted), never an
+error for the caller."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from cache_service.core.blocks import (
     link_parts,
     store_key,
 )
+from cache_service.core.lifetimes import UNBOUNDED
 from cache_service.core.store.parts.codec import (
     COLLISION,
     DAMAGED,
@@ -28,8 +30,10 @@ from cache_service.core.store.parts.codec import (
     intact,
 )
 from cache_service.core.store.parts.data_path import collect_payloads
-from cache_service.core.store.redis.fanout import Command, Fanout
+from cache_service.core.store.redis.fanout import Command, Fanout, get_command, getrange_commands
+from cache_service.core.store.redis.record_walk import CUT_SHORT, walk_records
 from cache_service.core.store.redis.values import (
+    BLOCK_PREFIX,
     LENGTH,
     RETENTION_SLACK,
     block_key,
@@ -40,6 +44,10 @@ from cache_service.core.store.redis.values import (
 )
 
 PROBE_BLOCKS = 16  # the first round trip of a lookup: a miss costs little
+# A match's incarnation. Redis proves no stored copy unchanged, so the empty one: the cache
+# still keeps the prompt's chain (no hashing it again) and how deep it matched, which the
+# next lookup of the prompt reads at once (see match's `known`), every block verified again.
+UNPROVEN = b""
 MAX_DAMAGED_NOTED = 65536  # damaged keys remembered until the next drop_damaged
 
 
@@ -72,13 +80,22 @@ class RedisReads:
         sink: Callable[[int, bytes | memoryview | None], None] | None = None,
         known: tuple[int, bytes] | None = None,
     ) -> MatchResult:
-        """Count the leading links stored and verified; a Redis failure is a miss (counted)."""
-        del known  # a record is never rewritten in place, but a key may be; verify each time
+        """Count the leading links stored and verified; a Redis failure is a miss (counted).
+        `known` only sizes the first read (its n blocks at once, not a probe of
+        PROBE_BLOCKS first): a key may be evicted or rewritten at any time, so every block is
+        read and verified each time."""
         empty = MatchResult(matched=0, payloads=() if with_payloads and not sink else None)
         if not links:
             return empty
         try:
-            return self._match(namespace, links, now=now, with_payloads=with_payloads, sink=sink)
+            return self._match(
+                namespace,
+                links,
+                now=now,
+                with_payloads=with_payloads,
+                sink=sink,
+                first=max(PROBE_BLOCKS, known[0]) if known else PROBE_BLOCKS,
+            )
         except Exception as exc:  # any client or network failure: the cache forgets
             if not is_redis_error(exc):
                 raise
@@ -93,25 +110,29 @@ class RedisReads:
         now: float,
         with_payloads: bool,
         sink: Callable[[int, bytes | memoryview | None], None] | None,
+        first: int,
     ) -> MatchResult:
         part, root = namespace.partition, namespace.root
         parts = list(link_parts(links))
         matched = collisions = corrupt = 0
         collected: list[bytes] = []
-        windows = [(0, min(PROBE_BLOCKS, len(parts)))]
-        if len(parts) > PROBE_BLOCKS:
-            windows.append((PROBE_BLOCKS, len(parts)))
+        windows = [(0, min(first, len(parts)))]
+        if len(parts) > first:
+            windows.append((first, len(parts)))
+        prefix = BLOCK_PREFIX + part  # block_key(store_key(part, key)), once per lookup
+        record_end = LENGTH.size + TOKENS_AT + RETENTION_SLACK - 1  # before the tokens
         for number, (start, end) in enumerate(windows):
+            window = parts[start:end]
             commands: list[Command] = []
             if number == 0:
-                commands.append(("get", namespace_key(namespace.scope), ()))
-            for key, _parent, tokens, _depth in parts[start:end]:
-                redis_key = block_key(store_key(part, key))
-                if with_payloads:
-                    commands.append(("get", redis_key, ()))
-                else:
-                    last = LENGTH.size + TOKENS_AT + RETENTION_SLACK + len(tokens) - 1
-                    commands.append(("getrange", redis_key, (0, last)))
+                commands.append(get_command(namespace_key(namespace.scope)))
+            if with_payloads:
+                commands += [get_command(prefix + key) for key, _, _, _ in window]
+            else:
+                commands += getrange_commands(
+                    [prefix + key for key, _, _, _ in window],
+                    [record_end + len(tokens) for _, _, tokens, _ in window],
+                )
             answers = self.reads.run(commands)
             if number == 0:
                 held = answers.pop(0)
@@ -119,7 +140,23 @@ class RedisReads:
                     return MatchResult(
                         matched=0, collisions=1, payloads=() if with_payloads and not sink else None
                     )
-            for (key, parent, tokens, depth), value in zip(parts[start:end], answers, strict=True):
+            checked = 0
+            if not with_payloads:  # records only: one loop over them all
+                checked, verdict = walk_records(
+                    window, answers, root=root, now=now, lifetimes=UNBOUNDED
+                )
+                matched += checked
+                if verdict not in {HIT, CUT_SHORT}:
+                    if verdict == DAMAGED:
+                        self._note_damage(store_key(part, window[checked][0]))
+                    collisions += verdict == COLLISION
+                    return self._result(
+                        matched, collisions, corrupt, with_payloads, sink, collected
+                    )
+            # Each block in turn: with payloads, or from a record cut short (read again).
+            for (key, parent, tokens, depth), value in zip(
+                window[checked:], answers[checked:], strict=True
+            ):
                 skey = store_key(part, key)
                 record, payload = record_of(self.reads.client, skey, value, whole=with_payloads)
                 verdict = check_record(
@@ -163,7 +200,11 @@ class RedisReads:
     ) -> MatchResult:
         payloads = tuple(collected) if with_payloads and sink is None else None
         return MatchResult(
-            matched=matched, collisions=collisions, payloads=payloads, corrupt=corrupt
+            matched=matched,
+            collisions=collisions,
+            payloads=payloads,
+            corrupt=corrupt,
+            incarnation=UNPROVEN if matched else None,
         )
 
     def get_payloads(
@@ -188,8 +229,8 @@ class RedisReads:
         if not keys:
             return 0
         part = namespace.partition
-        commands: list[Command] = [("get", namespace_key(namespace.scope), ())]
-        commands += [("get", block_key(store_key(part, key)), ()) for key in keys]
+        commands = [get_command(namespace_key(namespace.scope))]
+        commands += [get_command(block_key(store_key(part, key))) for key in keys]
         try:
             held, *values = self.reads.run(commands)
         except Exception as exc:
