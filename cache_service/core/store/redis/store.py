@@ -20,9 +20,10 @@ values.py has the value's format):
     pc:p:..., pc:c:... pins and per-block pin counts (pins.py)
 
 The parts: reads.py (lookups: records in at most two round trips, a failure is a miss),
-fanout.py (those reads, batched per node), record_walk.py (a lookup's checks), writes.py (stores tried again through a failover, behind a breaker; hits
-slide expiry), controls.py (pins, purge, inspect), subtrees.py (what lies under a
-block, by a SCAN), connect.py (the URL, the client, the server's memory settings).
+fanout.py (those reads, batched per node), record_walk.py (a lookup's checks), writes.py
+(stores tried again through a failover, behind a breaker; hits slide expiry), controls.py
+(pins, purge, inspect), subtrees.py (what lies under a block, by a SCAN), connect.py (the
+URL, the client, the server's memory settings).
 A block's record keeps an infinite expiry: the key's own TTL is its lifetime.
 
 What it does not keep: a removal log and first-block hints (explanations say less), tenants'
