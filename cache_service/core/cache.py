@@ -185,7 +185,9 @@ class PrefixCache:
             result = self.store.match(
                 namespace_id, links, now=self.clock(), with_payloads=with_payloads, sink=sink,
             )  # fmt: skip
-        if result.incarnation is not None:
+        # A memo that held already (same depth, same copy) stays as it is: putting it again
+        # would hash the whole prompt once more for its key.
+        if result.incarnation is not None and known != (result.matched, result.incarnation):
             self._recent.put(
                 namespace_id.scope,
                 block_size,

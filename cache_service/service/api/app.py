@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, disable_created_metrics
@@ -41,6 +42,7 @@ class RequestTimer:
     def __init__(self, app: ASGIApp, *, metrics: CacheMetrics) -> None:
         self.app = app
         self.metrics = metrics
+        self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Time one request."""
@@ -62,8 +64,19 @@ class RequestTimer:
         finally:
             # The router leaves the matched route in the scope: its template is a bounded label.
             route = getattr(scope.get("route"), "path", None) or "other"
-            self.metrics.request_duration.labels(route=route).observe(time.perf_counter() - started)
-            self.metrics.requests.labels(route=route, code=str(status)).inc()
+            duration, count = self._children.get((route, status)) or self._labelled(route, status)
+            duration.observe(time.perf_counter() - started)
+            count.inc()
+
+    def _labelled(self, route: str, status: int) -> tuple[Any, Any]:
+        """A route's and status's children, looked up once: labels() is a dict walk under a
+        lock, twice a request otherwise. Both are bounded: route templates, HTTP codes."""
+        pair = (
+            self.metrics.request_duration.labels(route=route),
+            self.metrics.requests.labels(route=route, code=str(status)),
+        )
+        self._children[route, status] = pair
+        return pair
 
 
 def app_from_environment() -> FastAPI:
