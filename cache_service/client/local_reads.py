@@ -12,6 +12,11 @@ are dropped, and what the files lack of it (evicted, damaged, or a folder that i
 service's) is fetched over HTTP; what neither has ends the match there. A cache may forget
 between the two; it never answers with bytes it did not verify.
 
+Payloads asked for by key (`get_blocks`, `read_blocks`: the vLLM connector's loads) come from
+the files the same way, verified as the service's own fetch verifies them (the record alive,
+of the caller's namespace, the payload's length and checksum); the keys the files lack are
+fetched over HTTP.
+
 The service offers this only with --local-reads (GET /v1/local-reads, over loopback), and
 the client uses it only when the offer's boot id is its own kernel's and the folder opens as
 the very store the service named (its random store id). An offer that cannot be used is asked
@@ -26,18 +31,19 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import lmdb
 
 from cache_service.client.answers import Match, Payload
-from cache_service.core.blocks import Chain, Namespace
+from cache_service.core.blocks import BlockKey, Chain, Namespace
 from cache_service.core.errors import PromptCacheError
 from cache_service.core.hashing import BlockHasher
 from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.same_host import boot_id
 from cache_service.core.store.lmdb.reader import LmdbReader
+from cache_service.core.store.parts.backend import PayloadSink
 from cache_service.core.tokens import TokenBytes
 from cache_service.wire.answers import LocalReadsResponse, Usage
 
@@ -139,6 +145,34 @@ class LocalReads:
             log.warning("same-host read of %s failed, fetching over HTTP: %s", self.path, exc)
             out.clear()
         return LocalRead(chain, block_size, out)
+
+    def read_blocks(
+        self,
+        model: str,
+        keys: Sequence[BlockKey],
+        *,
+        kv_layout: str,
+        salt: str | None,
+        sink: PayloadSink,
+    ) -> list[int]:
+        """Hand each key's payload that the files hold, verified, to `sink(index, view)` (a
+        view into the map, valid only during the call); the indexes not handed over (absent,
+        expired, damaged, or every one left when the files fail: HTTP then answers)."""
+        namespace = Namespace(model, kv_layout, self._tenant, salt or "")
+        handed = [False] * len(keys)
+
+        def keep(index: int, payload: bytes | memoryview | None) -> None:
+            if payload is not None:
+                sink(index, payload)
+                handed[index] = True
+
+        try:
+            self._reader.read_payloads(
+                self._hasher.namespace_id(namespace), keys, now=self._clock(), sink=keep
+            )
+        except (PromptCacheError, lmdb.Error, OSError) as exc:  # fail open: HTTP answers
+            log.warning("same-host read of %s failed, fetching over HTTP: %s", self.path, exc)
+        return [index for index, done in enumerate(handed) if not done]
 
     def close(self) -> None:
         """Close the files (and give back the reader slot)."""

@@ -18,7 +18,7 @@ from cache_service.client.answers import (
     StoreResult,
     _parse_local_reads,
 )
-from cache_service.client.base import _T, FETCH_KEYS, Clock, _BaseCacheClient, _Call
+from cache_service.client.base import _T, FETCH_KEYS, Clock, _BaseCacheClient, _Call, _key_text
 from cache_service.client.local_reads import (
     LOCAL_READS_PATH,
     LocalRead,
@@ -27,7 +27,7 @@ from cache_service.client.local_reads import (
 )
 from cache_service.client.route_answer import RouteAnswer, build_route_call
 from cache_service.client.transport import StdlibTransport
-from cache_service.core.blocks import BlockKey
+from cache_service.core.blocks import BlockKey, key_from_hex
 from cache_service.core.errors import ServiceError
 from cache_service.core.tokens import TokenInput, as_token_bytes
 
@@ -186,7 +186,7 @@ class CacheClient(_BaseCacheClient):
         # Evicted, damaged or not in these files: what the service still has, in requests
         # under its max_blocks_per_request, up to the first block it no longer has.
         for start in range(0, len(missing), FETCH_KEYS):
-            fetched = self.get_blocks(
+            fetched = self._fetch(
                 model, missing[start : start + FETCH_KEYS], kv_layout=kv_layout, salt=salt,
                 copy=copy,
             )  # fmt: skip
@@ -263,9 +263,61 @@ class CacheClient(_BaseCacheClient):
         copy: bool = True,
     ) -> list[Payload | None]:
         """The payload of each key, in order; None for a block the service no longer has.
-        With copy=False each payload is a memoryview into the answer (no copy of the bytes)."""
+        With copy=False each payload is a memoryview into the answer (no copy of the bytes).
+        With `local_reads` on, read from the store's files where they hold the key (bytes)."""
         if not keys:
             return []
+        if not self._local.wanted:
+            return self._fetch(model, keys, kv_layout=kv_layout, salt=salt, copy=copy)
+        out: list[Payload | None] = [None] * len(keys)
+
+        def keep(index: int, payload: Payload | None) -> None:
+            out[index] = None if payload is None else bytes(payload)
+
+        self.read_blocks(model, keys, keep, kv_layout=kv_layout, salt=salt)
+        return out
+
+    def read_blocks(
+        self,
+        model: str,
+        keys: Sequence[BlockKey | str],
+        sink: Callable[[int, Payload | None], None],
+        *,
+        kv_layout: str = "",
+        salt: str | None = None,
+    ) -> None:
+        """Hand each key's payload to `sink(index, view)`, once per key but not in order (None
+        for a block the service no longer has); a view is valid only during its call, so the
+        caller copies the bytes where they go, once. From the store's files when `local_reads`
+        is on and the service offers them, the rest over HTTP in fetches of FETCH_KEYS."""
+        texts = [_key_text(key) for key in keys]  # InvalidField for a bad key, before any read
+        missing: Sequence[int] = range(len(texts))
+        if self._local.wanted and texts:
+            reader = self._local.reader(lambda: self._send(LOCAL_READS_CALL))
+            if reader is not None:
+                own = [key_from_hex(text) for text in texts]
+                missing = reader.read_blocks(
+                    model, own, kv_layout=kv_layout, salt=salt, sink=sink
+                )  # fmt: skip
+        for start in range(0, len(missing), FETCH_KEYS):
+            part = missing[start : start + FETCH_KEYS]
+            fetched = self._fetch(
+                model, [texts[index] for index in part], kv_layout=kv_layout, salt=salt,
+                copy=False,
+            )  # fmt: skip
+            for index, payload in zip(part, fetched, strict=True):
+                sink(index, payload)
+
+    def _fetch(
+        self,
+        model: str,
+        keys: Sequence[BlockKey | str],
+        *,
+        kv_layout: str,
+        salt: str | None,
+        copy: bool,
+    ) -> list[Payload | None]:
+        """POST /v1/blocks/fetch for `keys`, in one request."""
         return self._send(
             self._build_get_blocks(model, keys, kv_layout=kv_layout, salt=salt, copy=copy)
         )

@@ -87,6 +87,42 @@ def test_a_prefix_of_the_stored_prompt_reads_only_its_blocks(local_server: Serve
     assert other.matched_blocks == 1 and other.payloads == BLOCKS[:1]
 
 
+def test_blocks_asked_for_by_key_come_from_the_files_and_the_rest_over_http(
+    local_server: ServerProcess,
+) -> None:
+    with CacheClient(local_server.url) as plain:
+        keys = list(plain.lookup(MODEL, PROMPT).keys)
+    unknown = "ab" * 16  # a key no store holds: the files lack it, so HTTP is asked
+    seen: dict[int, bytes | None] = {}
+    with CacheClient(local_server.url, local_reads=True) as client:
+        got = client.get_blocks(MODEL, [*keys, unknown])
+        assert client.local_reads_status.startswith("on: ")
+        client.read_blocks(
+            MODEL, keys[::-1], lambda i, view: seen.__setitem__(i, view and bytes(view))
+        )
+        foreign = client.get_blocks("another-model", keys[:2])
+    assert got == [*BLOCKS, None]
+    assert seen == {index: BLOCKS[7 - index] for index in range(8)}
+    assert foreign == [None, None]  # another namespace's keys: neither the files nor HTTP
+    assert fetch_requests(local_server) == 2  # the unknown key, then the foreign pair
+
+
+def test_a_damaged_payload_asked_for_by_key_is_none(local_server: ServerProcess) -> None:
+    with CacheClient(local_server.url) as plain:
+        keys = list(plain.lookup(MODEL, PROMPT).keys)
+    data = local_server.data_dir / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    at = raw.find(BLOCKS[2][:64])
+    with data.open("r+b") as file:  # bit rot under the running service, in its mapped file
+        file.seek(at + 100)
+        file.write(bytes([raw[at + 100] ^ 0x01]))
+    with CacheClient(local_server.url, local_reads=True) as client:
+        got = client.get_blocks(MODEL, keys)
+    # The files fail block 2's checksum, so does the service (asked for it alone).
+    assert got == [*BLOCKS[:2], None, *BLOCKS[3:]]
+    assert fetch_requests(local_server) == 1
+
+
 def test_a_folder_that_is_not_the_services_is_never_trusted(
     make_server: Callable[..., ServerProcess], local_server: ServerProcess
 ) -> None:
