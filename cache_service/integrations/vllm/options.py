@@ -42,6 +42,10 @@ class ConnectorOptions:
     store_queue_bytes: int = 1 << 30  # KV copied out and waiting to be stored, at most
     store_request_bytes: int = 64 << 20  # payload bytes in one store request, at most
     backoff_max_seconds: float = 30.0  # after failures, calls skip the network this long at most
+    # Loads read the payloads from the service's LMDB files when the engine runs on the
+    # service's host and the service offers it (`serve --local-reads`); else over HTTP.
+    local_reads: bool = False
+    local_reads_path: str = ""  # the store's folder as this host mounts it; "" = as offered
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -75,7 +79,7 @@ class ConnectorOptions:
 def _checked(key: str, value: Any, kind: type) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if not isinstance(value, kind) or isinstance(value, bool):
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise OptionError(
             f"kv_connector_extra_config: {key} must be {kind.__name__}, got {value!r}"
         )

@@ -1,12 +1,14 @@
 """The connector's half in vLLM's worker: KV bytes between the service and the paged cache.
 
-Loads are synchronous, before the forward that needs them: every piece of a group is fetched
-(one request for the step's keys), its header checked against the running layout, and the
-group's vLLM blocks written, every layer, in the backend's own byte layout. A group that is
-missing, refused or unreadable ends that request's load there: its blocks and every later
-one are reported to vLLM (`take_failed_blocks`), which recomputes them
-(`kv_load_failure_policy: recompute`), and the request stores nothing in that step, since its
-forward attended to blocks that were not loaded.
+Loads are synchronous, before the forward that needs them: every piece of a group is read
+(from the store's files with the `local_reads` option on the service's host, otherwise in one
+HTTP request for the step's keys), its header checked against the running layout, and its
+KV copied once, from the view it came in, into the group's vLLM blocks, every layer, in the
+backend's own byte layout. A group that is missing, refused or unreadable ends that request's
+load there: its blocks and every later one are reported to vLLM (`take_failed_blocks`),
+which recomputes them (`kv_load_failure_policy: recompute`), so what was copied into them
+does not matter, and the request stores nothing in that step, since its forward attended to
+blocks that were not loaded.
 
 Stores never block the forward for the network: at the step's end the completed groups are
 copied out of the paged cache (so vLLM may free or reuse the blocks at once) and queued; a
@@ -23,9 +25,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import partial
 
+import numpy as np
 import torch
 
 from cache_service.client import CacheClient
@@ -41,6 +45,34 @@ from cache_service.integrations.vllm.plan import LoadTask, StepPlan, StoreTask
 logger = logging.getLogger(__name__)
 NOTES = RateLimitedLog(logger)
 DRAIN_SECONDS = 30.0  # at shutdown, queued stores get this long to finish
+
+
+@dataclass(slots=True)
+class _Landed:
+    """Which pieces of one fetch of a load task were written, and why any was refused."""
+
+    task: LoadTask
+    groups: BlockGroups
+    start: int  # the fetch's first key, as an index into task.keys
+    count: int  # its keys
+    ok: list[bool] = field(init=False)
+    refused: dict[int, BlockRefused] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.ok = [False] * self.count
+
+    def whole_groups(self) -> int:
+        """The fetch's leading groups every piece of which was written."""
+        pieces = self.groups.service_blocks
+        for group in range(self.count // pieces):
+            if not all(self.ok[group * pieces : (group + 1) * pieces]):
+                return group
+        return self.count // pieces
+
+    def refusal_in(self, group: int) -> BlockRefused | None:
+        """Why a piece of the fetch's `group` was refused, if one was."""
+        pieces = range(group * self.groups.service_blocks, (group + 1) * self.groups.service_blocks)
+        return next((self.refused[i] for i in pieces if i in self.refused), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +102,7 @@ class WorkerSide:
         self.store_queue_bytes = store_queue_bytes
         self.store_request_bytes = store_request_bytes
         self._layers: list[torch.Tensor] = []  # each layer's cache as [blocks, block bytes]
+        self._arrays: list[np.ndarray] = []
         self.refusal = "vLLM registered no KV cache"  # why the caches were not taken, or ""
         self._failed_blocks: set[int] = set()
         self._queue: queue.Queue[_QueuedStore | None] = queue.Queue()
@@ -102,6 +135,9 @@ class WorkerSide:
             logger.error("prompt cache connector disabled: vLLM's KV cache: %s", problem)
             return
         self._layers = [cache.view(cache.shape[0], -1).view(torch.uint8) for cache in layers]
+        # The same memory as numpy arrays, which loads write: numpy copies from a read-only
+        # buffer (the store's map, an HTTP answer) as it is, where torch would warn or copy.
+        self._arrays = [layer.numpy() for layer in self._layers]
 
     @property
     def enabled(self) -> bool:
@@ -138,55 +174,59 @@ class WorkerSide:
 
     def _load_task(self, task: LoadTask, groups: BlockGroups, written: list[int]) -> None:
         """Write the task's vLLM blocks in order, up to the first group that cannot be."""
-        ns = task.namespace
-        piece_bytes = groups.piece_bytes(self.layout.block_bytes)
-        per_fetch = max(1, FETCH_KEYS // groups.service_blocks) * groups.service_blocks
+        pieces = groups.service_blocks
+        per_fetch = max(1, FETCH_KEYS // pieces) * pieces
         for start in range(0, len(task.keys), per_fetch):
             keys = task.keys[start : start + per_fetch]
-            payloads = self.client.get_blocks(
-                ns.model, keys, kv_layout=ns.kv_layout, salt=ns.salt, copy=False
-            )
-            for index in range(len(keys) // groups.service_blocks):
-                pieces = payloads[
-                    index * groups.service_blocks : (index + 1) * groups.service_blocks
-                ]
-                kv = self._checked_group(pieces, groups, piece_bytes, ns.kv_layout)
-                if kv is None:
-                    return
-                blocks = kv.view(groups.engine_blocks, len(self._layers), -1)
-                skip = task.skip if start == index == 0 else 0
-                for position in range(skip, groups.engine_blocks):
-                    block_id = task.block_ids[written[0]]
-                    for layer, cache in enumerate(self._layers):
-                        cache[block_id].copy_(blocks[position, layer])
-                    written[0] += 1
+            landed = _Landed(task, groups, start, len(keys))
+            self.client.read_blocks(
+                task.namespace.model, keys, partial(self._write_piece, landed),
+                kv_layout=task.namespace.kv_layout, salt=task.namespace.salt,
+            )  # fmt: skip
+            whole = landed.whole_groups()
+            end = (start // pieces + whole) * groups.engine_blocks - task.skip
+            written[0] = min(len(task.block_ids), max(0, end))
+            if whole < len(keys) // pieces:
+                refusal = landed.refusal_in(whole)
+                if refusal is not None:
+                    self.counters.miss(f"refused_{refusal.field}")
+                    NOTES.warn(f"prompt cache block refused ({refusal.field}): {refusal}")
+                return
 
-    def _checked_group(
-        self,
-        pieces: Sequence[bytes | memoryview | None],
-        groups: BlockGroups,
-        piece_bytes: int,
-        kv_layout: str,
-    ) -> torch.Tensor | None:
-        """A group's KV as one uint8 tensor, or None (counted) unless every piece checks out."""
-        kv = bytearray()
-        for piece, payload in enumerate(pieces):
-            if payload is None:  # evicted or purged since the lookup
-                return None
-            try:
-                offset = self.layout.check_piece(
-                    payload,
-                    piece=piece,
-                    pieces=groups.service_blocks,
-                    kv_bytes=piece_bytes,
-                    kv_layout=kv_layout,
-                )
-            except BlockRefused as refusal:
-                self.counters.miss(f"refused_{refusal.field}")
-                NOTES.warn(f"prompt cache block refused ({refusal.field}): {refusal}")
-                return None
-            kv += memoryview(payload)[offset:]
-        return torch.frombuffer(kv, dtype=torch.uint8)
+    def _write_piece(self, landed: _Landed, index: int, payload: bytes | memoryview | None) -> None:
+        """Check one piece's header and copy its KV into the paged cache: the blocks of its
+        group that vLLM does not already hold, every layer, straight from `payload` (a view
+        into the store's map or the answer: the one copy of these bytes)."""
+        if payload is None:  # evicted or purged since the lookup
+            return
+        groups, task = landed.groups, landed.task
+        piece = index % groups.service_blocks
+        piece_bytes = groups.piece_bytes(self.layout.block_bytes)
+        try:
+            offset = self.layout.check_piece(
+                payload,
+                piece=piece,
+                pieces=groups.service_blocks,
+                kv_bytes=piece_bytes,
+                kv_layout=task.namespace.kv_layout,
+            )
+        except BlockRefused as refusal:
+            landed.refused[index] = refusal
+            return
+        data = np.frombuffer(payload, dtype=np.uint8, offset=offset)
+        group = (landed.start + index) // groups.service_blocks
+        first = group * groups.engine_blocks - task.skip  # block_ids index of its first block
+        layer_bytes, layers = self._arrays[0].shape[1], len(self._arrays)
+        done, at = 0, piece * piece_bytes  # where this piece starts in its group's bytes
+        while done < len(data):  # the group's bytes: [engine blocks, layers, layer_bytes]
+            unit, skip_bytes = divmod(at + done, layer_bytes)
+            position, layer = divmod(unit, layers)
+            count = min(layer_bytes - skip_bytes, len(data) - done)
+            if first + position >= 0:  # not one of the first group's blocks vLLM holds
+                row = self._arrays[layer][task.block_ids[first + position]]
+                row[skip_bytes : skip_bytes + count] = data[done : done + count]
+            done += count
+        landed.ok[index] = True
 
     def take_failed_blocks(self) -> set[int]:
         """vLLM block ids whose load failed since the last call (vLLM recomputes them)."""
