@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench.peers.harness import free_port, stop_process, wait_for_port
 
 
@@ -28,6 +30,15 @@ class Service:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
         return float("nan")
+
+
+def fetch_requests(url: str) -> float:
+    """How many POST /v1/blocks/fetch our service at `url` has answered (its /metrics)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(url + "/metrics", timeout=30).text.splitlines()
+        if line.startswith("prompt_cache_requests_total") and '"/v1/blocks/fetch"' in line
+    )
 
 
 def _script(name: str) -> list[str]:

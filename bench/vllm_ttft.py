@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.services import our_service
+from bench.services import fetch_requests, our_service
 from bench.vllm_engine import EngineProcess
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,6 +125,9 @@ def main() -> None:
         our_service(work / "data-local", local_reads="true") as local,
     ):
         report = _run(model, work, {"ours": service.url, "ours-local": local.url}, lengths, rounds)
+        fetched = fetch_requests(local.url)
+    if fetched:  # the column would say "same-host reads" of payloads that came over HTTP
+        raise SystemExit(f"ours-local fetched payloads over HTTP {fetched:.0f} times")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     args.out.with_suffix(".md").write_text(report["markdown"])

@@ -14,6 +14,7 @@ import httpx
 import lmdb
 import pytest
 
+from bench.services import fetch_requests
 from cache_service.client import CacheClient, sync
 from cache_service.client.local_reads import (
     RETRY_SECONDS,
@@ -32,16 +33,6 @@ MODEL = "local-reads-model"
 BLOCK = 16
 PROMPT = list(range(1000, 1000 + 8 * BLOCK))  # 8 blocks
 BLOCKS = [os.urandom(3000) for _ in range(8)]
-
-
-def fetch_requests(server: ServerProcess) -> float:
-    """How many POST /v1/blocks/fetch the service has answered."""
-    text = httpx.get(server.url + "/metrics").text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("prompt_cache_requests_total") and '"/v1/blocks/fetch"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def lookups_served(server: ServerProcess) -> float:
@@ -72,7 +63,7 @@ def test_a_same_host_client_reads_the_payloads_from_the_files(local_server: Serv
         assert client.local_reads_status == f"on: {local_server.data_dir.resolve()}"
     assert match.matched_blocks == 8 and match.cached_tokens == 8 * BLOCK
     assert match.payloads == BLOCKS
-    assert fetch_requests(local_server) == 0  # not one payload came over HTTP
+    assert fetch_requests(local_server.url) == 0  # not one payload came over HTTP
     assert lookups_served(local_server) == 1  # the lookup itself did, and was counted
     with CacheClient(local_server.url) as plain:  # the same answer as over HTTP
         over_http = plain.lookup(MODEL, [*PROMPT, 7, 7, 7], fetch=True)
@@ -104,7 +95,7 @@ def test_blocks_asked_for_by_key_come_from_the_files_and_the_rest_over_http(
     assert got == [*BLOCKS, None]
     assert seen == {index: BLOCKS[7 - index] for index in range(8)}
     assert foreign == [None, None]  # another namespace's keys: neither the files nor HTTP
-    assert fetch_requests(local_server) == 2  # the unknown key, then the foreign pair
+    assert fetch_requests(local_server.url) == 2  # the unknown key, then the foreign pair
 
 
 def test_a_damaged_payload_asked_for_by_key_is_none(local_server: ServerProcess) -> None:
@@ -120,7 +111,7 @@ def test_a_damaged_payload_asked_for_by_key_is_none(local_server: ServerProcess)
         got = client.get_blocks(MODEL, keys)
     # The files fail block 2's checksum, so does the service (asked for it alone).
     assert got == [*BLOCKS[:2], None, *BLOCKS[3:]]
-    assert fetch_requests(local_server) == 1
+    assert fetch_requests(local_server.url) == 1
 
 
 def test_a_folder_that_is_not_the_services_is_never_trusted(
@@ -147,12 +138,12 @@ def test_files_that_fail_to_read_leave_the_payloads_to_http_in_bounded_fetches(
 
     monkeypatch.setattr(LmdbReader, "read_prefix", unreadable)
     monkeypatch.setattr(sync, "FETCH_KEYS", 3)  # 8 blocks: fetches of 3, 3 and 2 keys
-    before = fetch_requests(local_server)
+    before = fetch_requests(local_server.url)
     with CacheClient(local_server.url, local_reads=True) as client:
         match = client.lookup(MODEL, PROMPT, fetch=True)
         assert client.local_reads_status.startswith("on: ")
     assert match.matched_blocks == 8 and match.payloads == BLOCKS
-    assert fetch_requests(local_server) == before + 3
+    assert fetch_requests(local_server.url) == before + 3
 
 
 def test_an_offer_that_could_not_be_used_is_asked_for_again_later(

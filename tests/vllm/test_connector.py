@@ -50,6 +50,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.services import fetch_requests
 from bench.vllm_engine import EngineProcess
 from tests.integration.conftest import ServerProcess, free_port
 from tests.vllm.conftest import VLLM_PYTHON, engine
@@ -112,15 +113,6 @@ def _metric(url: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def _fetches(url: str) -> float:
-    """How many POST /v1/blocks/fetch the service has answered."""
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in httpx.get(url + "/metrics", timeout=30).text.splitlines()
-        if line.startswith("prompt_cache_requests_total") and '"/v1/blocks/fetch"' in line
-    )
 
 
 def _run_server(model: Path, service_url: str, log_path: Path) -> dict[str, Any]:
@@ -206,10 +198,10 @@ def _phase_c(c: EngineProcess) -> dict[str, Any]:
 def _phase_b(b: EngineProcess, service: ServerProcess) -> dict[str, Any]:
     """B loads A's blocks, misses under another salt, then loses the service mid-run."""
     prompts = _prompts()
-    fetches = _fetches(service.url)
+    fetches = fetch_requests(service.url)
     seen = {"B": b.generate(prompts, max_tokens=NEW_TOKENS, logprobs=TOP)}
     seen["B_counters"] = b.counters()
-    seen["B_fetches"] = _fetches(service.url) - fetches
+    seen["B_fetches"] = fetch_requests(service.url) - fetches
     seen["B_salted"] = b.generate(
         prompts[:1], max_tokens=NEW_TOKENS, logprobs=TOP, cache_salt="tenant-b"
     )
