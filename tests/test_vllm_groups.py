@@ -9,7 +9,7 @@ from array import array
 
 import pytest
 
-from cache_service.integrations.vllm.groups import BlockGroups
+from cache_service.core.engines.groups import BlockGroups
 
 ENGINE_SIZES = (16, 64, 128, 256)
 SERVICE_SIZES = (16, 64, 128)

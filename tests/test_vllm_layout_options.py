@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from cache_service.core.engines.groups import BlockGroups
 from cache_service.integrations.kv_layout import BlockRefused
-from cache_service.integrations.vllm.groups import BlockGroups
 from cache_service.integrations.vllm.layout import MAX_KV_LAYOUT_CHARS, EngineLayout
 from cache_service.integrations.vllm.options import (
     DEFAULT_API_KEY_ENV,
@@ -51,6 +51,9 @@ OTHER_VALUES: list[Any] = [
     pytest.param("block_bytes", LAYOUT.block_bytes * 2, id="block_bytes"),
     pytest.param("tp_rank", 1, id="tp_rank"),
     pytest.param("tp_size", 2, id="tp_size"),
+    pytest.param("tp_replicated", True, id="tp_replicated"),
+    pytest.param("device", "cuda", id="device"),
+    pytest.param("kv_cache_layout", "LBNHC", id="kv_cache_layout"),
 ]
 
 
@@ -83,7 +86,9 @@ def test_the_namespace_names_the_layouts_parts_within_the_services_limit() -> No
     realistic = dataclasses.replace(
         LAYOUT,
         weights="xxh3:" + "f" * 32,
+        device="cuda",
         backend="FLASH_ATTN_WITH_A_LONG_BACKEND_NAME",
+        kv_cache_layout="LBNHC",
         isa="vec16",
         kv_dtype="float8_e4m3fnuz",
         layers=128,
@@ -96,9 +101,21 @@ def test_the_namespace_names_the_layouts_parts_within_the_services_limit() -> No
     )
     name = realistic.namespace_name
     assert len(name) <= MAX_KV_LAYOUT_CHARS == 256
-    for part in ("FLASH_ATTN", "isa=vec16", "float8_e4m3fnuz", "layers=128", "tp=15/16"):
+    parts = ("cuda:FLASH_ATTN", ";LBNHC;", "isa=vec16", "float8_e4m3fnuz", "layers=128", "tp=15/16")
+    for part in parts:
         assert part in name
     assert "isa=-" in dataclasses.replace(LAYOUT, isa="").namespace_name
+
+
+def test_replicated_kv_has_one_rank_free_namespace_that_still_names_the_size() -> None:
+    mla = dataclasses.replace(LAYOUT, tp_size=2, tp_replicated=True)
+    assert mla.ranks == 1
+    assert mla.for_rank(1).namespace_name == mla.namespace_name
+    assert "tp=replicated/2" in mla.namespace_name
+    assert dataclasses.replace(mla, tp_size=4).namespace_name != mla.namespace_name
+    sharded = dataclasses.replace(LAYOUT, tp_size=2)
+    assert sharded.ranks == 2
+    assert sharded.for_rank(1).namespace_name != sharded.namespace_name
 
 
 def test_a_namespace_too_long_for_the_service_is_refused() -> None:
@@ -139,6 +156,8 @@ def test_a_piece_of_this_layout_and_place_is_accepted_at_its_kv_offset() -> None
         ("backend", "TORCH_SDPA"),
         ("layers", 3),
         ("tp_rank", 1),
+        ("kv_cache_layout", "LBNHC"),
+        ("device", "cuda"),
         ("lora", "sql /adapters/sql"),
         ("model", "another"),
     ],

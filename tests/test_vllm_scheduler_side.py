@@ -121,7 +121,13 @@ def store(
 
 def namespace(salt: str = "", retention: str = "", layout: EngineLayout = LAYOUT) -> Namespace:
     """The namespace a request's blocks live in."""
-    return Namespace(model="m", kv_layout=layout.namespace_name, salt=salt, retention=retention)
+    return Namespace(
+        model="m",
+        kv_layout=layout.namespace_name,
+        salt=salt,
+        retention=retention,
+        lora=layout.lora,
+    )
 
 
 def prefill(request_id: str, block_ids: list[int], tokens: int) -> ScheduledRequest:

@@ -16,8 +16,8 @@ import pytest
 
 from bench.services import fetch_requests
 from cache_service.client import CacheClient
+from cache_service.core.engines.groups import BlockGroups
 from cache_service.integrations.vllm.counters import Counters
-from cache_service.integrations.vllm.groups import BlockGroups
 from cache_service.integrations.vllm.plan import LoadTask, Namespace, StepPlan, StoreTask
 from tests.integration.conftest import ServerProcess
 from tests.vllm_layout import TEST_LAYOUT
@@ -60,7 +60,7 @@ def _worker(
         store_request_bytes=64 << 20,
     )
     stack.callback(worker.shutdown)
-    worker.register(caches)
+    worker.register(caches, num_blocks=CACHE_BLOCKS)
     assert worker.enabled, worker.refusal
     return worker
 

@@ -4,8 +4,11 @@ vLLM builds one instance in its scheduler (`role=SCHEDULER`: `SchedulerSide`) an
 each worker (`role=WORKER`: `WorkerSide`); this class only translates vLLM's objects into
 theirs. It refuses to start when a failed load would fail the request (vLLM's default
 `kv_load_failure_policy` "fail"), and is disabled, with one log line, for set-ups it cannot
-serve exactly (hybrid KV cache groups, tensor or pipeline parallelism above 1); a disabled
-connector loads and stores nothing, and vLLM runs as without it.
+serve exactly (GPUs, hybrid KV cache groups, pipeline or context parallelism, packed or
+sparse KV); a disabled connector loads and stores nothing, and vLLM runs as without it.
+With tensor parallelism each rank's worker moves its own shard under its own namespace, and
+the scheduler offers a hit only for what every rank holds; MLA's latent KV, the same on every
+rank, is stored once by rank 0 and loaded by all.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.version import __version__ as vllm_version
 
 from cache_service.client import CacheClient
@@ -52,6 +55,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 NOTES = RateLimitedLog(logger)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# The counts every tensor-parallel rank reports (they add up); rank 0 alone reports the rest.
+RANK_SUMS = ("loaded_bytes", "load_seconds", "stored_bytes", "store_seconds")
 
 
 class PromptCacheMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -97,6 +102,8 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker: WorkerSide | None = None
         self._load_failed = False
         self._worker_stopped = False
+        self._rank = 0  # the worker's tensor-parallel rank
+        self._num_blocks = 0
         disabled = _unsupported(vllm_config, kv_cache_config)
         if disabled:
             logger.error(
@@ -115,8 +122,11 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 role_store=transfer.is_kv_producer,
             )
         else:
+            self._rank = worker_rank()
+            self._num_blocks = kv_cache_config.num_blocks
             self._worker = WorkerSide(
                 layout=self.layout,
+                rank=self._rank,
                 client=self._client(self.options.transfer_timeout_seconds, loads=True),
                 store_client=self._client(self.options.transfer_timeout_seconds),
                 counters=self.counters,
@@ -217,7 +227,7 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take the paged KV cache of every layer."""
         if self._worker is not None:
-            self._worker.register(kv_caches)
+            self._worker.register(kv_caches, num_blocks=self._num_blocks)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Load this step's hits before the forward (synchronously)."""
@@ -264,8 +274,11 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # Stats -------------------------------------------------------------------------------
 
     def get_kv_connector_stats(self) -> PromptCacheStats | None:
-        """The counts since vLLM last asked."""
+        """The counts since vLLM last asked. vLLM adds up every rank's: ranks past 0 move the
+        same blocks (their own shards), so they report only what adds up, bytes and seconds."""
         fresh = self.counters.take()
+        if self._rank:
+            fresh = {name: fresh[name] for name in RANK_SUMS if name in fresh}
         return PromptCacheStats(data=fresh) if fresh else None
 
     @classmethod
@@ -330,36 +343,73 @@ def scheduled_requests(output: SchedulerOutput) -> list[ScheduledRequest]:
     return steps
 
 
+def worker_rank() -> int:
+    """This worker's tensor-parallel rank (0 outside a tensor-parallel group)."""
+    from vllm.distributed.parallel_state import (  # noqa: PLC0415 (after vLLM's distributed init)
+        get_tensor_model_parallel_rank,
+    )
+
+    return int(get_tensor_model_parallel_rank())
+
+
 def _unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
     """Why this connector cannot serve the engine exactly, or ""."""
     from vllm.platforms import current_platform  # noqa: PLC0415 (picks the platform)
 
     parallel = vllm_config.parallel_config
     if not current_platform.is_cpu():
-        return "only vLLM's CPU backend is supported yet (the one tested)"
+        return (
+            "only vLLM's CPU backend is supported yet: the page copy for GPU memory is not "
+            "written (docs/content/vllm-connector.md: what runs where)"
+        )
     sizes = (
-        parallel.tensor_parallel_size,
         parallel.pipeline_parallel_size,
         getattr(parallel, "prefill_context_parallel_size", 1),
         getattr(parallel, "decode_context_parallel_size", 1),
     )
     if any(size != 1 for size in sizes):
-        return "tensor, pipeline or context parallelism above 1 is not supported yet"
+        return "pipeline or context parallelism above 1 is not supported yet"
     if getattr(vllm_config.scheduler_config, "async_scheduling", False):
         return "async scheduling is not supported (a failed load's next step runs before it)"
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         return "models with other than one KV cache group (hybrid models) are not supported"
-    if type(groups[0].kv_cache_spec) is not FullAttentionSpec:
-        kind = type(groups[0].kv_cache_spec).__name__
-        return f"only full attention is supported, not {kind}"
+    if tp_replicas(kv_cache_config) not in (1, parallel.tensor_parallel_size):
+        return f"KV replicated over {kv_cache_config.kv_tp_replicas} ranks of a tensor group"
+    return unsupported_spec(groups[0].kv_cache_spec)
+
+
+def unsupported_spec(spec: Any) -> str:
+    """Why a KV cache group's spec is not one whose pages this connector moves, or ""."""
+    from vllm.v1.kv_cache_interface import KVQuantMode  # noqa: PLC0415 (0.32's spec fields)
+
+    kind = type(spec).__name__
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+        return f"only full attention and MLA are supported, not {kind}"
+    if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
+        return f"KV quantisation {spec.kv_quant_mode.name} (packed, with scales) is not supported"
+    if spec.num_head_slots is not None or spec.state_content_bytes is not None:
+        return f"{kind} with packed page content is not supported"
+    if spec.page_size_padded is not None or spec.tokens_per_state != 1:
+        return f"{kind} with padded pages or several tokens a state is not supported"
+    if isinstance(spec, MLAAttentionSpec) and (
+        spec.model_version is not None or (spec.cache_dtype_str or "auto").endswith("_ds_mla")
+    ):
+        return f"sparse MLA ({spec.model_version or spec.cache_dtype_str}) is not supported"
     return ""
+
+
+def tp_replicas(kv_cache_config: KVCacheConfig) -> int:
+    """Consecutive tensor-parallel ranks that hold the same KV (MLA's latent: all of them)."""
+    return int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1)
 
 
 def engine_layout(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, options: ConnectorOptions
 ) -> EngineLayout:
-    """The running engine's layout: what a stored block must match to be loaded."""
+    """The running engine's layout (rank 0's): what a stored block must match to be loaded."""
+    from vllm.platforms import current_platform  # noqa: PLC0415 (picks the platform)
+
     group = kv_cache_config.kv_cache_groups[0]
     spec = group.kv_cache_spec
     model_config = vllm_config.model_config
@@ -370,11 +420,14 @@ def engine_layout(
     if model_config.quantization:  # quantised on load: the files' digest is the same
         weights += f";q={model_config.quantization}"
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
     return EngineLayout(
         model=str(name),
         weights=weights,
         engine_version=vllm_version,
+        device=str(current_platform.device_type),
         backend=backend,
+        kv_cache_layout=kv_cache_config.kv_cache_layout or "LBHNC",  # 0.32 always names it
         isa=isa,
         # fp8_e4m3 and fp8_e5m2 are both uint8 tensors: the cache dtype's name tells them apart
         kv_dtype=str(spec.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype,
@@ -384,25 +437,33 @@ def engine_layout(
         engine_block_tokens=spec.block_size,
         block_bytes=spec.page_size_bytes * len(group.layer_names),
         tp_rank=0,
-        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        tp_size=tp_size,
+        tp_replicated=tp_size > 1 and tp_replicas(kv_cache_config) == tp_size,
     )
 
 
 def attention_backend(vllm_config: VllmConfig, spec: Any) -> tuple[str, str]:
-    """The attention backend's name and, on CPU, the kernel's instruction set."""
+    """The attention backend's name and, on CPU, the kernel's instruction set. The scheduler
+    builds no layers, so this follows vLLM's own choice (`CpuPlatform.get_attn_backend_cls`)."""
     from vllm.platforms import current_platform  # noqa: PLC0415 (picks the platform)
 
-    if current_platform.is_cpu():
-        from vllm.v1.attention.backends.cpu_attn import (  # noqa: PLC0415 (CPU builds only)
-            _get_attn_isa,
+    if not current_platform.is_cpu():
+        raise ValueError(f"no attention backend name known for {current_platform.device_type}")
+    if isinstance(spec, MLAAttentionSpec):
+        chosen = vllm_config.attention_config.backend
+        amx = current_platform.get_cpu_architecture().name == "X86" and bool(
+            torch.cpu._is_amx_tile_supported()
         )
+        return ("AMX_MLA" if amx and getattr(chosen, "name", "") != "CPU_MLA" else "CPU_MLA"), ""
+    from vllm.v1.attention.backends.cpu_attn import (  # noqa: PLC0415 (CPU builds only)
+        _get_attn_isa,
+    )
 
-        cache_dtype = vllm_config.cache_config.cache_dtype
-        isa = _get_attn_isa(
-            vllm_config.model_config.dtype, spec.block_size, spec.head_size, cache_dtype
-        )
-        return "CPU_ATTN", str(isa)
-    raise ValueError(f"no attention backend name known for {current_platform.device_type}")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    isa = _get_attn_isa(
+        vllm_config.model_config.dtype, spec.block_size, spec.head_size, cache_dtype
+    )
+    return "CPU_ATTN", str(isa)
 
 
 def weights_digest(model: str, revision: str | None) -> str:

@@ -1,9 +1,14 @@
 """What a vLLM engine's KV bytes must match to be reused, as a namespace and a piece header.
 
 Bytes of a paged KV block are reusable only by an engine that would have written the very
-same bytes: the same weights, KV dtype, layer count, KV heads, head size, attention backend
-and (on CPU) the kernel's instruction set, which decides the byte order inside a block, the
-same vLLM block size, the same tensor-parallel rank and size, and the same LoRA adapter.
+same bytes: the same weights, KV dtype, layer count, KV heads, head size, device, attention
+backend, KV cache layout (`LBNHC` interleaves heads inside a page where `LBHNC` keeps them
+apart) and (on CPU) the kernel's instruction set, which decides the byte order inside a
+block, the same vLLM block size, the same tensor-parallel size and rank, and the same LoRA
+adapter. An MLA model's latent KV is the same on every rank (vLLM's `kv_tp_replicas`): its
+namespace names no rank (`tp=replicated/N`), so every rank loads what rank 0 stored. It still
+names the size: the latents are computed after tensor-parallel reductions, whose order, and
+so whose rounding, changes with the size.
 `EngineLayout.namespace_name` puts all of them in the namespace's `kv_layout`, so blocks of
 another layout sit under other keys and are never found; every stored piece also carries them
 in its header (`kv_layout.pack_header`), checked at load, for a writer that named its
@@ -29,7 +34,9 @@ class EngineLayout:
     model: str  # the namespace's model name
     weights: str  # digest of the weights ("xxh3:<hex>") or the name the operator gave them
     engine_version: str  # vLLM's release: a kernel's packing may change between releases
-    backend: str  # vLLM's attention backend, e.g. "CPU_ATTN"
+    device: str  # where the paged cache lives: "cpu", "cuda"
+    backend: str  # vLLM's attention backend, e.g. "CPU_ATTN", "CPU_MLA"
+    kv_cache_layout: str  # vLLM's KVCacheLayout, e.g. "LBHNC"
     isa: str  # the CPU kernel's instruction set (amx, vec, vec16, neon, ...), "" on GPUs
     kv_dtype: str  # vLLM's cache dtype: the model's ("bfloat16") or a quantised one ("fp8_e4m3")
     layers: int
@@ -39,7 +46,17 @@ class EngineLayout:
     block_bytes: int  # bytes of one vLLM block across every layer
     tp_rank: int = 0
     tp_size: int = 1
+    tp_replicated: bool = False  # every rank holds the same KV (MLA): stored once, rank-free
     lora: str = ""  # the adapter's name and path, "" without one
+
+    def for_rank(self, rank: int) -> EngineLayout:
+        """The layout of tensor-parallel rank `rank` (the same for replicated KV)."""
+        return self if self.tp_replicated else replace(self, tp_rank=rank)
+
+    @property
+    def ranks(self) -> int:
+        """How many ranks' namespaces hold a block's KV: 1 for replicated KV."""
+        return 1 if self.tp_replicated else self.tp_size
 
     def for_lora(self, lora: str) -> EngineLayout:
         """The same layout under a LoRA adapter (another namespace: its KV differs)."""
@@ -49,11 +66,13 @@ class EngineLayout:
     def namespace_name(self) -> str:
         """The namespace's kv_layout: every field but the model name (the namespace has it)."""
         text = (
-            f"vllm-{self.engine_version};{self.backend};isa={self.isa or '-'};{self.kv_dtype};"
+            f"vllm-{self.engine_version};{self.device}:{self.backend};{self.kv_cache_layout};"
+            f"isa={self.isa or '-'};{self.kv_dtype};"
             f"layers={self.layers};"
             f"kv_heads={self.kv_heads};head_size={self.head_size};"
             f"block={self.engine_block_tokens};bytes={self.block_bytes};"
-            f"tp={self.tp_rank}/{self.tp_size};{self.weights}"
+            f"tp={'replicated' if self.tp_replicated else self.tp_rank}/{self.tp_size};"
+            f"{self.weights}"
         )
         if self.lora:
             text += ";lora=" + xxhash.xxh3_64_hexdigest(self.lora.encode())

@@ -2,7 +2,10 @@
 
 Plain data, pickled by vLLM when its workers run in other processes. Keys and the namespace
 are worked out on the scheduler's side, since only it sees a request's `cache_salt`, LoRA
-adapter and options; the worker only moves bytes between the service and the block ids.
+adapter and options; the worker only moves bytes between the service and the block ids. With
+tensor parallelism each rank's shard of the KV sits under that rank's namespace (its layout
+names the rank): the plan carries every rank's keys, and a worker names its own namespace
+from the request's LoRA adapter.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ class Namespace:
     kv_layout: str
     salt: str
     retention: str  # "" = the service's default
+    lora: str = ""  # the request's LoRA adapter (name and path): part of every rank's layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,9 +31,14 @@ class LoadTask:
     request_id: str
     namespace: Namespace
     first_group: int
-    keys: list[str]  # the service keys of every piece of those groups, in order
+    keys: list[str]  # the service keys of every piece of those groups, in order (rank 0's)
     block_ids: list[int]  # the vLLM block to write each group's blocks into, after `skip`
     skip: int  # leading vLLM blocks of the first group vLLM already holds: not written
+    rank_keys: tuple[list[str], ...] = ()  # ranks 1.. keys, where each rank has its own
+
+    def keys_of(self, rank: int) -> list[str]:
+        """The keys tensor-parallel rank `rank` loads."""
+        return self.rank_keys[rank - 1] if rank and self.rank_keys else self.keys
 
 
 @dataclass(frozen=True, slots=True)

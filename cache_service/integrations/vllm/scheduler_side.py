@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cache_service.client import CacheClient
+from cache_service.core.engines.groups import BlockGroups
 from cache_service.core.errors import InvalidAnswer, ServiceError
 from cache_service.integrations.vllm.counters import Counters
-from cache_service.integrations.vllm.groups import BlockGroups
 from cache_service.integrations.vllm.layout import EngineLayout
 from cache_service.integrations.vllm.notes import RateLimitedLog
 from cache_service.integrations.vllm.options import ConnectorOptions, OptionError, RequestOptions
@@ -76,6 +76,7 @@ class _Tracked:
     load: bool
     store: bool
     keys: list[str] = field(default_factory=list)
+    rank_keys: tuple[list[str], ...] = ()  # ranks 1.. own keys, where each rank has its own
     held_groups: int = 0  # whole groups the service held at the lookup
     stored_groups: int = 0  # groups held or planned to be stored
     block_ids: list[int] = field(default_factory=list)
@@ -201,6 +202,7 @@ class SchedulerSide:
             kv_layout=self.layout.for_lora(request.lora).namespace_name,
             salt=request.cache_salt,
             retention=own.retention or self.options.retention,
+            lora=request.lora,
         )
         tracked = _Tracked(
             namespace,
@@ -217,12 +219,33 @@ class SchedulerSide:
         groups = self.groups
         if groups is None or len(request.prompt_tokens) < groups.group_tokens:
             return tracked
+        held_tokens, keys = len(request.prompt_tokens), []
+        for rank in range(self.layout.ranks):  # with TP, every rank's shard must be held
+            kv_layout = self.layout.for_rank(rank).for_lora(request.lora).namespace_name
+            answer = self._look_up_rank(request, namespace, kv_layout, groups)
+            if answer is None:
+                return tracked
+            held_tokens = min(held_tokens, answer[0])
+            keys.append(answer[1])
+        self.counters.add("lookups")
+        self.counters.add("lookup_tokens", len(request.prompt_tokens))
+        held = held_tokens // groups.service_block_tokens
+        tracked.keys, tracked.rank_keys = keys[0], tuple(keys[1:])
+        tracked.held_groups = held // groups.service_blocks
+        tracked.stored_groups = tracked.held_groups
+        return tracked
+
+    def _look_up_rank(
+        self, request: PromptRequest, namespace: Namespace, kv_layout: str, groups: BlockGroups
+    ) -> tuple[int, list[str]] | None:
+        """The tokens one rank's namespace holds (in whole keys the answer carries) and their
+        keys; None when the lookup failed (counted)."""
         before = self.client.failures.total
         try:
             match = self.client.lookup(
                 namespace.model,
                 request.prompt_tokens,
-                kv_layout=namespace.kv_layout,
+                kv_layout=kv_layout,
                 salt=namespace.salt,
                 retention=namespace.retention or None,
                 block_size=groups.service_block_tokens,
@@ -230,18 +253,13 @@ class SchedulerSide:
         except ServiceError as exc:  # a 4xx: the service is up but refuses this lookup
             self.counters.miss("lookup_failed")
             NOTES.warn(f"prompt cache lookup refused ({exc}): a miss")
-            return tracked
+            return None
         if self.client.failures.total > before:  # failed open: down, slow, another service
             self.counters.miss("lookup_failed")
-            return tracked
-        self.counters.add("lookups")
-        self.counters.add("lookup_tokens", len(request.prompt_tokens))
-        # Whole groups whose every key the answer carries (an answer short of keys holds less)
-        held = min(match.cached_tokens // groups.service_block_tokens, len(match.keys))
-        tracked.keys = match.keys
-        tracked.held_groups = held // groups.service_blocks
-        tracked.stored_groups = tracked.held_groups
-        return tracked
+            return None
+        # An answer short of keys holds less than it says
+        held_blocks = min(match.cached_tokens // groups.service_block_tokens, len(match.keys))
+        return held_blocks * groups.service_block_tokens, list(match.keys)
 
     def allocated(self, request_id: str, block_ids: list[int], external_tokens: int) -> None:
         """vLLM allocated `block_ids` (all the request's blocks); load `external_tokens`.
@@ -256,16 +274,17 @@ class SchedulerSide:
         end_block = (tracked.offered_from + external_tokens) // engine
         first_group = first_block // groups.engine_blocks
         end_group = end_block // groups.engine_blocks
-        keys = [tracked.keys[i] for i in groups.service_range(first_group, end_group)]
+        wanted = groups.service_range(first_group, end_group)
         self.counters.add("hit_tokens", external_tokens)
         self._loads.append(
             LoadTask(
                 request_id=request_id,
                 namespace=tracked.namespace,
                 first_group=first_group,
-                keys=keys,
+                keys=[tracked.keys[i] for i in wanted],
                 block_ids=list(block_ids[first_block:end_block]),
                 skip=first_block - first_group * groups.engine_blocks,
+                rank_keys=tuple([keys[i] for i in wanted] for keys in tracked.rank_keys),
             )
         )
 

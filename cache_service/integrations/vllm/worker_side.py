@@ -34,13 +34,14 @@ import torch
 
 from cache_service.client import CacheClient
 from cache_service.client.base import FETCH_KEYS
+from cache_service.core.engines.groups import BlockGroups
 from cache_service.core.errors import ServiceError
 from cache_service.integrations.kv_layout import BlockRefused
 from cache_service.integrations.vllm.counters import Counters
-from cache_service.integrations.vllm.groups import BlockGroups
 from cache_service.integrations.vllm.layout import EngineLayout
 from cache_service.integrations.vllm.notes import RateLimitedLog
-from cache_service.integrations.vllm.plan import LoadTask, StepPlan, StoreTask
+from cache_service.integrations.vllm.paged import HostPages, PagesRefused, host_pages, page_views
+from cache_service.integrations.vllm.plan import LoadTask, Namespace, StepPlan, StoreTask
 
 logger = logging.getLogger(__name__)
 NOTES = RateLimitedLog(logger)
@@ -94,15 +95,18 @@ class WorkerSide:
         counters: Counters,
         store_queue_bytes: int,
         store_request_bytes: int,
+        rank: int = 0,
     ) -> None:
-        self.layout = layout
+        self.layout = layout.for_rank(rank)
+        self.rank = rank
+        # Replicated KV (MLA) is the same on every rank: rank 0 stores it, every rank loads.
+        self.stores = rank == 0 or not layout.tp_replicated
         self.client = client  # loads, on the forward's thread
         self.store_client = store_client  # stores, on the sender's thread (failures its own)
         self.counters = counters
         self.store_queue_bytes = store_queue_bytes
         self.store_request_bytes = store_request_bytes
-        self._layers: list[torch.Tensor] = []  # each layer's cache as [blocks, block bytes]
-        self._arrays: list[np.ndarray] = []
+        self._pages: HostPages | None = None  # the paged cache, once registered
         self.refusal = "vLLM registered no KV cache"  # why the caches were not taken, or ""
         self._failed_blocks: set[int] = set()
         self._queue: queue.Queue[_QueuedStore | None] = queue.Queue()
@@ -114,35 +118,35 @@ class WorkerSide:
         self._sender.daemon = True
         self._sender.start()
 
-    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        """Take vLLM's per-layer caches; refuse (log, then only miss) a layout not understood."""
-        layers = list(kv_caches.values())
-        block_bytes = sum(cache[0].numel() * cache.element_size() for cache in layers[:1])
-        problem = ""
-        if len(layers) != self.layout.layers:
-            problem = f"{len(layers)} layers, the model has {self.layout.layers}"
-        elif len({cache.shape[0] for cache in layers}) != 1 or not all(
-            cache.is_contiguous() for cache in layers
-        ):
-            problem = "the layers' caches are not contiguous tensors with blocks first"
-        elif block_bytes * len(layers) != self.layout.block_bytes:
-            problem = (
-                f"a block is {block_bytes * len(layers)} bytes across the layers, the "
-                f"layout says {self.layout.block_bytes} (blocks are not on the first dimension)"
+    def register(self, kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int) -> None:
+        """Take vLLM's per-layer caches of `num_blocks` vLLM blocks; refuse (log, then only
+        miss) a layout the page seam cannot copy (`paged`)."""
+        try:
+            pages = host_pages(
+                page_views(
+                    kv_caches, num_blocks=num_blocks, layout_name=self.layout.kv_cache_layout
+                )
             )
+            problem = ""
+            if pages.layers != self.layout.layers:
+                problem = f"{pages.layers} distinct layers, the model has {self.layout.layers}"
+            elif pages.page_bytes * pages.layers != self.layout.block_bytes:
+                problem = (
+                    f"a block is {pages.page_bytes * pages.layers} bytes across the layers, "
+                    f"the layout says {self.layout.block_bytes}"
+                )
+        except PagesRefused as exc:
+            problem = str(exc)
         self.refusal = problem
         if problem:
             logger.error("prompt cache connector disabled: vLLM's KV cache: %s", problem)
             return
-        self._layers = [cache.view(cache.shape[0], -1).view(torch.uint8) for cache in layers]
-        # The same memory as numpy arrays, which loads write: numpy copies from a read-only
-        # buffer (the store's map, an HTTP answer) as it is, where torch would warn or copy.
-        self._arrays = [layer.numpy() for layer in self._layers]
+        self._pages = pages
 
     @property
     def enabled(self) -> bool:
         """Whether the caches were registered and understood."""
-        return bool(self._layers)
+        return self._pages is not None
 
     # Loads -------------------------------------------------------------------------------
 
@@ -176,12 +180,13 @@ class WorkerSide:
         """Write the task's vLLM blocks in order, up to the first group that cannot be."""
         pieces = groups.service_blocks
         per_fetch = max(1, FETCH_KEYS // pieces) * pieces
-        for start in range(0, len(task.keys), per_fetch):
-            keys = task.keys[start : start + per_fetch]
+        all_keys = task.keys_of(self.rank)
+        for start in range(0, len(all_keys), per_fetch):
+            keys = all_keys[start : start + per_fetch]
             landed = _Landed(task, groups, start, len(keys))
             self.client.read_blocks(
                 task.namespace.model, keys, partial(self._write_piece, landed),
-                kv_layout=task.namespace.kv_layout, salt=task.namespace.salt,
+                kv_layout=self._kv_layout(task.namespace), salt=task.namespace.salt,
             )  # fmt: skip
             whole = landed.whole_groups()
             end = (start // pieces + whole) * groups.engine_blocks - task.skip
@@ -208,7 +213,7 @@ class WorkerSide:
                 piece=piece,
                 pieces=groups.service_blocks,
                 kv_bytes=piece_bytes,
-                kv_layout=task.namespace.kv_layout,
+                kv_layout=self._kv_layout(task.namespace),
             )
         except BlockRefused as refusal:
             landed.refused[index] = refusal
@@ -216,17 +221,25 @@ class WorkerSide:
         data = np.frombuffer(payload, dtype=np.uint8, offset=offset)
         group = (landed.start + index) // groups.service_blocks
         first = group * groups.engine_blocks - task.skip  # block_ids index of its first block
-        layer_bytes, layers = self._arrays[0].shape[1], len(self._arrays)
+        pages = self._pages
+        assert pages is not None
+        page_bytes, layers = pages.page_bytes, pages.layers
         done, at = 0, piece * piece_bytes  # where this piece starts in its group's bytes
-        while done < len(data):  # the group's bytes: [engine blocks, layers, layer_bytes]
-            unit, skip_bytes = divmod(at + done, layer_bytes)
+        while done < len(data):  # the group's bytes: [engine blocks, layers, page bytes]
+            unit, skip_bytes = divmod(at + done, page_bytes)
             position, layer = divmod(unit, layers)
-            count = min(layer_bytes - skip_bytes, len(data) - done)
+            count = min(page_bytes - skip_bytes, len(data) - done)
             if first + position >= 0:  # not one of the first group's blocks vLLM holds
-                row = self._arrays[layer][task.block_ids[first + position]]
-                row[skip_bytes : skip_bytes + count] = data[done : done + count]
+                block_id = task.block_ids[first + position]
+                pages.write(layer, block_id, skip_bytes, data[done : done + count])
             done += count
         landed.ok[index] = True
+
+    def _kv_layout(self, namespace: Namespace) -> str:
+        """This rank's namespace layout for a request (the scheduler names rank 0's)."""
+        if self.layout.tp_rank == 0:
+            return namespace.kv_layout
+        return self.layout.for_lora(namespace.lora).namespace_name
 
     def take_failed_blocks(self) -> set[int]:
         """vLLM block ids whose load failed since the last call (vLLM recomputes them)."""
@@ -242,7 +255,7 @@ class WorkerSide:
         if skip:
             self.counters.miss("store_skipped", sum(len(task.block_ids) for task in plan.stores))
             return
-        if not plan.stores or not self.enabled:
+        if not plan.stores or self._pages is None or not self.stores:
             return
         groups = BlockGroups(self.layout.engine_block_tokens, plan.service_block_tokens)
         for task in plan.stores:
@@ -257,11 +270,9 @@ class WorkerSide:
                 self.counters.add("dropped_blocks", len(task.block_ids))
                 continue
             try:
-                index = torch.tensor(task.block_ids, dtype=torch.long)
-                # [blocks, layers, block bytes]: each block's layers end to end, copied out now
-                kv = torch.stack([cache.index_select(0, index) for cache in self._layers], dim=1)
+                kv = self._pages.gather(task.block_ids)  # copied out now: vLLM may reuse them
                 self._queue.put(
-                    _QueuedStore(task, groups, kv.view(-1, groups.engine_blocks * kv[0].numel()))
+                    _QueuedStore(task, groups, kv.view(-1, groups.engine_blocks * kv.shape[1]))
                 )
             except Exception as exc:  # never fail the step: these blocks are just not stored
                 self._release(size)
@@ -293,6 +304,7 @@ class WorkerSide:
     def _send(self, item: _QueuedStore) -> None:
         task, groups = item.task, item.groups
         ns = task.namespace
+        kv_layout = self._kv_layout(ns)
         per_request = max(1, self.store_request_bytes // max(1, item.kv[0].numel()))
         total = item.kv.shape[0]
         for start in range(0, total, per_request):
@@ -301,9 +313,7 @@ class WorkerSide:
             for row in range(start, end):
                 pieces = groups.cut(item.kv[row].numpy().data)
                 payloads += [
-                    self.layout.header(
-                        piece=i, pieces=groups.service_blocks, kv_layout=ns.kv_layout
-                    )
+                    self.layout.header(piece=i, pieces=groups.service_blocks, kv_layout=kv_layout)
                     + piece
                     for i, piece in enumerate(pieces)
                 ]
@@ -315,7 +325,7 @@ class WorkerSide:
                     ns.model,
                     task.tokens[: (task.first_group + end) * groups.group_tokens],
                     payloads,
-                    kv_layout=ns.kv_layout,
+                    kv_layout=kv_layout,
                     start_block=first_group * groups.service_blocks,
                     salt=ns.salt,
                     retention=ns.retention or None,

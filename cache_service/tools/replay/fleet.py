@@ -3,10 +3,10 @@
 Each request goes to one of N engines (`routing`). The engine's own cache (vLLM's, see
 engine_cache) serves the longest prefix it holds; the vLLM connector then asks the store for
 the prompt, which counts as a use of the blocks the store holds, and loads what the store
-holds beyond the engine's hit, in whole groups of lcm(engine block, store block) tokens and
-never the prompt's last token (integrations.vllm.groups); the rest is computed, and the
-store keeps every block of the prompt it lacked. A run without a store (`store=None`) is the
-fleet as it is today, for what the store adds on top of it.
+holds beyond the engine's hit, by the connector's own rule (core.engines.groups: whole groups
+of lcm(engine block, store block) tokens, never the prompt's last token); the rest is computed,
+and the store keeps every block of the prompt it lacked. A run without a store (`store=None`)
+is the fleet as it is today, for what the store adds on top of it.
 
 Requests run one at a time, as in engine_cache: batching and preemption are not modelled.
 """
@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 
+from cache_service.core.engines.groups import BlockGroups
 from cache_service.core.store.protocols import BlockStore
 from cache_service.core.tokens import TokenBytes, tokens_in
 from cache_service.tools.replay.block_units import request_namespace, request_tokens
@@ -100,7 +101,7 @@ def drive_fleet(
     size = fleet.engine_block_tokens
     engines = [EngineCache(fleet.engine_cache_blocks, size) for _ in range(fleet.engines)]
     router = make_router(fleet.routing, engines)
-    group = math.lcm(size, units.cache_tokens)
+    groups = BlockGroups(size, units.cache_tokens)
     clock = VirtualClock()
     cache = embedded_cache(options, store, clock) if store is not None else None
     payload = bytes(options.payload_bytes_per_token * units.cache_tokens)
@@ -132,8 +133,9 @@ def drive_fleet(
                 retention=request.retention or options.retention.default_class,
                 payload=payload,
             )
-            stored = min(found.matched_blocks * units.cache_tokens, prompt_tokens - 1)
-            store_tokens = max(0, stored // group * group - engine_tokens)
+            held_tokens = found.matched_blocks * units.cache_tokens
+            loadable = groups.loadable_tokens(held_tokens, prompt_tokens)
+            store_tokens = max(0, loadable - engine_tokens)
             held = cache.store.usage().blocks * units.cache_tokens
         computed = prompt_tokens - engine_tokens - store_tokens
         router.served(chosen, computed + request.output_length)
