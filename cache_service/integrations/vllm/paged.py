@@ -14,7 +14,8 @@ Refused, naming the layout: a view whose page is not one dense run of bytes (`LH
 `BHLNC` cut a page by the head or layer index, except for MLA's single head; a backend that
 pads a page), and kernel blocks that are not adjacent. A backend whose kernel block is
 smaller than vLLM's (`shape[0]` a multiple of vLLM's block count) keeps a vLLM block's kernel
-blocks next to each other, so their pages join into one. Layers that share another layer's cache (KV sharing) are one layer here, stored once.
+blocks next to each other, so their pages join into one. Layers that share another layer's
+cache (KV sharing) are one layer here, stored once.
 
 `HostPages` is the copy for caches in host memory (vLLM's CPU backend): loads write pages in
 place, stores gather them with one `index_select` per layer. A device without an

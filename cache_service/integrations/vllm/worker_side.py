@@ -13,10 +13,13 @@ blocks that were not loaded.
 Stores never block the forward for the network: at the step's end the completed groups are
 copied out of the paged cache (so vLLM may free or reuse the blocks at once) and queued; a
 background thread sends them. The queue is bounded in bytes; what does not fit is dropped and
-counted. One vLLM block's bytes are every layer's `kv_cache[block]` in layer order, so this
-half works for any backend whose per-layer cache has the blocks on its first dimension (the
-CPU backend's `[blocks, kv_heads, block_size, 2 * head_size]`); another shape is refused when
-the caches are registered, and the connector then only misses.
+counted. One vLLM block's bytes are every layer's page of it in layer order, moved through
+the page seam (`paged`), which takes every KV cache layout whose pages are single runs of
+bytes; another is refused when the caches are registered, and the connector then only misses.
+
+Under tensor parallelism each rank's worker moves its own shard under its own namespace (the
+plan carries every rank's keys); KV the same on every rank (MLA's latent) is stored by rank 0
+alone and loaded by every rank.
 """
 
 from __future__ import annotations
