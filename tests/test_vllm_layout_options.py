@@ -253,6 +253,7 @@ def test_no_extra_config_gives_the_defaults() -> None:
     assert options.store_request_bytes == 64 << 20
     assert options.backoff_max_seconds == 30.0
     assert (options.local_reads, options.local_reads_path) == (False, "")
+    assert options.load_mode == "async"
 
 
 def test_extra_config_sets_every_option() -> None:
@@ -270,6 +271,7 @@ def test_extra_config_sets_every_option() -> None:
         "backoff_max_seconds": 5.0,
         "local_reads": True,
         "local_reads_path": "/mnt/prompt-cache",
+        "load_mode": "sync",
     }
     options = ConnectorOptions.from_extra_config(given)
     assert dataclasses.asdict(options) == given
@@ -295,6 +297,8 @@ def test_an_unknown_key_is_refused_naming_it() -> None:
         ("local_reads", 1),
         ("local_reads", "true"),
         ("local_reads_path", False),
+        ("load_mode", "later"),
+        ("load_mode", True),
     ],
 )
 def test_a_value_of_the_wrong_type_is_refused_naming_the_key(key: str, value: Any) -> None:

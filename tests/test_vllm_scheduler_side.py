@@ -166,13 +166,39 @@ def test_a_group_the_service_holds_in_part_does_not_match(
     assert make_side().matched_tokens(PromptRequest("r", tokens), 0) == 2 * GROUP
 
 
-def test_the_last_prompt_token_is_never_matched(
+def test_a_synchronous_load_never_matches_the_last_prompt_token(
     make_side: MakeSide, client: CacheClient, prompts: Prompts
 ) -> None:
     tokens = prompts(3 * GROUP)  # exactly 3 groups, all stored
     store(client, tokens, 6)
-    assert make_side().matched_tokens(PromptRequest("r", tokens), 0) == 2 * GROUP
-    assert make_side().matched_tokens(PromptRequest("r", [*tokens, 7]), 0) == 3 * GROUP
+    sync = make_side(load_mode="sync")
+    assert sync.matched_tokens(PromptRequest("r", tokens), 0) == 2 * GROUP
+    assert make_side(load_mode="sync").matched_tokens(PromptRequest("r", [*tokens, 7]), 0) == (
+        3 * GROUP
+    )
+
+
+def test_an_asynchronous_load_matches_the_prompt_to_its_last_token(
+    make_side: MakeSide, client: CacheClient, prompts: Prompts
+) -> None:
+    tokens = prompts(3 * GROUP)  # exactly 3 groups, all stored
+    store(client, tokens, 6)
+    assert make_side().matched_tokens(PromptRequest("r", tokens), 0) == 3 * GROUP
+
+
+def test_a_failed_asynchronous_load_stores_the_groups_vllm_computes_again(
+    make_side: MakeSide, client: CacheClient, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 8)  # 4 whole groups
+    side = make_side()
+    assert side.matched_tokens(PromptRequest("r", tokens), 0) == 4 * GROUP
+    side.allocated("r", [1, 2, 3, 4, 5], 4 * GROUP)
+    assert len(side.plan_step([]).loads) == 1  # the load, while vLLM holds the request back
+    # Group 1 failed to load: vLLM computes from its start, and those groups are stored again
+    resumed = ScheduledRequest("r", [1, 2, 3, 4, 5], True, GROUP, PROMPT - GROUP)
+    (task,) = side.plan_step([resumed]).stores
+    assert task.first_group == 1 and task.block_ids == [2, 3, 4]
 
 
 def test_asking_twice_for_a_request_looks_it_up_once(

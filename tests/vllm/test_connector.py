@@ -11,8 +11,13 @@ side by side where they share nothing (the fixture says how):
        no hit on A's blocks; its own blocks hit; purged or corrupted between lookup and load
     B  loads A's blocks, reading them from the service's LMDB files (the `local_reads`
        option; S and C load over HTTP): external hits and A's tokens, not one payload
-       fetched over HTTP; another cache_salt misses; then the service is killed and every
-       request still completes with A's tokens
+       fetched over HTTP; a prompt ending at a block's end loads to its last token; another
+       cache_salt misses; then the service is killed and every request still completes
+       with A's tokens
+
+Every engine loads asynchronously (the connector's default `load_mode`: vLLM parks a request
+while its load runs on the connector's thread); tests/vllm/test_connector_parallel.py runs
+synchronous loads.
     D  no service from the start: A's tokens, the misses counted
 
 A's outputs are the reference: the same connector against an empty service computes
@@ -76,6 +81,12 @@ def _c_prompt() -> list[int]:
     """Engine C's prompt: the start of A's first (A stored its blocks), short since C runs
     bf16 (the docstring says why that is slow)."""
     return _prompts()[0][:C_PROMPT_TOKENS]
+
+
+def _whole_prompt() -> list[int]:
+    """The start of A's first prompt that ends exactly at a block's end: an asynchronous load
+    may take all of it (vLLM then computes its last token again)."""
+    return _prompts()[0][: (SYSTEM_TOKENS // ENGINE_BLOCK + 1) * ENGINE_BLOCK]
 
 
 def _agent_prompt() -> list[int]:
@@ -165,6 +176,7 @@ def _phase_a(a: EngineProcess, service_url: str) -> dict[str, Any]:
     # The same prompts again from A's own prefix cache: the suffix after the cached blocks
     # is computed in the shapes B will compute it in (CPU kernels round by shape).
     seen["A_cached"] = a.generate(prompts, max_tokens=NEW_TOKENS, logprobs=TOP)
+    seen["A_whole"] = a.generate([_whole_prompt()], max_tokens=NEW_TOKENS, logprobs=TOP)
     agent = {"prompt_cache": {"retention": "agent"}}
     a.generate([_agent_prompt()], max_tokens=2, kv_transfer_params=agent)
     seen["A_stores_done"] = a.ask("wait_stores", seconds=60)["ok"]
@@ -202,6 +214,7 @@ def _phase_b(b: EngineProcess, service: ServerProcess) -> dict[str, Any]:
     seen = {"B": b.generate(prompts, max_tokens=NEW_TOKENS, logprobs=TOP)}
     seen["B_counters"] = b.counters()
     seen["B_fetches"] = fetch_requests(service.url) - fetches
+    seen["B_whole"] = b.generate([_whole_prompt()], max_tokens=NEW_TOKENS, logprobs=TOP)
     seen["B_salted"] = b.generate(
         prompts[:1], max_tokens=NEW_TOKENS, logprobs=TOP, cache_salt="tenant-b"
     )
@@ -323,6 +336,14 @@ def test_a_fresh_engine_loads_the_stored_prefix_and_gives_the_same_tokens(
     assert run["B_fetches"] == 0  # every payload came from the service's files
     assert counters["hit_tokens"] >= _loadable(prompts[0])
     assert not [name for name in counters if name.startswith("miss_")]
+
+
+def test_an_asynchronous_load_takes_a_prompt_to_its_last_token(
+    run: dict[str, Any], report: Callable[..., None]
+) -> None:
+    whole = run["B_whole"][0]
+    assert whole["cached_tokens"] == len(_whole_prompt())  # a synchronous load stops a block short
+    _same(report, run["B_whole"], run["A_whole"])
 
 
 def test_the_openai_server_loads_from_the_service_and_counts_it_in_prometheus(

@@ -55,10 +55,14 @@ class BlockGroups:
         """Whole groups in a run of `tokens` tokens from the prompt's start."""
         return max(tokens, 0) // self.group_tokens
 
-    def loadable_tokens(self, cached_tokens: int, prompt_tokens: int) -> int:
+    def loadable_tokens(
+        self, cached_tokens: int, prompt_tokens: int, *, whole_prompt: bool = False
+    ) -> int:
         """Tokens vLLM can load of a prompt whose first `cached_tokens` the service holds:
-        whole groups only, and never the last prompt token (vLLM computes at least one)."""
-        return self.whole_groups(min(cached_tokens, prompt_tokens - 1)) * self.group_tokens
+        whole groups only, and never the last prompt token (vLLM computes at least one),
+        unless `whole_prompt` (an asynchronous load: vLLM then recomputes the last token)."""
+        usable = prompt_tokens if whole_prompt else prompt_tokens - 1
+        return self.whole_groups(min(cached_tokens, usable)) * self.group_tokens
 
     def service_range(self, first_group: int, end_group: int) -> range:
         """The service block indexes of groups first_group..end_group-1."""

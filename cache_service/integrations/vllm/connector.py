@@ -171,8 +171,8 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens beyond vLLM's own hit that the service holds (loaded synchronously), or None
-        while the lookup is under way."""
+        """Tokens beyond vLLM's own hit that the service holds, or None while the lookup is
+        under way; and whether they load asynchronously (`load_mode`)."""
         if self._scheduler is None:
             return 0, False
         try:
@@ -181,7 +181,7 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.counters.miss("lookup_error")
             NOTES.warn(f"prompt cache lookup failed: {exc!r:.300}")
             return 0, False
-        return matched, False
+        return matched, bool(matched) and self.options.load_mode == "async"
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -230,12 +230,23 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._worker.register(kv_caches, num_blocks=self._num_blocks)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Load this step's hits before the forward (synchronously)."""
-        if self._worker is not None:
+        """Start this step's loads (asynchronous), or load them before the forward."""
+        if self._worker is None:
+            return
+        if self.options.load_mode == "async":
+            self._worker.load_async(self._plan())
+        else:
             self._load_failed = bool(self._worker.load(self._plan()))
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous load ended (their failed blocks are reported in the
+        same pass); nothing is ever held for sending."""
+        if self._worker is None:
+            return None, None
+        return None, self._worker.finished_loads() or None
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: every layer was loaded in start_load_kv."""
+        """Nothing to wait for: a load holds every layer of its blocks before vLLM reads them."""
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -369,8 +380,10 @@ def _unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str
     )
     if any(size != 1 for size in sizes):
         return "pipeline or context parallelism above 1 is not supported yet"
-    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
-        return "async scheduling is not supported (a failed load's next step runs before it)"
+    load_mode = vllm_config.kv_transfer_config.kv_connector_extra_config.get("load_mode")
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False) and load_mode == "sync":
+        return 'async scheduling needs load_mode "async" (a failed load\'s next step runs first)'
+
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         return "models with other than one KV cache group (hybrid models) are not supported"

@@ -16,6 +16,7 @@ from typing import Any
 REQUEST_PARAMS_KEY = "prompt_cache"  # kv_transfer_params={"prompt_cache": {...}}
 DEFAULT_URL = "http://127.0.0.1:8080"
 DEFAULT_API_KEY_ENV = "CACHE_SERVICE_API_KEY"
+LOAD_MODES = ("async", "sync")
 
 
 class OptionError(ValueError):
@@ -46,6 +47,11 @@ class ConnectorOptions:
     # service's host and the service offers it (`serve --local-reads`); else over HTTP.
     local_reads: bool = False
     local_reads_path: str = ""  # the store's folder as this host mounts it; "" = as offered
+    # "async": vLLM parks a request while its prefix loads on a thread of the connector's and
+    # schedules the others meanwhile (a failed load is known before the request computes; the
+    # only mode that is right under async scheduling). "sync": the load runs before the step's
+    # forward, which waits for it.
+    load_mode: str = "async"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -64,6 +70,8 @@ class ConnectorOptions:
         for key in ("lookup_timeout_seconds", "transfer_timeout_seconds", "backoff_max_seconds"):
             if getattr(options, key) <= 0:
                 raise OptionError(f"kv_connector_extra_config: {key} must be above 0")
+        if options.load_mode not in LOAD_MODES:
+            raise OptionError(f"kv_connector_extra_config: load_mode must be one of {LOAD_MODES}")
         if options.lookup_wait_seconds < 0:
             raise OptionError("kv_connector_extra_config: lookup_wait_seconds must be 0 or more")
         for key in ("store_queue_bytes", "store_request_bytes"):

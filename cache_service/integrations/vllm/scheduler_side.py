@@ -171,7 +171,9 @@ class SchedulerSide:
         if groups is None or not (tracked.load and self.role_load):
             return 0
         loadable = groups.loadable_tokens(
-            tracked.held_groups * groups.group_tokens, len(tracked.prompt_tokens)
+            tracked.held_groups * groups.group_tokens,
+            len(tracked.prompt_tokens),
+            whole_prompt=self.options.load_mode == "async",
         )
         tracked.offered_from = computed_tokens
         return max(0, loadable - computed_tokens)
@@ -276,6 +278,9 @@ class SchedulerSide:
         end_group = end_block // groups.engine_blocks
         wanted = groups.service_range(first_group, end_group)
         self.counters.add("hit_tokens", external_tokens)
+        # What vLLM will hold once the load is done: if it computes from less (a failed load),
+        # plan_step stores the groups it recomputes again.
+        tracked.computed_tokens = tracked.offered_from + external_tokens
         self._loads.append(
             LoadTask(
                 request_id=request_id,

@@ -1,6 +1,8 @@
 """The connector's half in vLLM's worker: KV bytes between the service and the paged cache.
 
-Loads are synchronous, before the forward that needs them: every piece of a group is read
+Loads run before the forward that needs them (synchronous) or, by default, on a loader thread
+while vLLM holds the request back and runs the others (asynchronous: `load_async`, reported
+by `finished_loads`, failed blocks before or with the request): every piece of a group is read
 (from the store's files with the `local_reads` option on the service's host, otherwise in one
 HTTP request for the step's keys), its header checked against the running layout, and its
 KV copied once, from the view it came in, into the group's vLLM blocks, every layer, in the
@@ -29,6 +31,7 @@ import queue
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -117,6 +120,11 @@ class WorkerSide:
         self._queued_lock = threading.Lock()
         self._idle = threading.Event()
         self._idle.set()
+        # Asynchronous loads: one thread, so a request's load never races another's for the
+        # service or the CPU; finished ones wait in _loaded for vLLM's next get_finished.
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-cache-load")
+        self._loaded: dict[str, list[int]] = {}
+        self._loaded_lock = threading.Lock()
         self._sender = threading.Thread(target=self._send_loop, name="prompt-cache-store")
         self._sender.daemon = True
         self._sender.start()
@@ -154,30 +162,63 @@ class WorkerSide:
     # Loads -------------------------------------------------------------------------------
 
     def load(self, plan: StepPlan) -> set[str]:
-        """Write the plan's loads into the paged cache; the ids of requests whose load failed."""
+        """Write the plan's loads into the paged cache now (synchronous loads); the ids of
+        requests whose load failed, whose blocks `take_failed_blocks` reports."""
         failed: set[str] = set()
         if not plan.loads:
             return failed
         groups = BlockGroups(self.layout.engine_block_tokens, plan.service_block_tokens)
         for task in plan.loads:
-            started = time.perf_counter()
-            written = [0]  # vLLM blocks written so far, kept when the task fails part way
-            reason = "load_failed"
-            if self.enabled:
-                try:
-                    self._load_task(task, groups, written)
-                except Exception as exc:  # a cache problem is a miss, never a failed step
-                    reason = "load_error"
-                    NOTES.warn(f"prompt cache load failed: {exc!r:.300}")
-            wanted = len(task.block_ids)
-            if written[0] < wanted:
+            missed = self._load_one(task, groups)
+            if missed:
                 failed.add(task.request_id)
-                self._failed_blocks.update(task.block_ids[written[0] :])
-                self.counters.miss(reason, wanted - written[0])
-            self.counters.add("loaded_blocks", written[0])
-            self.counters.add("loaded_bytes", written[0] * self.layout.block_bytes)
-            self.counters.add("load_seconds", time.perf_counter() - started)
+                self._failed_blocks.update(missed)
         return failed
+
+    def load_async(self, plan: StepPlan) -> None:
+        """Start the plan's loads on the loader thread (asynchronous loads): vLLM holds each
+        request back until `finished_loads` names it."""
+        if not plan.loads:
+            return
+        groups = BlockGroups(self.layout.engine_block_tokens, plan.service_block_tokens)
+        for task in plan.loads:
+            self._loader.submit(self._load_in_background, task, groups)
+
+    def _load_in_background(self, task: LoadTask, groups: BlockGroups) -> None:
+        missed: list[int] = list(task.block_ids)  # until the load says otherwise
+        try:
+            missed = self._load_one(task, groups)
+        finally:  # every load is reported, or vLLM would hold its request and blocks forever
+            with self._loaded_lock:
+                self._loaded[task.request_id] = missed
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose asynchronous load ended since the last call; the blocks of those
+        that failed go to `take_failed_blocks` first, as vLLM wants them no later than this."""
+        with self._loaded_lock:
+            loaded, self._loaded = self._loaded, {}
+        for missed in loaded.values():
+            self._failed_blocks.update(missed)
+        return set(loaded)
+
+    def _load_one(self, task: LoadTask, groups: BlockGroups) -> list[int]:
+        """Load one task's blocks, counting; the block ids that could not be loaded."""
+        started = time.perf_counter()
+        written = [0]  # vLLM blocks written so far, kept when the task fails part way
+        reason = "load_failed"
+        if self.enabled:
+            try:
+                self._load_task(task, groups, written)
+            except Exception as exc:  # a cache problem is a miss, never a failed step
+                reason = "load_error"
+                NOTES.warn(f"prompt cache load failed: {exc!r:.300}")
+        wanted = len(task.block_ids)
+        if written[0] < wanted:
+            self.counters.miss(reason, wanted - written[0])
+        self.counters.add("loaded_blocks", written[0])
+        self.counters.add("loaded_bytes", written[0] * self.layout.block_bytes)
+        self.counters.add("load_seconds", time.perf_counter() - started)
+        return list(task.block_ids[written[0] :])
 
     def _load_task(self, task: LoadTask, groups: BlockGroups, written: list[int]) -> None:
         """Write the task's vLLM blocks in order, up to the first group that cannot be."""
@@ -351,6 +392,7 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         """Let queued stores finish (for at most DRAIN_SECONDS), then stop the sender."""
+        self._loader.shutdown(wait=True, cancel_futures=True)
         if not self.wait_idle(DRAIN_SECONDS):
             logger.warning("prompt cache: stores still queued at shutdown were dropped")
         self._queue.put(None)

@@ -3,8 +3,10 @@
 Each request goes to one of N engines (`routing`). The engine's own cache (vLLM's, see
 engine_cache) serves the longest prefix it holds; the vLLM connector then asks the store for
 the prompt, which counts as a use of the blocks the store holds, and loads what the store
-holds beyond the engine's hit, by the connector's own rule (core.engines.groups: whole groups
-of lcm(engine block, store block) tokens, never the prompt's last token); the rest is computed,
+holds beyond the engine's hit, by the connector's own rule for synchronous loads
+(core.engines.groups: whole groups of lcm(engine block, store block) tokens, never the
+prompt's last token; an asynchronous load may also take a last group that ends exactly at the
+prompt's end, which the replay does not count); the rest is computed,
 and the store keeps every block of the prompt it lacked. A run without a store (`store=None`)
 is the fleet as it is today, for what the store adds on top of it.
 
