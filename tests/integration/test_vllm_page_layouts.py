@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -86,6 +86,23 @@ def _layout(case: str, entry: dict[str, Any]) -> Any:
     )
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One service for every layout (each layout's blocks sit in a namespace of their own)."""
+    folder = tmp_path_factory.mktemp("page-layouts")
+    service = ServerProcess(
+        folder / "data",
+        folder / "service.log",
+        local_reads="true",
+        model_block_size=f"{TEST_LAYOUT.model}={SERVICE_BLOCK}",
+    )
+    service.start()
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
 def _worker(url: str, layout: Any, caches: dict[str, Any], stack: ExitStack, **kw: Any) -> Any:
     client = stack.enter_context(CacheClient(url, fail_open=True, **kw))
     worker = WorkerSide(
@@ -113,13 +130,9 @@ def _page(cache: Any, block: int, blocks: int) -> bytes:
 @pytest.mark.parametrize("local_reads", [False, True], ids=["http", "local-reads"])
 @pytest.mark.parametrize(("case", "entry"), _entries(refused_by_us=False))
 def test_every_block_compact_layout_loads_page_for_page(
-    make_server: Callable[..., ServerProcess],
-    case: str,
-    entry: dict[str, Any],
-    local_reads: bool,
+    server: ServerProcess, case: str, entry: dict[str, Any], local_reads: bool
 ) -> None:
     layout = _layout(case, entry)
-    server = make_server(local_reads="true", model_block_size=f"{layout.model}={SERVICE_BLOCK}")
     blocks = entry["num_blocks"]
     group_tokens = max(SERVICE_BLOCK, layout.engine_block_tokens)
     tokens = list(range(3000, 3000 + 3 * group_tokens))
@@ -150,10 +163,9 @@ def test_every_block_compact_layout_loads_page_for_page(
 
 @pytest.mark.parametrize(("case", "entry"), _entries(refused_by_us=True))
 def test_a_layout_whose_pages_are_cut_is_refused_naming_it(
-    make_server: Callable[..., ServerProcess], case: str, entry: dict[str, Any]
+    server: ServerProcess, case: str, entry: dict[str, Any]
 ) -> None:
     layout = _layout(case, entry)
-    server = make_server()
     with ExitStack() as stack:
         worker = _worker(server.url, layout, _caches(entry, seed=None), stack)
         assert not worker.enabled

@@ -10,6 +10,7 @@ the client are the ones an engine uses (tests/vllm runs the same code inside vLL
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -156,3 +157,40 @@ def test_a_group_the_service_lacks_ends_the_load_and_is_recomputed(
     assert counts["loaded_blocks"] == 2 and counts["miss_load_failed"] == 2
     for name, layer in target.items():
         assert torch.equal(layer[8], source[name][0]) and torch.equal(layer[9], source[name][1])
+
+
+@pytest.mark.parametrize("replicated", [False, True], ids=["sharded", "replicated"])
+def test_rank_1_stores_its_own_shard_and_replicated_kv_not_at_all(
+    make_server: Callable[..., ServerProcess], replicated: bool
+) -> None:
+    server = make_server(model_block_size=f"{LAYOUT.model}=128")
+    layout = dataclasses.replace(LAYOUT, tp_size=2, tp_replicated=replicated)
+    tokens = list(range(7000, 7000 + 2 * 128))
+    # The scheduler names rank 0's namespace; rank 1 stores under its own (sharded KV)
+    scheduled = Namespace(layout.model, layout.namespace_name, salt="", retention="")
+    with ExitStack() as stack:
+        worker = WorkerSide(
+            layout=layout,
+            rank=1,
+            client=stack.enter_context(CacheClient(server.url, fail_open=True)),
+            store_client=stack.enter_context(CacheClient(server.url, fail_open=True)),
+            counters=Counters(),
+            store_queue_bytes=1 << 30,
+            store_request_bytes=64 << 20,
+        )
+        stack.callback(worker.shutdown)
+        worker.register(_paged_cache(seed=5), num_blocks=CACHE_BLOCKS)
+        task = StoreTask("r", scheduled, first_group=0, tokens=tokens, block_ids=[3, 4])
+        worker.save(StepPlan(128, stores=[task]), skip=False)
+        assert worker.wait_idle(30)
+        with CacheClient(server.url) as client:
+            held = {
+                rank: client.lookup(
+                    layout.model,
+                    tokens,
+                    kv_layout=layout.for_rank(rank).namespace_name,
+                    block_size=128,
+                ).cached_tokens
+                for rank in (0, 1)
+            }
+    assert held == ({0: 0, 1: 0} if replicated else {0: 0, 1: 256})
