@@ -186,6 +186,22 @@ def test_an_asynchronous_load_matches_the_prompt_to_its_last_token(
     assert make_side().matched_tokens(PromptRequest("r", tokens), 0) == 3 * GROUP
 
 
+def test_a_request_whose_load_failed_is_offered_nothing_more(
+    make_side: MakeSide, client: CacheClient, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 8)
+    side = make_side()
+    assert side.matched_tokens(PromptRequest("r", tokens), 0) == 4 * GROUP
+    side.allocated("r", [1, 2, 3, 4, 5], 4 * GROUP)
+    side.load_failed({3, 99})  # vLLM's invalid blocks: one of r's, one of another request's
+    # vLLM asks again after a failed asynchronous load: the same offer would fail forever
+    assert side.matched_tokens(PromptRequest("r", tokens), 0) == 0
+    other = prompts(PROMPT)
+    store(client, other, 8)
+    assert side.matched_tokens(PromptRequest("o", other), 0) == 4 * GROUP  # others unaffected
+
+
 def test_a_failed_asynchronous_load_stores_the_groups_vllm_computes_again(
     make_side: MakeSide, client: CacheClient, prompts: Prompts
 ) -> None:

@@ -198,7 +198,11 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return PromptCacheMetadata(self._scheduler.plan_step(scheduled_requests(scheduler_output)))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Stop offering hits when a worker could not take vLLM's KV cache layout."""
+        """Offer nothing more to a request whose load failed; stop offering hits when a worker
+        could not take vLLM's KV cache layout."""
+        failed = connector_output.invalid_block_ids
+        if self._scheduler is not None and failed:
+            self._scheduler.load_failed(set(failed))
         meta = connector_output.kv_connector_worker_meta
         if self._scheduler is not None and isinstance(meta, WorkerStopped):
             self._scheduler.stop(f"a worker refused vLLM's KV cache: {meta.reason}")

@@ -109,6 +109,7 @@ class SchedulerSide:
         self._info_retry_at = 0.0
         self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prompt-cache-lookup")
         self._pending: dict[str, Future[_Tracked]] = {}
+        self._loading: dict[str, set[int]] = {}  # the vLLM blocks each request's load writes
 
     @property
     def groups(self) -> BlockGroups | None:
@@ -281,6 +282,7 @@ class SchedulerSide:
         # What vLLM will hold once the load is done: if it computes from less (a failed load),
         # plan_step stores the groups it recomputes again.
         tracked.computed_tokens = tracked.offered_from + external_tokens
+        self._loading[request_id] = set(block_ids[first_block:end_block])
         self._loads.append(
             LoadTask(
                 request_id=request_id,
@@ -346,10 +348,21 @@ class SchedulerSide:
             block_ids=tracked.block_ids[blocks.start : blocks.stop],
         )
 
+    def load_failed(self, block_ids: set[int]) -> None:
+        """vLLM reports blocks whose load failed: their requests are offered nothing more.
+        After a failed asynchronous load vLLM asks again for the same request; offering the
+        same groups would fail the same way, and the request would never run."""
+        for request_id, blocks in list(self._loading.items()):
+            tracked = self._tracked.get(request_id)
+            if blocks & block_ids and tracked is not None:
+                tracked.held_groups = 0
+                del self._loading[request_id]
+
     def finished(self, request_id: str) -> None:
         """Forget a finished request."""
         self._tracked.pop(request_id, None)
         self._pending.pop(request_id, None)
+        self._loading.pop(request_id, None)
 
     def stop(self, reason: str) -> None:
         """Load and store nothing from now on (requests in flight included), saying why."""
