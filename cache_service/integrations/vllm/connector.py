@@ -14,7 +14,10 @@ rank, is stored once by rank 0 and loaded by all.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -56,7 +59,7 @@ logger = logging.getLogger(__name__)
 NOTES = RateLimitedLog(logger)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # The counts every tensor-parallel rank reports (they add up); rank 0 alone reports the rest.
-RANK_SUMS = ("loaded_bytes", "load_seconds", "stored_bytes", "store_seconds")
+RANK_SUMS = ("loaded_bytes", "load_seconds", "stored_bytes", "store_seconds", "engine_seconds")
 
 
 class PromptCacheMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -237,17 +240,28 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Start this step's loads (asynchronous), or load them before the forward."""
         if self._worker is None:
             return
-        if self.options.load_mode == "async":
-            self._worker.load_async(self._plan())
-        else:
-            self._load_failed = bool(self._worker.load(self._plan()))
+        with self._on_engine_thread():
+            if self.options.load_mode == "async":
+                self._worker.load_async(self._plan())
+            else:
+                self._load_failed = bool(self._worker.load(self._plan()))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose asynchronous load ended (their failed blocks are reported in the
         same pass); nothing is ever held for sending."""
         if self._worker is None:
             return None, None
-        return None, self._worker.finished_loads() or None
+        with self._on_engine_thread():
+            return None, self._worker.finished_loads() or None
+
+    @contextmanager
+    def _on_engine_thread(self) -> Iterator[None]:
+        """Count the time a call takes on vLLM's own thread (`engine_seconds`)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.counters.add("engine_seconds", time.perf_counter() - started)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: a load holds every layer of its blocks before vLLM reads them."""
@@ -260,7 +274,8 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         """Copy the step's completed groups out and queue their stores."""
         if self._worker is not None:
-            self._worker.save(self._plan(), skip=self._load_failed)
+            with self._on_engine_thread():
+                self._worker.save(self._plan(), skip=self._load_failed)
             self._load_failed = False
 
     def get_block_ids_with_load_errors(self) -> set[int]:

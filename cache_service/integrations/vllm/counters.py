@@ -12,6 +12,8 @@ an offline `LLM`, which turns stats logging off.
     load_seconds             fetching, checking and writing them
     stored_blocks / bytes    vLLM blocks the service newly took, and their bytes (headers too)
     store_seconds            copying out (on the forward's thread) and sending (in the back)
+    engine_seconds           the connector's time on vLLM's own thread (the worker's loads
+                             or their start, stores' copies out, reports): what it adds to a step
     dropped_blocks           blocks not stored because the store queue was full
     miss_<reason>            a cache problem turned into a miss: lookup_failed, load_failed,
                              store_failed, refused_<field>, multimodal, prompt_embeds,
@@ -34,6 +36,7 @@ COUNTERS = (
     "stored_blocks",
     "stored_bytes",
     "store_seconds",
+    "engine_seconds",
     "dropped_blocks",
 )
 MISS_PREFIX = "miss_"

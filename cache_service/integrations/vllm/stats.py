@@ -31,6 +31,7 @@ COUNTER_HELP = {
     "stored_blocks": "vLLM blocks the service newly stored.",
     "stored_bytes": "Bytes of the blocks the service newly stored, headers included.",
     "store_seconds": "Seconds spent copying out and sending stored blocks.",
+    "engine_seconds": "Seconds the connector's worker half spent on vLLM's own thread.",
     "dropped_blocks": "vLLM blocks not stored because the store queue was full.",
 }
 
