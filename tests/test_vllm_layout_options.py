@@ -253,7 +253,7 @@ def test_no_extra_config_gives_the_defaults() -> None:
     assert options.store_request_bytes == 64 << 20
     assert options.backoff_max_seconds == 30.0
     assert (options.local_reads, options.local_reads_path) == (False, "")
-    assert options.load_mode == "async"
+    assert options.load_mode == "auto"
 
 
 def test_extra_config_sets_every_option() -> None:

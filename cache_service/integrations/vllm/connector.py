@@ -18,6 +18,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -97,9 +98,10 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 "could not load would fail the request instead of being computed"
             )
         try:
-            self.options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
+            options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
         except OptionError as exc:
             raise ValueError(str(exc)) from None
+        self.options = replace(options, load_mode=load_mode(vllm_config, options))
         self.counters = Counters()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -137,11 +139,12 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 store_request_bytes=self.options.store_request_bytes,
             )
         logger.info(
-            "PromptCacheConnector (%s) for %s, model %r, kv_layout %r",
+            "PromptCacheConnector (%s) for %s, model %r, kv_layout %r, %s loads",
             role.name.lower(),
             self.options.url,
             self.layout.model,
             self.layout.namespace_name,
+            self.options.load_mode,
         )
         PromptCacheConnector._live.add(self)
 
@@ -373,6 +376,19 @@ def scheduled_requests(output: SchedulerOutput) -> list[ScheduledRequest]:
     return steps
 
 
+def load_mode(vllm_config: VllmConfig, options: ConnectorOptions) -> str:
+    """The load mode `auto` stands for here: asynchronous loads, except on vLLM's CPU backend
+    without async scheduling, where synchronous ones were measured faster (a 1,024-token
+    prompt 96% cached: 2.0 s against 3.3 s) and are safe (the V1 model runner recovers a
+    failed synchronous load in the step that saw it)."""
+    from vllm.platforms import current_platform  # noqa: PLC0415 (picks the platform)
+
+    if options.load_mode != "auto":
+        return options.load_mode
+    async_scheduling = getattr(vllm_config.scheduler_config, "async_scheduling", False)
+    return "sync" if current_platform.is_cpu() and not async_scheduling else "async"
+
+
 def worker_rank() -> int:
     """This worker's tensor-parallel rank (0 outside a tensor-parallel group)."""
     from vllm.distributed.parallel_state import (  # noqa: PLC0415 (after vLLM's distributed init)
@@ -399,8 +415,8 @@ def _unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str
     )
     if any(size != 1 for size in sizes):
         return "pipeline or context parallelism above 1 is not supported yet"
-    load_mode = vllm_config.kv_transfer_config.kv_connector_extra_config.get("load_mode")
-    if getattr(vllm_config.scheduler_config, "async_scheduling", False) and load_mode == "sync":
+    mode = vllm_config.kv_transfer_config.kv_connector_extra_config.get("load_mode")
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False) and mode == "sync":
         return 'async scheduling needs load_mode "async" (a failed load\'s next step runs first)'
 
     groups = kv_cache_config.kv_cache_groups

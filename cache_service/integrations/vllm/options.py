@@ -16,7 +16,7 @@ from typing import Any
 REQUEST_PARAMS_KEY = "prompt_cache"  # kv_transfer_params={"prompt_cache": {...}}
 DEFAULT_URL = "http://127.0.0.1:8080"
 DEFAULT_API_KEY_ENV = "CACHE_SERVICE_API_KEY"
-LOAD_MODES = ("async", "sync")
+LOAD_MODES = ("auto", "async", "sync")
 
 
 class OptionError(ValueError):
@@ -50,8 +50,9 @@ class ConnectorOptions:
     # "async": vLLM parks a request while its prefix loads on a thread of the connector's and
     # schedules the others meanwhile (a failed load is known before the request computes; the
     # only mode that is right under async scheduling). "sync": the load runs before the step's
-    # forward, which waits for it.
-    load_mode: str = "async"
+    # forward, which waits for it. "auto": async, except on vLLM's CPU backend without async
+    # scheduling, where sync was measured faster (docs/content/vllm-connector.md).
+    load_mode: str = "auto"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:

@@ -62,6 +62,7 @@ class _Landed:
     groups: BlockGroups
     start: int  # the fetch's first key, as an index into task.keys
     count: int  # its keys
+    kv_layout: str  # this rank's namespace layout for the task
     ok: list[bool] = field(init=False)
     refused: dict[int, BlockRefused] = field(default_factory=dict)
 
@@ -107,7 +108,7 @@ class WorkerSide:
         self.rank = rank
         # Replicated KV (MLA) is the same on every rank: rank 0 stores it, every rank loads.
         self.stores = rank == 0 or not layout.tp_replicated
-        self.client = client  # loads, on the forward's thread
+        self.client = client  # loads, on the forward's thread or the loader's
         self.store_client = store_client  # stores, on the sender's thread (failures its own)
         self.counters = counters
         self.store_queue_bytes = store_queue_bytes
@@ -225,12 +226,13 @@ class WorkerSide:
         pieces = groups.service_blocks
         per_fetch = max(1, FETCH_KEYS // pieces) * pieces
         all_keys = task.keys_of(self.rank)
+        kv_layout = self._kv_layout(task.namespace)
         for start in range(0, len(all_keys), per_fetch):
             keys = all_keys[start : start + per_fetch]
-            landed = _Landed(task, groups, start, len(keys))
+            landed = _Landed(task, groups, start, len(keys), kv_layout)
             self.client.read_blocks(
                 task.namespace.model, keys, partial(self._write_piece, landed),
-                kv_layout=self._kv_layout(task.namespace), salt=task.namespace.salt,
+                kv_layout=kv_layout, salt=task.namespace.salt,
             )  # fmt: skip
             whole = landed.whole_groups()
             end = (start // pieces + whole) * groups.engine_blocks - task.skip
@@ -257,7 +259,7 @@ class WorkerSide:
                 piece=piece,
                 pieces=groups.service_blocks,
                 kv_bytes=piece_bytes,
-                kv_layout=self._kv_layout(task.namespace),
+                kv_layout=landed.kv_layout,
             )
         except BlockRefused as refusal:
             landed.refused[index] = refusal
