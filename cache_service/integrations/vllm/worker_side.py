@@ -18,6 +18,9 @@ background thread sends them. The queue is bounded in bytes; what does not fit i
 counted. One vLLM block's bytes are every layer's page of it in layer order, moved through
 the page seam (`paged`), which takes every KV cache layout whose pages are single runs of
 bytes; another is refused when the caches are registered, and the connector then only misses.
+Caches in host memory are written and read in place (`paged.HostPages`); caches in GPU memory
+through pinned staging buffers, ordered on CUDA streams after vLLM's own work
+(`device_pages.DevicePages`), the copy out ending on the sender's thread.
 
 Under tensor parallelism each rank's worker moves its own shard under its own namespace (the
 plan carries every rank's keys); KV the same on every rank (MLA's latent) is stored by rank 0
@@ -30,10 +33,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,14 +48,33 @@ from cache_service.core.engines.groups import BlockGroups
 from cache_service.core.errors import ServiceError
 from cache_service.integrations.kv_layout import BlockRefused
 from cache_service.integrations.vllm.counters import Counters
+from cache_service.integrations.vllm.device_pages import CudaStreams, DevicePages
 from cache_service.integrations.vllm.layout import EngineLayout
 from cache_service.integrations.vllm.notes import RateLimitedLog
-from cache_service.integrations.vllm.paged import HostPages, PagesRefused, host_pages, page_views
+from cache_service.integrations.vllm.paged import (
+    Gathered,
+    HostPages,
+    Landing,
+    PageCopy,
+    PagesRefused,
+    PageView,
+    page_views,
+)
 from cache_service.integrations.vllm.plan import LoadTask, Namespace, StepPlan, StoreTask
 
 logger = logging.getLogger(__name__)
 NOTES = RateLimitedLog(logger)
 DRAIN_SECONDS = 30.0  # at shutdown, queued stores get this long to finish
+
+
+def page_copy(views: Sequence[PageView]) -> PageCopy:
+    """The page copy for the views' device; paged.PagesRefused where there is none."""
+    device = views[0].pages.device
+    if device.type == "cpu":
+        return HostPages(views)
+    if device.type == "cuda":
+        return DevicePages(views, CudaStreams(device))
+    raise PagesRefused(f"no page copy for {device.type} tensors (host and CUDA memory only)")
 
 
 @dataclass(slots=True)
@@ -63,6 +86,7 @@ class _Landed:
     start: int  # the fetch's first key, as an index into task.keys
     count: int  # its keys
     kv_layout: str  # this rank's namespace layout for the task
+    landing: Landing  # where the task's pages are written before they land in the cache
     ok: list[bool] = field(init=False)
     refused: dict[int, BlockRefused] = field(default_factory=dict)
 
@@ -88,6 +112,7 @@ class _QueuedStore:
     task: StoreTask
     groups: BlockGroups
     kv: torch.Tensor  # [groups, engine_blocks * layers * block bytes] uint8, copied out
+    gathered: Gathered  # the copy out, which the sender waits for before reading kv
 
 
 class WorkerSide:
@@ -103,6 +128,7 @@ class WorkerSide:
         store_queue_bytes: int,
         store_request_bytes: int,
         rank: int = 0,
+        copier: Callable[[Sequence[PageView]], PageCopy] = page_copy,
     ) -> None:
         self.layout = layout.for_rank(rank)
         self.rank = rank
@@ -113,7 +139,8 @@ class WorkerSide:
         self.counters = counters
         self.store_queue_bytes = store_queue_bytes
         self.store_request_bytes = store_request_bytes
-        self._pages: HostPages | None = None  # the paged cache, once registered
+        self._copier = copier  # the page copy for the caches' device (paged.page_copy)
+        self._pages: PageCopy | None = None  # the paged cache, once registered
         self.refusal = "vLLM registered no KV cache"  # why the caches were not taken, or ""
         self._failed_blocks: set[int] = set()
         self._queue: queue.Queue[_QueuedStore | None] = queue.Queue()
@@ -134,7 +161,7 @@ class WorkerSide:
         """Take vLLM's per-layer caches of `num_blocks` vLLM blocks; refuse (log, then only
         miss) a layout the page seam cannot copy (`paged`)."""
         try:
-            pages = host_pages(
+            pages = self._copier(
                 page_views(
                     kv_caches, num_blocks=num_blocks, layout_name=self.layout.kv_cache_layout
                 )
@@ -182,13 +209,16 @@ class WorkerSide:
         if not plan.loads:
             return
         groups = BlockGroups(self.layout.engine_block_tokens, plan.service_block_tokens)
+        # On a GPU the loads' copies must follow what vLLM queued so far (the zeroing of the
+        # new blocks): a mark on its stream, taken here on its thread.
+        after = self._pages.mark() if self._pages is not None else None
         for task in plan.loads:
-            self._loader.submit(self._load_in_background, task, groups)
+            self._loader.submit(self._load_in_background, task, groups, after)
 
-    def _load_in_background(self, task: LoadTask, groups: BlockGroups) -> None:
+    def _load_in_background(self, task: LoadTask, groups: BlockGroups, after: Any) -> None:
         missed: list[int] = list(task.block_ids)  # until the load says otherwise
         try:
-            missed = self._load_one(task, groups)
+            missed = self._load_one(task, groups, after=after)
         finally:  # every load is reported, or vLLM would hold its request and blocks forever
             with self._loaded_lock:
                 self._loaded[task.request_id] = missed
@@ -202,17 +232,24 @@ class WorkerSide:
             self._failed_blocks.update(missed)
         return set(loaded)
 
-    def _load_one(self, task: LoadTask, groups: BlockGroups) -> list[int]:
-        """Load one task's blocks, counting; the block ids that could not be loaded."""
+    def _load_one(self, task: LoadTask, groups: BlockGroups, *, after: Any = None) -> list[int]:
+        """Load one task's blocks (a GPU copy after the mark `after`, or on vLLM's stream),
+        counting; the block ids that could not be loaded."""
         started = time.perf_counter()
         written = [0]  # vLLM blocks written so far, kept when the task fails part way
         reason = "load_failed"
-        if self.enabled:
+        if self._pages is not None:
+            landing = self._pages.landing(task.block_ids, after=after)
             try:
-                self._load_task(task, groups, written)
+                self._load_task(task, groups, written, landing)
             except Exception as exc:  # a cache problem is a miss, never a failed step
                 reason = "load_error"
                 NOTES.warn(f"prompt cache load failed: {exc!r:.300}")
+            try:
+                landing.land(written[0])  # the blocks written before any failure
+            except Exception as exc:
+                written[0], reason = 0, "load_error"
+                NOTES.warn(f"prompt cache load not copied to the cache: {exc!r:.300}")
         wanted = len(task.block_ids)
         if written[0] < wanted:
             self.counters.miss(reason, wanted - written[0])
@@ -221,7 +258,9 @@ class WorkerSide:
         self.counters.add("load_seconds", time.perf_counter() - started)
         return list(task.block_ids[written[0] :])
 
-    def _load_task(self, task: LoadTask, groups: BlockGroups, written: list[int]) -> None:
+    def _load_task(
+        self, task: LoadTask, groups: BlockGroups, written: list[int], landing: Landing
+    ) -> None:
         """Write the task's vLLM blocks in order, up to the first group that cannot be."""
         pieces = groups.service_blocks
         per_fetch = max(1, FETCH_KEYS // pieces) * pieces
@@ -229,7 +268,7 @@ class WorkerSide:
         kv_layout = self._kv_layout(task.namespace)
         for start in range(0, len(all_keys), per_fetch):
             keys = all_keys[start : start + per_fetch]
-            landed = _Landed(task, groups, start, len(keys), kv_layout)
+            landed = _Landed(task, groups, start, len(keys), kv_layout, landing)
             self.client.read_blocks(
                 task.namespace.model, keys, partial(self._write_piece, landed),
                 kv_layout=kv_layout, salt=task.namespace.salt,
@@ -270,6 +309,7 @@ class WorkerSide:
         pages = self._pages
         assert pages is not None
         page_bytes, layers = pages.page_bytes, pages.layers
+        landing = landed.landing
         done, at = 0, piece * piece_bytes  # where this piece starts in its group's bytes
         while done < len(data):  # the group's bytes: [engine blocks, layers, page bytes]
             unit, skip_bytes = divmod(at + done, page_bytes)
@@ -277,7 +317,7 @@ class WorkerSide:
             count = min(page_bytes - skip_bytes, len(data) - done)
             if first + position >= 0:  # not one of the first group's blocks vLLM holds
                 block_id = task.block_ids[first + position]
-                pages.write(layer, block_id, skip_bytes, data[done : done + count])
+                landing.write(layer, block_id, skip_bytes, data[done : done + count])
             done += count
         landed.ok[index] = True
 
@@ -316,10 +356,10 @@ class WorkerSide:
                 self.counters.add("dropped_blocks", len(task.block_ids))
                 continue
             try:
-                kv = self._pages.gather(task.block_ids)  # copied out now: vLLM may reuse them
-                self._queue.put(
-                    _QueuedStore(task, groups, kv.view(-1, groups.engine_blocks * kv.shape[1]))
-                )
+                # Copied out in vLLM's stream order now: vLLM may reuse the blocks next.
+                gathered = self._pages.gather(task.block_ids)
+                kv = gathered.kv.view(-1, groups.engine_blocks * gathered.kv.shape[1])
+                self._queue.put(_QueuedStore(task, groups, kv, gathered))
             except Exception as exc:  # never fail the step: these blocks are just not stored
                 self._release(size)
                 self.counters.miss("store_error", len(task.block_ids))
@@ -348,6 +388,7 @@ class WorkerSide:
                 self.counters.add("store_seconds", time.perf_counter() - started)
 
     def _send(self, item: _QueuedStore) -> None:
+        item.gathered.wait()  # a GPU's copy out ends here, on this thread, not vLLM's
         task, groups = item.task, item.groups
         ns = task.namespace
         kv_layout = self._kv_layout(ns)
