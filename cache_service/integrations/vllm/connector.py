@@ -4,8 +4,9 @@ vLLM builds one instance in its scheduler (`role=SCHEDULER`: `SchedulerSide`) an
 each worker (`role=WORKER`: `WorkerSide`); this class only translates vLLM's objects into
 theirs. It refuses to start when a failed load would fail the request (vLLM's default
 `kv_load_failure_policy` "fail"), and is disabled, with one log line, for set-ups it cannot
-serve exactly (GPUs, hybrid KV cache groups, pipeline or context parallelism, packed or
-sparse KV); a disabled connector loads and stores nothing, and vLLM runs as without it.
+serve exactly (platforms other than CPU and CUDA, hybrid KV cache groups, pipeline or context
+parallelism, packed or sparse KV); a disabled connector loads and stores nothing, and vLLM
+runs as without it. On CUDA it runs, saying once at start that no GPU engine has run it yet.
 With tensor parallelism each rank's worker moves its own shard under its own namespace, and
 the scheduler offers a hit only for what every rank holds; MLA's latent KV, the same on every
 rank, is stored once by rank 0 and loaded by all.
@@ -117,6 +118,12 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         self.layout = engine_layout(vllm_config, kv_cache_config, self.options)
         self.layout.for_lora("any adapter").namespace_name  # noqa: B018 (too long: fail at start)
+        if self.layout.device != "cpu":
+            logger.warning(
+                "PromptCacheConnector on %s: this configuration has not been verified on a GPU "
+                "engine yet (docs/content/vllm-connector.md, what runs where)",
+                self.layout.device,
+            )
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 options=self.options,
@@ -403,10 +410,10 @@ def _unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str
     from vllm.platforms import current_platform  # noqa: PLC0415 (picks the platform)
 
     parallel = vllm_config.parallel_config
-    if not current_platform.is_cpu():
+    if not (current_platform.is_cpu() or current_platform.is_cuda()):
         return (
-            "only vLLM's CPU backend is supported yet: the page copy for GPU memory is not "
-            "written (docs/content/vllm-connector.md: what runs where)"
+            f"only vLLM's CPU and CUDA platforms are supported, not {current_platform.device_type}"
+            " (docs/content/vllm-connector.md: what runs where)"
         )
     sizes = (
         parallel.pipeline_parallel_size,
@@ -418,6 +425,11 @@ def _unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str
     mode = vllm_config.kv_transfer_config.kv_connector_extra_config.get("load_mode")
     if getattr(vllm_config.scheduler_config, "async_scheduling", False) and mode == "sync":
         return 'async scheduling needs load_mode "async" (a failed load\'s next step runs first)'
+    if mode == "sync" and not current_platform.is_cpu() and vllm_config.use_v2_model_runner:
+        return (  # vllm issue #49250: the V2 runner rewinds only its CPU copy of the positions
+            'vLLM\'s V2 model runner needs load_mode "async": it recomputes a failed synchronous '
+            "load from the wrong position (or set VLLM_USE_V2_MODEL_RUNNER=0)"
+        )
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -492,11 +504,17 @@ def engine_layout(
 
 def attention_backend(vllm_config: VllmConfig, spec: Any) -> tuple[str, str]:
     """The attention backend's name and, on CPU, the kernel's instruction set. The scheduler
-    builds no layers, so this follows vLLM's own choice (`CpuPlatform.get_attn_backend_cls`)."""
+    builds no layers, so this follows vLLM's own choice (`CpuPlatform.get_attn_backend_cls`).
+    On CUDA the name is the kind of KV, not the backend: 0.32's CUDA backends for full
+    attention (FLASH_ATTN, FLASHINFER, TRITON_ATTN: `do_kv_cache_update`) all write K and V into
+    the same logical view, `(blocks, heads, tokens, 2 * head size)`, with
+    `reshape_and_cache_flash` or its Triton twin, and its MLA backends write the latent with
+    `concat_and_cache_mla` (`v1/attention/backend.py`); under one KV cache layout, dtype and
+    block size their bytes are the same, so engines on different backends share blocks."""
     from vllm.platforms import current_platform  # noqa: PLC0415 (picks the platform)
 
     if not current_platform.is_cpu():
-        raise ValueError(f"no attention backend name known for {current_platform.device_type}")
+        return ("MLA" if isinstance(spec, MLAAttentionSpec) else "ATTN"), ""
     if isinstance(spec, MLAAttentionSpec):
         chosen = vllm_config.attention_config.backend
         amx = current_platform.get_cpu_architecture().name == "X86" and bool(
