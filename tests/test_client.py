@@ -298,9 +298,38 @@ def test_an_unparseable_2xx_answer_raises_a_502_service_error(
 )
 def test_lookup_refuses_bad_token_ids_before_sending(connect: Any, tokens: list[Any]) -> None:
     service = Service(answer_json(LOOKUP_ANSWER))
-    with pytest.raises(InvalidField):
+    with pytest.raises(InvalidField) as refused:
         connect(service, fail_open=True).lookup("llama", tokens)
     assert service.requests == []
+    assert refused.value.field == "tokens"
+    assert str(refused.value).count("0..4294967295") <= 1  # the rule, said once
+
+
+@pytest.mark.parametrize(
+    ("payloads", "said"),
+    [
+        (["kv"], "payloads[0]: a payload is bytes, a bytearray or a memoryview, not str"),
+        (
+            [b"kv", None],
+            "payloads[1]: a payload is bytes, a bytearray or a memoryview, not NoneType",
+        ),
+        (b"kv", "payloads is a list of payloads, one per block, not one bytes"),
+        ([memoryview(b"kvkv")[::2]], "payloads[0]: a payload is contiguous memory: pass bytes(x)"),
+        (
+            [memoryview(bytes(8)).cast("f")],
+            "payloads[0]: a payload is counted in bytes, not in items of 4 bytes in 1 dimensions",
+        ),
+    ],
+    ids=["str", "none", "one-bytes", "strided", "floats"],
+)
+def test_store_refuses_payloads_that_are_not_bytes_before_sending(
+    connect: Any, payloads: Any, said: str
+) -> None:
+    service = Service(answer_json(STORE_ANSWER))
+    with pytest.raises(TypeError) as refused:
+        connect(service, fail_open=True).store("llama", TOKENS, payloads)
+    assert service.requests == []
+    assert str(refused.value).startswith(said)
 
 
 def test_store_sends_a_frame_body_with_the_header_and_one_frame_per_block(connect: Any) -> None:

@@ -67,3 +67,25 @@ def test_every_reference_names_a_published_schema(tmp_path: Path) -> None:
     prefix = "#/components/schemas/"
     names = {ref.removeprefix(prefix) for ref in refs(schema) if ref.startswith(prefix)}
     assert names and names <= published, sorted(names - published)
+
+
+def test_every_refusal_of_every_route_is_a_problem(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys.toml"
+    keys_file.write_text(key_file_entry("k", "team", Role.WRITER, new_key()))
+    for settings in (
+        Settings(data_dir=tmp_path / "data"),
+        Settings(data_dir=tmp_path / "data", auth="keys", api_keys_file=keys_file),
+    ):
+        schema = schema_of(settings)
+        refusals = [
+            (path, method, status, answer)
+            for path, operations in schema["paths"].items()
+            for method, operation in operations.items()
+            for status, answer in operation["responses"].items()
+            if not status.startswith("2")
+        ]
+        assert ("/v1/pins", "get", "422") in {refusal[:3] for refusal in refusals}
+        for path, method, status, answer in refusals:
+            assert list(answer["content"]) == [PROBLEM], (path, method, status)
+            assert answer["content"][PROBLEM]["schema"] == {"$ref": "#/components/schemas/Problem"}
+        assert "HTTPValidationError" not in schema["components"]["schemas"]

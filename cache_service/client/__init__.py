@@ -1,13 +1,19 @@
 """CacheClient and AsyncCacheClient: the prompt cache's HTTP API over httpx.
 
 The twins share everything but the I/O call (as httpx's BaseClient -> Client / AsyncClient):
-`_BaseCacheClient` builds each request as a `_Call`, parses its answer and keeps the
+a shared base (`client/base.py`) builds each request, parses its answer and keeps the
 fail-open state; a twin only sends. Errors:
 
-- a problem answer (any non-2xx) raises `ServiceError(status, problem_body)`;
+- a problem answer (any non-2xx) raises the `ServiceError` subclass of its problem type (see
+  `cache_service.client.problems`, exported here): `UnknownRetentionProblem` for a 422
+  unknown-retention, with `.field` ("retention"), `.reason`, `.problem`, `.status` and the
+  whole `.problem_body`;
 - a 2xx answer the client cannot parse raises `InvalidAnswer`, a `ServiceError(502, ...)`, as a
   gateway would;
-- a transport error or timeout raises `ServiceUnavailable` (503).
+- a transport error or timeout raises `ServiceUnavailable` (503);
+- arguments the service would refuse are refused before anything is sent: `InvalidField` (not
+  a ServiceError; `except InvalidField` takes the service's refusals of a field too) for token
+  ids and keys, `TypeError` for payloads that are not bytes.
 
 With `fail_open=True`, the data-path calls (lookup, get_blocks, store, put_prefix) turn
 `ServiceUnavailable` and 5xx answers into misses and back off: after a failure they return
@@ -50,21 +56,76 @@ from cache_service.client.answers import (
 )
 from cache_service.client.base import Clock
 from cache_service.client.failures import FailOpenCounts
+from cache_service.client.problems import (
+    BlockSizeMismatchProblem,
+    DiskFullProblem,
+    ForbiddenProblem,
+    HeadersTooLargeProblem,
+    InsufficientStorageProblem,
+    InvalidFieldProblem,
+    MalformedBodyProblem,
+    MissingParentProblem,
+    NotEnabledProblem,
+    NotReadyProblem,
+    NotStoredProblem,
+    NotSupportedByStoreProblem,
+    OverloadedProblem,
+    PayloadTooLargeProblem,
+    QuotaExceededProblem,
+    RequestProblem,
+    RequestTimeoutProblem,
+    StorageFailureProblem,
+    StorageProblem,
+    ThrottledProblem,
+    UnauthorizedProblem,
+    UnknownInstanceProblem,
+    UnknownRetentionProblem,
+    UnsupportedMediaTypeProblem,
+)
 from cache_service.client.route_answer import InstanceHold, RouteAnswer, StoreHold
 from cache_service.client.sync import CacheClient
+from cache_service.core.errors import InvalidAnswer, InvalidField, ServiceError, ServiceUnavailable
 
 __all__ = [
     "AsyncCacheClient",
+    "BlockSizeMismatchProblem",
     "CacheClient",
     "Clock",
+    "DiskFullProblem",
     "FailOpenCounts",
+    "ForbiddenProblem",
+    "HeadersTooLargeProblem",
     "InstanceHold",
+    "InsufficientStorageProblem",
+    "InvalidAnswer",
+    "InvalidField",
+    "InvalidFieldProblem",
+    "MalformedBodyProblem",
     "Match",
+    "MissingParentProblem",
+    "NotEnabledProblem",
+    "NotReadyProblem",
+    "NotStoredProblem",
+    "NotSupportedByStoreProblem",
+    "OverloadedProblem",
     "Payload",
+    "PayloadTooLargeProblem",
+    "QuotaExceededProblem",
+    "RequestProblem",
+    "RequestTimeoutProblem",
     "RouteAnswer",
+    "ServiceError",
     "ServiceInfo",
+    "ServiceUnavailable",
+    "StorageFailureProblem",
+    "StorageProblem",
     "StoreHold",
     "StoreResult",
     "StoredBlocks",
+    "ThrottledProblem",
+    "UnauthorizedProblem",
+    "UnknownInstanceProblem",
+    "UnknownRetentionProblem",
+    "UnsupportedMediaTypeProblem",
     "Usage",
 ]

@@ -4,8 +4,8 @@ ServiceInfo, parsers.
 The answers are the service's own declarations (`cache_service.wire.answers` and `.reports`),
 read by `cache_service.wire.reader`; Match adds the payloads a fetch brings. A parser takes a
 2xx `httpx.Response` and returns the typed answer, or raises `InvalidAnswer` (a
-`ServiceError(502, ...)`) for an answer it cannot use; `_problem_error` turns a non-2xx
-answer into the `ServiceError` that carries its problem+json.
+`ServiceError(502, ...)`) for an answer it cannot use; a non-2xx answer is
+`cache_service.client.problems`' to turn into its exception.
 """
 
 from __future__ import annotations
@@ -17,13 +17,10 @@ from typing import Any
 import httpx
 import orjson
 
-from cache_service.core.errors import InvalidAnswer, MalformedBody, ServiceError
+from cache_service.core.errors import InvalidAnswer, MalformedBody
 from cache_service.core.framing import MEDIA_TYPE, decode_frames, is_frames_type
 from cache_service.wire import answers, reports
 from cache_service.wire.reader import UnreadableAnswer, read_fields
-
-MAX_ERROR_TEXT_CHARS = 2000  # a non-JSON error body (an HTML page from a proxy) is cut here
-
 
 Payload = bytes | memoryview  # bytes, or with copy=False a view into the answer
 
@@ -84,24 +81,6 @@ class StoredBlocks(int):
     def as_sent(self) -> bool:
         """Whether the cache now holds every block sent, each with the bytes sent."""
         return self.result.as_sent
-
-
-def _problem_error(response: httpx.Response) -> ServiceError:
-    """The ServiceError of a non-2xx answer: its problem+json, or its text as the detail."""
-    body: Any = None
-    if "json" in response.headers.get("content-type", ""):
-        try:
-            body = response.json()
-        except ValueError:
-            body = None
-    if not isinstance(body, dict):
-        body = {
-            "type": "about:blank",
-            "title": response.reason_phrase or "Error",
-            "status": response.status_code,
-            "detail": response.text[:MAX_ERROR_TEXT_CHARS],
-        }
-    return ServiceError(response.status_code, body)
 
 
 def _is_frames(response: httpx.Response) -> bool:

@@ -27,7 +27,6 @@ from cache_service.client.answers import (
     _parse_info,
     _parse_match,
     _parse_store,
-    _problem_error,
 )
 from cache_service.client.failures import (
     FAILURE_LOG,
@@ -35,6 +34,7 @@ from cache_service.client.failures import (
     FailOpenTally,
     transport_reason,
 )
+from cache_service.client.problems import response_error
 from cache_service.client.transport import Body, body_length
 from cache_service.core.blocks import KEY_BYTES, BlockKey, key_from_hex, key_hex
 from cache_service.core.errors import InvalidField, ServiceError, ServiceUnavailable
@@ -174,6 +174,7 @@ class _BaseCacheClient:
         block_size: int | None,
     ) -> _Call[StoreResult]:
         token_bytes = as_token_bytes(tokens)
+        _check_payloads(payloads)
         header = {
             **_prompt_options(
                 model, kv_layout=kv_layout, salt=salt, retention=retention, block_size=block_size
@@ -245,7 +246,7 @@ class _BaseCacheClient:
         """Parse a 2xx answer, or fail open or raise on a problem."""
         where = f"{call.method} {self._shown_url}{call.path}"
         if not response.is_success:
-            error = _problem_error(response)
+            error = response_error(response)
             reason = "store_full" if error.status == INSUFFICIENT_STORAGE else "status"
             said = f"{where} answered {error.status}: {error.detail}"
             return self._on_error(call, epoch, error, reason, said)
@@ -321,6 +322,32 @@ def _key_text(key: BlockKey | str) -> str:
         return key_hex(key_from_hex(key))
     except (ValueError, TypeError) as exc:
         raise InvalidField("keys", str(exc)) from None
+
+
+def _check_payloads(payloads: Sequence[bytes | memoryview]) -> None:
+    """TypeError, before anything is sent, for payloads that are not a list of flat bytes."""
+    if isinstance(payloads, bytes | bytearray | memoryview | str):
+        raise TypeError(
+            f"payloads is a list of payloads, one per block, not one {type(payloads).__name__}"
+        )
+    for index, payload in enumerate(payloads):
+        if isinstance(payload, bytes):
+            continue  # the usual case, with no view made
+        try:
+            with memoryview(payload) as view:
+                itemsize, ndim, contiguous = view.itemsize, view.ndim, view.c_contiguous
+        except TypeError:
+            raise TypeError(
+                f"payloads[{index}]: a payload is bytes, a bytearray or a memoryview, "
+                f"not {type(payload).__name__}"
+            ) from None
+        if not contiguous:  # sent as it lies in memory: a strided view has gaps
+            raise TypeError(f"payloads[{index}]: a payload is contiguous memory: pass bytes(x)")
+        if (itemsize, ndim) != (1, 1):  # a frame's length is len(payload), which counts items
+            raise TypeError(
+                f"payloads[{index}]: a payload is counted in bytes, not in items of {itemsize} "
+                f"bytes in {ndim} dimensions: pass memoryview(x).cast('B')"
+            )
 
 
 def _prompt_options(

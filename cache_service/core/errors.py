@@ -26,10 +26,13 @@ The hierarchy::
     │   ├── StoreFull                (internal) the backend ran out of room mid-write; retried
     │   │   └── DiskFull             507  the file system is full (after eviction could not help)
     │   ├── StorageFailure           503  the disk failed a write (I/O error), or LMDB gave up
+    │   ├── NotReady                 503  the service is starting or stopping (store not open)
     │   └── SettingsMismatch         (start-up) the store's data was made with other settings
+    ├── NotSupportedByStore          501  the store's backend cannot do that (declared capability)
     └── ServiceError                 raised by the client: the service answered with a problem
         ├── ServiceUnavailable       the service could not be reached or timed out
-        └── InvalidAnswer            502  a 2xx answer the client cannot use (names the field)
+        ├── InvalidAnswer            502  a 2xx answer the client cannot use (names the field)
+        └── (a class per problem type: cache_service.client.problems)
 
 A single exception handler on the root maps every error to a problem+json response.
 """
@@ -89,7 +92,8 @@ class MalformedBody(RequestError):
 
 
 class InvalidField(RequestError):
-    """One or more fields have invalid values; `errors` names each field."""
+    """One or more fields have invalid values; `errors` names each field, `field` and `reason`
+    the first."""
 
     status = 422
     problem = "invalid-field"
@@ -99,6 +103,7 @@ class InvalidField(RequestError):
         errors = extensions.pop("errors", None) or [{"field": field, "message": message}]
         super().__init__(f"{field}: {message}", errors=errors, **extensions)
         self.field = field
+        self.reason = message
 
 
 class BlockSizeMismatch(InvalidField):
@@ -200,11 +205,15 @@ class UnsupportedMediaType(RequestError):
 
 
 class MissingParent(RequestError):
-    """A block's parent is neither stored nor part of the same request."""
+    """A block's parent is neither stored nor part of the same request: the field to change
+    is start_block (lower, to send the parent too)."""
 
     status = 409
     problem = "missing-parent"
     title = "Parent block not stored"
+
+    def __init__(self, detail: str, **extensions: Any) -> None:
+        super().__init__(detail, field="start_block", **extensions)
 
 
 class NotStored(RequestError):
@@ -274,6 +283,14 @@ class StorageFailure(StorageError):
     title = "Storage failure"
 
 
+class NotReady(StorageError):
+    """The service is starting or stopping; its store is not open."""
+
+    status = 503
+    problem = "not-ready"
+    title = "Service not ready"
+
+
 class SettingsMismatch(StorageError):
     """A store was opened with settings that define its data (seed, block size...) other
     than the ones it records; `extensions["settings"]` names them."""
@@ -283,19 +300,49 @@ class SettingsMismatch(StorageError):
 
 
 class ServiceError(PromptCacheError):
-    """The service answered a client call with an error (problem details attached)."""
+    """The service answered a client call with an error (problem details attached).
+
+    `problem` names the type the service sent (`invalid-field`; a type of no service of ours,
+    such as `about:blank`, as sent), `field` the request field it refused (None when the
+    problem is not about one field) and `reason` what is wrong, without the field's name.
+    The client raises a subclass per problem type (`cache_service.client.problems`).
+    """
+
+    field: str | None
+    reason: str
 
     def __init__(self, status: int, problem_body: dict[str, Any]) -> None:
         detail = str(problem_body.get("detail") or problem_body.get("title") or status)
-        super().__init__(detail)
+        extensions = {k: v for k, v in problem_body.items() if k not in _PROBLEM_MEMBERS}
+        # Not super(): in the client's classes, each both a ServiceError and the service's own
+        # error of that type, the next constructor in line is that error's, with other fields.
+        PromptCacheError.__init__(self, detail, **extensions)
         self.status = status
         self.problem_body = problem_body
         self.title = str(problem_body.get("title", "Service error"))
+        self.problem = self.problem_type.removeprefix(PROBLEM_BASE)
+        self.field, self.reason = _field_and_reason(problem_body, detail)
 
     @property
     def problem_type(self) -> str:
         """The `type` URI the service sent."""
         return str(self.problem_body.get("type", "about:blank"))
+
+
+_PROBLEM_MEMBERS = frozenset({"type", "title", "status", "detail", "instance"})
+
+
+def _field_and_reason(problem_body: dict[str, Any], detail: str) -> tuple[str | None, str]:
+    """The field a problem names (its first `errors` entry, or its `field` member) and what is
+    wrong with it; (None, detail) for a problem about no one field."""
+    errors = problem_body.get("errors")
+    first = errors[0] if isinstance(errors, list) and errors else None
+    if isinstance(first, dict) and isinstance(first.get("field"), str):
+        return first["field"], str(first.get("message") or detail)
+    field = problem_body.get("field")
+    if isinstance(field, str):
+        return field, detail.removeprefix(f"{field}: ")
+    return None, detail
 
 
 class ServiceUnavailable(ServiceError):

@@ -120,7 +120,9 @@ def as_token_bytes(tokens: TokenInput | None, field: str = "tokens") -> TokenByt
     elif tokens is not None:
         try:
             return tokens_to_bytes(tokens)
-        except (ValueError, TypeError) as exc:
+        except ValueError:  # an id out of range: the rule says it all
+            raise InvalidField(field, f"token ids are integers in 0..{MAX_TOKEN_ID}") from None
+        except TypeError as exc:  # not integers: the rule, and what was given instead
             raise InvalidField(
                 field, f"token ids are integers in 0..{MAX_TOKEN_ID} ({exc})"
             ) from None

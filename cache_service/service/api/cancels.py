@@ -13,7 +13,7 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cache_service.service.api.guard import NotReady
+from cache_service.core.errors import NotReady
 from cache_service.service.api.problems import refuse
 
 

@@ -25,19 +25,11 @@ from typing import ParamSpec, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
-from cache_service.core.errors import StorageError
+from cache_service.core.errors import NotReady
 
 _IDLE_POLL_SECONDS = 0.01
 T = TypeVar("T")
 P = ParamSpec("P")
-
-
-class NotReady(StorageError):
-    """The service is starting or stopping; its store is not open."""
-
-    status = 503
-    problem = "not-ready"
-    title = "Service not ready"
 
 
 class StoreGuard:

@@ -11,6 +11,7 @@ from pydantic import TypeAdapter
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaMode
 
 from cache_service.core.framing import MEDIA_TYPE
+from cache_service.service.api.problems import PROBLEM_JSON
 from cache_service.service.api.schemas import (
     REQUEST_MODELS,
     ExplainResponse,
@@ -126,8 +127,22 @@ def problem_answer(status: int) -> dict[str, Any]:
     """The `responses` entry of a problem+json answer with `status`."""
     return {
         "description": _STATUS_MEANINGS[status],
-        "content": {"application/problem+json": {"schema": _ref("Problem")}},
+        "content": {PROBLEM_JSON: {"schema": _ref("Problem")}},
     }
+
+
+def _problems_for_every_refusal(schema: dict[str, Any]) -> None:
+    """Declare every 4xx and 5xx answer a Problem: FastAPI adds its own 422 to a route with
+    query parameters (HTTPValidationError), which the service never sends, as its handler
+    answers validation errors with problem+json like any other refusal."""
+    for operations in schema["paths"].values():
+        for operation in operations.values():
+            answers = operation.get("responses", {})
+            for status, answer in answers.items():
+                if status[0] in "45" and PROBLEM_JSON not in answer.get("content", {}):
+                    answer["content"] = problem_answer(int(status))["content"]
+    for unused in ("HTTPValidationError", "ValidationError"):  # FastAPI's, now unreferenced
+        schema["components"]["schemas"].pop(unused, None)
 
 
 def _document_key_refusals(schema: dict[str, Any]) -> None:
@@ -176,6 +191,7 @@ def install_openapi(app: FastAPI, *, bearer_auth: bool = False) -> None:
         components = schema.setdefault("components", {})
         components.setdefault("schemas", {}).update(_component_schemas())
         _require_every_answer_field(components["schemas"])
+        _problems_for_every_refusal(schema)
         if bearer_auth:
             components["securitySchemes"] = {
                 "apiKey": {"type": "http", "scheme": "bearer", "description": "An API key."}

@@ -35,7 +35,9 @@ BLOCK_SIZE_DOC = (
     "The block size the caller expects: if the service cuts this model into blocks of another "
     "size (GET /v1/info, block_size), 422 block-size-mismatch. Omit it to take the service's."
 )
-BlockSize = Annotated[int, Field(ge=1, description=BLOCK_SIZE_DOC)]
+# Bounded as token ids are, though no service cuts blocks nearly this long: a number of any
+# size is then refused by the schema, whose message repeats no input, and never read further.
+BlockSize = Annotated[int, Field(ge=1, le=MAX_TOKEN_ID, description=BLOCK_SIZE_DOC)]
 
 
 class PromptOptions(NamespaceFields):

@@ -12,10 +12,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from cache_service.core.cache import PrefixCache
-from cache_service.core.errors import Overloaded
+from cache_service.core.errors import NotReady, Overloaded
 from cache_service.core.lifetimes import Lifetimes
 from cache_service.core.operators import Operators
-from cache_service.service.api.guard import NotReady, StoreGuard
+from cache_service.service.api.guard import StoreGuard
 from cache_service.service.config import RequestLimits
 from cache_service.service.kv_events.hub import KvEventsHub
 from cache_service.service.metrics import CacheMetrics
