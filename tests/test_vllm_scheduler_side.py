@@ -620,7 +620,7 @@ def test_block_sizes_making_large_groups_are_warned_about(
     make_side: MakeSide, caplog: pytest.LogCaptureFixture
 ) -> None:
     odd = dataclasses.replace(LAYOUT, engine_block_tokens=100, block_bytes=100 * 32)
-    with caplog.at_level(logging.WARNING, logger="cache_service.integrations.vllm"):
+    with caplog.at_level(logging.WARNING, logger="vllm.prompt_cache_connector"):
         groups = make_side(layout=odd).groups
     assert groups is not None and groups.group_tokens == 1600
     assert "--model-block-size 'm=100'" in caplog.text
@@ -629,7 +629,7 @@ def test_block_sizes_making_large_groups_are_warned_about(
 def test_block_sizes_making_small_groups_are_not_warned_about(
     make_side: MakeSide, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="cache_service.integrations.vllm"):
+    with caplog.at_level(logging.WARNING, logger="vllm.prompt_cache_connector"):
         groups = make_side().groups
     assert groups is not None and groups.group_tokens == GROUP
     assert caplog.text == ""

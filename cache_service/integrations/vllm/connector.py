@@ -14,7 +14,6 @@ rank, is stored once by rank 0 and loaded by all.
 
 from __future__ import annotations
 
-import logging
 import time
 import weakref
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ from vllm.version import __version__ as vllm_version
 from cache_service.client import CacheClient
 from cache_service.integrations.vllm.counters import Counters, merged
 from cache_service.integrations.vllm.layout import EngineLayout
-from cache_service.integrations.vllm.notes import RateLimitedLog
+from cache_service.integrations.vllm.notes import RateLimitedLog, connector_logger
 from cache_service.integrations.vllm.options import ConnectorOptions, OptionError
 from cache_service.integrations.vllm.plan import StepPlan
 from cache_service.integrations.vllm.scheduler_side import (
@@ -57,7 +56,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = connector_logger(__name__)
 NOTES = RateLimitedLog(logger)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # The counts every tensor-parallel rank reports (they add up); rank 0 alone reports the rest.

@@ -11,6 +11,15 @@ import threading
 import time
 
 INTERVAL_SECONDS = 30.0
+# vLLM configures only its own logger tree (its handler, format and VLLM_LOGGING_LEVEL): under
+# it the connector's lines reach vLLM's log as vLLM's own do, the INFO start-up line included;
+# under this package's own name they reached nobody but Python's last-resort stderr.
+LOGGER_PREFIX = "vllm.prompt_cache_connector"
+
+
+def connector_logger(module: str) -> logging.Logger:
+    """The logger of the connector's module `module` (its `__name__`), in vLLM's tree."""
+    return logging.getLogger(f"{LOGGER_PREFIX}.{module.rsplit('.', 1)[-1]}")
 
 
 class RateLimitedLog:

@@ -19,7 +19,6 @@ counted.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,11 +31,11 @@ from cache_service.core.engines.groups import BlockGroups
 from cache_service.core.errors import InvalidAnswer, ServiceError
 from cache_service.integrations.vllm.counters import Counters
 from cache_service.integrations.vllm.layout import EngineLayout
-from cache_service.integrations.vllm.notes import RateLimitedLog
+from cache_service.integrations.vllm.notes import RateLimitedLog, connector_logger
 from cache_service.integrations.vllm.options import ConnectorOptions, OptionError, RequestOptions
 from cache_service.integrations.vllm.plan import LoadTask, Namespace, StepPlan, StoreTask
 
-logger = logging.getLogger(__name__)
+logger = connector_logger(__name__)
 NOTES = RateLimitedLog(logger)
 # A group larger than this many times the larger block size makes short prompts miss.
 LARGE_GROUP_FACTOR = 4

@@ -29,7 +29,6 @@ alone and loaded by every rank.
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -50,7 +49,7 @@ from cache_service.integrations.kv_layout import BlockRefused
 from cache_service.integrations.vllm.counters import Counters
 from cache_service.integrations.vllm.device_pages import CudaStreams, DevicePages
 from cache_service.integrations.vllm.layout import EngineLayout
-from cache_service.integrations.vllm.notes import RateLimitedLog
+from cache_service.integrations.vllm.notes import RateLimitedLog, connector_logger
 from cache_service.integrations.vllm.paged import (
     Gathered,
     HostPages,
@@ -62,7 +61,7 @@ from cache_service.integrations.vllm.paged import (
 )
 from cache_service.integrations.vllm.plan import LoadTask, Namespace, StepPlan, StoreTask
 
-logger = logging.getLogger(__name__)
+logger = connector_logger(__name__)
 NOTES = RateLimitedLog(logger)
 DRAIN_SECONDS = 30.0  # at shutdown, queued stores get this long to finish
 
