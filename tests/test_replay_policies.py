@@ -19,7 +19,9 @@ from typing import Any
 
 import pytest
 
+from cache_service.tools.replay.plots import LRU_COLOUR, RUN_COLOUR, draw_report
 from cache_service.tools.replay.policy_curves import gap_closed, headline_capacities
+from cache_service.tools.replay.policy_table import headline_figure
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BLOCK_TOKENS = 16
@@ -124,7 +126,8 @@ class Comparison:
 def comparison(tmp_path_factory: pytest.TempPathFactory) -> Comparison:
     folder = tmp_path_factory.mktemp("policies")
     trace = write_conversations(folder / "conversations.jsonl")
-    plot = folder / "policies.png"
+    out = folder / "out" / "run"  # no such folder yet: the replay makes it, as the docs' out/
+    plot = out / "policies.png"
     done = run(
         trace,
         "--mrc",
@@ -137,12 +140,12 @@ def comparison(tmp_path_factory: pytest.TempPathFactory) -> Comparison:
         "--workdir",
         folder,
         "--json",
-        folder / "policies.json",
+        out / "policies.json",
         "--plot",
         plot,
     )
     assert done.code == 0, done.stderr
-    report = json.loads((folder / "policies.json").read_text())
+    report = json.loads((out / "policies.json").read_text())
     return Comparison(report, done.stdout, plot, trace, folder)
 
 
@@ -296,15 +299,62 @@ def test_summary_tabulates_each_capacity_and_headlines_the_asked_capacities(
         cells = lines[top + offset].split()
         assert cells[0] == f"{row['capacity_tokens']:,}"
         assert cells[3] == f"{row['block_hit_ratio']:.1%}"
-    headline = next(line for line in lines if line.startswith("Headline: protected closes"))
+    headline = next(line for line in lines if line.startswith("Headline: protected at "))
     for tokens in ASKED_TOKENS:
         row = next(row for row in rows if row["capacity_tokens"] == tokens)
-        assert f"{row['gap_closed']:.1%} at {tokens:,} tokens" in headline
+        assert headline_figure(row) in headline
     assert "--capacities" in comparison.summary  # the rule that chose them is said
+
+
+def test_headline_says_the_share_closed_only_where_belady_leads_lru_by_a_point() -> None:
+    row = {"capacity_tokens": 29_999_616, "block_hit_ratio": 0.35879}
+    wide = {**row, "lru_block_hit_ratio": 0.136, "belady_block_hit_ratio": 0.353}
+    assert headline_figure({**wide, "gap_closed": 0.123}) == (
+        "at 29,999,616 tokens: closes 12.3% of the LRU-to-Belady gap"
+    )
+    # The issue's run: LRU 35.9% against Belady 36.6%, where 0.0% of the gap read as a failure.
+    narrow = {**row, "lru_block_hit_ratio": 0.35879, "belady_block_hit_ratio": 0.366412}
+    assert headline_figure({**narrow, "gap_closed": 0.0}) == (
+        "at 29,999,616 tokens: little to gain, LRU (35.9%) is within a point of Belady (36.6%)"
+    )
+    tied = {**row, "lru_block_hit_ratio": 0.366412, "belady_block_hit_ratio": 0.366412}
+    assert headline_figure({**tied, "gap_closed": None}) == (
+        "at 29,999,616 tokens: nothing to gain, LRU already equals Belady (36.6%)"
+    )
+    assert "closes" not in headline_figure({**narrow, "gap_closed": 1.0})
 
 
 def test_plot_is_a_png(comparison: Comparison) -> None:
     assert comparison.plot.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_report_and_figures_go_into_a_folder_the_run_makes(comparison: Comparison) -> None:
+    out = comparison.plot.parent
+    assert out.relative_to(comparison.folder) == Path("out", "run")  # made by the replay
+    assert sorted(path.name for path in out.iterdir()) == ["policies.json", "policies.png"]
+    assert f"Wrote the report (JSON): {out / 'policies.json'}" in comparison.summary
+
+
+def test_every_panel_draws_each_policy_in_one_colour(tmp_path: Path) -> None:
+    """LRU beside the run's own curve and in the policies panel: the same colour in both, and
+    so is the policy the replay ran."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from matplotlib.colors import to_hex  # noqa: PLC0415 - after the skip above
+
+    trace = write_conversations(tmp_path / "t.jsonl")
+    report = replay_json(trace, "--mrc", "--policy", "protected,lru", folder=tmp_path, name="c")
+    figure = draw_report(report)
+    try:
+        drawn: dict[str, list[str]] = {}
+        for axis in figure.axes:
+            for line in axis.get_lines():  # labels: "LRU (method)", "LRU", "protected", ...
+                name = str(line.get_label()).split(" (")[0].lower()
+                drawn.setdefault(name, []).append(to_hex(line.get_color()))
+    finally:
+        plt.close(figure)
+    assert drawn["lru"] == [to_hex(LRU_COLOUR)] * 2  # the curve panel and the policies panel
+    # The policy the replay ran: its curve, its row of the comparison, its hits over time.
+    assert drawn["protected"] == [to_hex(RUN_COLOUR)] * 2 == drawn["token hit ratio"] * 2
 
 
 def test_headline_without_asked_capacities_is_the_largest_below_the_working_set() -> None:

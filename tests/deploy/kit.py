@@ -159,8 +159,9 @@ def shell_blocks(markdown: str) -> list[str]:
 
 
 def shell_commands(script: str) -> list[list[str]]:
-    """The simple commands of a shell line joined by && (each one split as the shell would)."""
-    return [shlex.split(part) for part in re.split(r"&&", script) if part.strip()]
+    """The simple commands of a shell script, one a line or joined by && (each one split as
+    the shell would)."""
+    return [shlex.split(part) for part in re.split(r"&&|\n", script) if part.strip()]
 
 
 # --- Running a command line for real, on this machine's loopback ------------------------------

@@ -190,6 +190,23 @@ def test_copies_of_the_test_command_are_readmes() -> None:
     assert [block.where for block in copies if block.text != command] == []
 
 
+def test_replay_examples_write_their_reports_into_a_folder_git_ignores() -> None:
+    """A reader who pastes a replay example from the docs in the checkout leaves no report or
+    figure beside the code to commit by mistake (out/ is in .gitignore)."""
+    outputs = []
+    for block in BLOCKS:
+        if block.language == "sh":
+            for command in block.text.replace("\\\n", " ").splitlines():
+                if "cache-service replay" in command:
+                    outputs += re.findall(r"--(?:json|plot) (\S+)", command)
+    assert outputs, "no replay example writes a report"
+    ignored = subprocess.run(
+        ["git", "check-ignore", *outputs], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    assert sorted(ignored.stdout.split()) == sorted(outputs)
+    assert all(Path(path).parts[0] == "out" for path in outputs)
+
+
 # -- parsed and syntax-checked ---------------------------------------------------------------
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,8 @@ from cache_service.tools.replay import arguments
 from tests.docs_site.conftest import CONTENT
 
 COMMITTED = CONTENT / "reference"
+# A private name: `_Call`, `base._BaseCacheClient` (not a dunder, not `fail_open`).
+PRIVATE_NAME = re.compile(r"(?<!\w)_[A-Za-z]\w*")
 REGENERATE = "run `python -m cache_service.tools.docs_reference` and commit the pages"
 
 
@@ -117,3 +121,42 @@ def test_the_pages_document_every_flag_the_cli_accepts() -> None:
     assert serve - {"-h", "--help"} == {serve_flag(name) for name in Settings.model_fields}
     # `demo` is in the integrations, out of the tools layer's reach (pyproject.toml).
     assert set(cli) - {"serve", "demo"} == set(subcommands(command_parser()))
+
+
+class CodeRendered(HTMLParser):
+    """The text of what mkdocstrings renders from the code itself on a page (headings, the
+    "Bases:" lines, signatures), as opposed to the docstrings' prose."""
+
+    KINDS = frozenset({"doc-heading", "doc-class-bases", "doc-signature"})
+    VOID = frozenset({"br", "hr", "img", "input", "link", "meta", "wbr"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0  # open elements inside one of KINDS
+        self.texts: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in self.VOID:
+            return
+        classes = set((dict(attrs).get("class") or "").split())
+        if self.depth or classes & self.KINDS:
+            self.depth += 1
+
+    def handle_endtag(self, tag: str) -> None:
+        if self.depth and tag not in self.VOID:
+            self.depth -= 1
+
+    def handle_data(self, data: str) -> None:
+        if self.depth:
+            self.texts.append(data)
+
+
+def test_the_python_client_reference_shows_no_private_name(built_site: Path) -> None:
+    """`CacheClient(_BaseCacheClient)` and `-> _Call[RouteAnswer]` were on the page: a reader's
+    reference names public objects only (docs/templates/python/material/class.html.jinja leaves
+    private bases out; the page's filters leave out the twins' plumbing)."""
+    page = CodeRendered()
+    page.feed((built_site / "python-client.html").read_text(encoding="utf-8"))
+    rendered = "".join(page.texts)
+    assert "Bases:" in rendered and "lookup(" in rendered  # the parser found the parts
+    assert PRIVATE_NAME.findall(rendered) == []

@@ -271,6 +271,9 @@ def run_replay_command(args: argparse.Namespace) -> int:
             fleet=_fleet(args),
             routings=args.routing,
         )
+        for path in (args.json_path, args.plot_path):  # made now, not after minutes of replay
+            if path:
+                Path(path).resolve().parent.mkdir(parents=True, exist_ok=True)
         report = run_replay(config)
         written: list[tuple[str, Path]] = []
         if args.json_path:

@@ -3,10 +3,18 @@ policies compared against LRU and Belady."""
 
 from __future__ import annotations
 
+from itertools import cycle
 from pathlib import Path
 from typing import Any
 
 GIB = 2**30
+# One colour per eviction policy in every panel: the policy the replay ran in blue, as its hit
+# ratio over time is; LRU, the baseline, in grey; Belady in red; the others compared in the
+# order the report names them (none green: the block hit ratio over time is).
+RUN_COLOUR = "tab:blue"
+LRU_COLOUR = "tab:gray"
+BELADY_COLOUR = "tab:red"
+POLICY_COLOURS = ("tab:purple", "tab:orange", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 
 
 class PlotUnavailable(RuntimeError):
@@ -15,6 +23,18 @@ class PlotUnavailable(RuntimeError):
 
 def plot_report(report: dict[str, Any], path: str | Path) -> None:
     """Write the report's figures to one PNG file."""
+    figure = draw_report(report)
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - optional: draw_report has loaded it
+
+    try:
+        figure.savefig(path, dpi=110)
+    finally:
+        plt.close(figure)
+
+
+def draw_report(report: dict[str, Any]) -> Any:
+    """The report's figures, one panel under another: a matplotlib Figure (for a caller to
+    save and close)."""
     try:
         import matplotlib  # noqa: PLC0415 - optional dependency, loaded only to plot
 
@@ -41,8 +61,17 @@ def plot_report(report: dict[str, Any], path: str | Path) -> None:
     figure.suptitle(_title(report))
     # Leave the suptitle about half an inch, whatever the figure's height.
     figure.tight_layout(rect=(0, 0, 1, 1 - 0.35 / figure.get_figheight()))
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    return figure
+
+
+def policy_colours(report: dict[str, Any]) -> dict[str, str]:
+    """The colour of each eviction policy the report draws, the same in every panel."""
+    colours = {report["policy"]: RUN_COLOUR}
+    colours.setdefault("lru", LRU_COLOUR)
+    others = cycle(POLICY_COLOURS)
+    for name in report.get("policies") or {}:
+        colours.setdefault(name, next(others))
+    return colours
 
 
 def _title(report: dict[str, Any]) -> str:
@@ -64,9 +93,9 @@ def _plot_over_time(axis: Any, report: dict[str, Any]) -> None:
     starts = [point["start_seconds"] / 60 for point in windows]
     token = [point["token_hit_ratio"] if point["requests"] else None for point in windows]
     block = [point["block_hit_ratio"] if point["requests"] else None for point in windows]
-    axis.plot(starts, token, label="token hit ratio", color="tab:blue", marker=".", ms=3)
+    axis.plot(starts, token, label="token hit ratio", color=RUN_COLOUR, marker=".", ms=3)
     axis.plot(starts, block, label="block hit ratio", color="tab:green", alpha=0.6, lw=1)
-    axis.axhline(report["token_hit_ratio"], color="tab:blue", ls=":", label="whole run (tokens)")
+    axis.axhline(report["token_hit_ratio"], color=RUN_COLOUR, ls=":", label="whole run (tokens)")
     ceiling = report.get("ceiling")
     if ceiling and report["capacity_tokens"] is not None:
         axis.axhline(ceiling["token_hit_ratio"], color="black", ls="--", label="unbounded ceiling")
@@ -133,7 +162,7 @@ def _plot_curve(axis: Any, report: dict[str, Any]) -> None:
         xs,
         [point["token_hit_ratio"] for point in mrc["points"]],
         label=f"{report['policy'].upper()} ({mrc['method']})",
-        color="tab:blue",
+        color=RUN_COLOUR,
         marker="." if mrc["method"] != "lru-stack-distance" else None,
     )
     lru = report.get("lru")
@@ -142,20 +171,20 @@ def _plot_curve(axis: Any, report: dict[str, Any]) -> None:
             [point["capacity_tokens"] for point in lru["points"]],
             [point["token_hit_ratio"] for point in lru["points"]],
             label=f"LRU ({lru['method']})",
-            color="tab:gray",
+            color=LRU_COLOUR,
             marker="." if lru["method"] != "lru-stack-distance" else None,
         )
     axis.plot(
         [point["capacity_tokens"] for point in belady["points"]],
         [point["token_hit_ratio"] for point in belady["points"]],
         label="offline optimum (Belady)",
-        color="tab:red",
+        color=BELADY_COLOUR,
         marker="o",
         ls="--",
     )
     axis.axhline(report["ceiling"]["token_hit_ratio"], color="black", ls=":", label="ceiling")
     if report["capacity_tokens"] is not None:
-        axis.axvline(report["capacity_tokens"], color="gray", ls="-.", label="this run's capacity")
+        axis.axvline(report["capacity_tokens"], color="black", ls="-.", label="this run's capacity")
     _capacity_axes(axis, "token hit ratio")
     per_token = mrc["kv_bytes_per_token"]
     top = axis.secondary_xaxis(
@@ -175,16 +204,16 @@ def _plot_policies(axis: Any, report: dict[str, Any]) -> None:
     else:  # LRU as the comparison measured it, at its capacities
         lru = [(row["capacity_tokens"], row["lru_block_hit_ratio"]) for row in rows]
         marker = "."
-    axis.plot(*zip(*lru, strict=True), label="LRU", color="tab:blue", marker=marker)
+    colours = policy_colours(report)
+    axis.plot(*zip(*lru, strict=True), label="LRU", color=colours["lru"], marker=marker)
     axis.plot(
         [row["capacity_tokens"] for row in rows],
         [row["belady_block_hit_ratio"] for row in rows],
         label="offline optimum (Belady)",
-        color="tab:red",
+        color=BELADY_COLOUR,
         marker="o",
         ls="--",
     )
-    colours = iter(["tab:green", "tab:purple", "tab:orange", "tab:brown", "tab:pink", "tab:olive"])
     for name, points in policies.items():
         if name == "lru":  # drawn above
             continue
@@ -192,7 +221,7 @@ def _plot_policies(axis: Any, report: dict[str, Any]) -> None:
             [point["capacity_tokens"] for point in points],
             [point["block_hit_ratio"] for point in points],
             label=name,
-            color=next(colours, None),
+            color=colours[name],
             marker="s",
             ms=4,
         )

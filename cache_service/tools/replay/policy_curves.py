@@ -22,6 +22,10 @@ HEADLINE_LARGEST = (
     "the largest capacity below the whole working set of {blocks:,} blocks, where nothing "
     "is evicted and every policy ties with Belady"
 )
+# Belady's lead over LRU (block hit ratio) under which the share of it a policy closes says
+# nothing: LRU already hits within a point of the optimum there, so no policy has anything
+# worth gaining, and a share of a sliver (0.0% or 100% of a few blocks) reads as a verdict.
+SMALL_GAP = 0.01
 
 
 def gap_closed(policy: float, lru: float, belady: float) -> float | None:

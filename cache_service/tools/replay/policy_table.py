@@ -4,15 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from cache_service.tools.replay.policy_curves import headline_capacities
+from cache_service.tools.replay.policy_curves import SMALL_GAP, headline_capacities
 
 
 def _percent(value: float | None, width: int) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}.1%}"
 
 
-def _gap(value: float | None) -> str:
-    return "none (Belady = LRU there)" if value is None else f"{value:.1%}"
+def headline_figure(row: dict[str, Any]) -> str:
+    """What a policy's row says at its capacity: the share of the LRU-to-Belady gap it
+    closes, or, where LRU is within a point of Belady, that there is little or nothing to
+    gain there (a share of such a gap would read as a verdict on the policy)."""
+    at = f"at {row['capacity_tokens']:,} tokens"
+    lru, best = row["lru_block_hit_ratio"], row["belady_block_hit_ratio"]
+    if row["gap_closed"] is None:
+        return f"{at}: nothing to gain, LRU already equals Belady ({best:.1%})"
+    if best - lru < SMALL_GAP:
+        return f"{at}: little to gain, LRU ({lru:.1%}) is within a point of Belady ({best:.1%})"
+    return f"{at}: closes {row['gap_closed']:.1%} of the LRU-to-Belady gap"
 
 
 def format_policy_comparison(report: dict[str, Any]) -> list[str]:
@@ -47,12 +56,8 @@ def format_policy_comparison(report: dict[str, Any]) -> list[str]:
     capacities, rule = headline_capacities(report["belady"])
     for name in shown:
         rows = {row["capacity_blocks"]: row for row in policies[name]}
-        figures = [
-            f"{_gap(rows[c]['gap_closed'])} at {rows[c]['capacity_tokens']:,} tokens"
-            for c in capacities
-            if c in rows
-        ]
-        lines.append(f"Headline: {name} closes {'; '.join(figures)} of the LRU-to-Belady gap")
+        figures = [headline_figure(rows[c]) for c in capacities if c in rows]
+        lines.append(f"Headline: {name} {'; '.join(figures)}")
     if shown:
         lines.append(f"(headline capacities: {rule})")
     return lines
