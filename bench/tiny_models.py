@@ -1,4 +1,4 @@
-"""Small seeded models for the connector's engine tests, written with transformers.
+"""Small seeded models for the connector's engine tests (tests/vllm) and bench rows.
 
 No model small enough for these tests ships with an MLA attention, or with heads that split
 over two tensor-parallel ranks (SmolLM2-135M has 9), so the tests make their own: random
@@ -78,7 +78,7 @@ def _write(folder: Path, model_class: type, config: object) -> Path:
 
     torch.manual_seed(SEED)
     partial = folder.with_name(folder.name + ".partial")
-    model = model_class(config)  # type: ignore[operator]
+    model = model_class(config)
     model.save_pretrained(partial)
     # vLLM reads the generation defaults; greedy tests set their own sampling.
     (partial / "generation_config.json").write_text(json.dumps({"do_sample": False}))

@@ -219,6 +219,7 @@ def _generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
 
 
 def _wait_stores(seconds: float) -> bool:
+    """Wait for this process's connectors' queued stores."""
     from cache_service.integrations.vllm.connector import PromptCacheConnector  # noqa: PLC0415  (the vLLM environment only)
 
     deadline = time.monotonic() + seconds
@@ -227,6 +228,30 @@ def _wait_stores(seconds: float) -> bool:
         if worker is not None and not worker.wait_idle(max(0.0, deadline - time.monotonic())):
             return False
     return True
+
+
+def _on_worker_wait_stores(worker: Any, seconds: float) -> bool:
+    """_wait_stores in a tensor-parallel worker's process (vLLM's collective_rpc)."""
+    return _wait_stores(seconds)
+
+
+def _on_worker_counters(worker: Any) -> dict[str, float]:
+    """The connector counts of a tensor-parallel worker's process (vLLM's collective_rpc)."""
+    from cache_service.integrations.vllm.connector import PromptCacheConnector  # noqa: PLC0415  (the vLLM environment only)
+
+    return PromptCacheConnector.totals()
+
+
+def _counters(llm: Any, tensor_parallel: bool) -> dict[str, float]:
+    """The scheduler's counts and the workers': with tensor parallelism the workers are
+    processes of their own, and rank 0's are taken (every rank moves the same blocks)."""
+    from cache_service.integrations.vllm.connector import PromptCacheConnector  # noqa: PLC0415  (the vLLM environment only)
+    from cache_service.integrations.vllm.counters import merged  # noqa: PLC0415
+
+    totals = PromptCacheConnector.totals()
+    if tensor_parallel:
+        totals = merged(totals, llm.collective_rpc(_on_worker_counters)[0])
+    return totals
 
 
 def main() -> None:
@@ -278,11 +303,14 @@ def main() -> None:
         elif op == "reset_prefix_cache":
             _say({"ok": bool(llm.reset_prefix_cache())})
         elif op == "counters":
-            from cache_service.integrations.vllm.connector import PromptCacheConnector  # noqa: PLC0415  (the vLLM environment only)
-
-            _say({"counters": PromptCacheConnector.totals()})
+            _say({"counters": _counters(llm, args.tensor_parallel_size > 1)})
         elif op == "wait_stores":
-            _say({"ok": _wait_stores(float(command.get("seconds", 30)))})
+            seconds = float(command.get("seconds", 30))
+            if args.tensor_parallel_size > 1:  # the stores are the workers', in their processes
+                waited = llm.collective_rpc(_on_worker_wait_stores, args=(seconds,))
+                _say({"ok": all(waited)})
+            else:
+                _say({"ok": _wait_stores(seconds)})
         elif op == "quit":
             break
         else:

