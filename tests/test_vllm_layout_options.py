@@ -254,6 +254,7 @@ def test_no_extra_config_gives_the_defaults() -> None:
     assert options.backoff_max_seconds == 30.0
     assert (options.local_reads, options.local_reads_path) == (False, "")
     assert options.load_mode == "auto"
+    assert options.prefill_wait_seconds == 5.0
 
 
 def test_extra_config_sets_every_option() -> None:
@@ -272,6 +273,8 @@ def test_extra_config_sets_every_option() -> None:
         "local_reads": True,
         "local_reads_path": "/mnt/prompt-cache",
         "load_mode": "sync",
+        "prefill_wait_seconds": 1.5,
+        "handoff_retention": "handoff",
     }
     options = ConnectorOptions.from_extra_config(given)
     assert dataclasses.asdict(options) == given

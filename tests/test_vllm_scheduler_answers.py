@@ -14,7 +14,8 @@ import orjson
 from cache_service.client import CacheClient
 from cache_service.integrations.vllm.counters import Counters
 from cache_service.integrations.vllm.options import ConnectorOptions
-from cache_service.integrations.vllm.scheduler_side import PromptRequest, SchedulerSide
+from cache_service.integrations.vllm.requests import PromptRequest
+from cache_service.integrations.vllm.scheduler_side import SchedulerSide
 from tests.vllm_layout import TEST_LAYOUT
 from tests.wire_samples import info_body
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,14 +21,12 @@ import pytest
 
 from cache_service.client import CacheClient
 from cache_service.integrations.vllm.counters import Counters
+from cache_service.integrations.vllm.handoff import Tail, report, tail_of
 from cache_service.integrations.vllm.layout import EngineLayout
-from cache_service.integrations.vllm.options import ConnectorOptions
+from cache_service.integrations.vllm.options import ConnectorOptions, OptionError, RequestOptions
 from cache_service.integrations.vllm.plan import LoadTask, Namespace, StoreTask
-from cache_service.integrations.vllm.scheduler_side import (
-    PromptRequest,
-    ScheduledRequest,
-    SchedulerSide,
-)
+from cache_service.integrations.vllm.requests import PromptRequest, ScheduledRequest
+from cache_service.integrations.vllm.scheduler_side import SchedulerSide
 from tests.integration.conftest import ServerProcess, free_port
 from tests.vllm_layout import TEST_LAYOUT
 
@@ -667,3 +667,284 @@ def test_the_services_own_block_size_for_the_model_is_used(
             ]
     finally:
         server.stop()
+
+
+# -- prefill and decode engines: the hand-off ----------------------------------------------
+
+PREFILL = {"do_remote_decode": True, "do_remote_prefill": False}  # what vLLM's proxies send P
+
+
+def store_more(client: CacheClient, tokens: list[int], first: int, end: int) -> None:
+    """Store service blocks first..end-1 of `tokens` (their parents are held)."""
+    client.store(
+        "m",
+        tokens[: end * 64],
+        [b"kv of block %d" % i for i in range(first, end)],
+        kv_layout=LAYOUT.namespace_name,
+        start_block=first,
+        block_size=64,
+    )
+
+
+def store_tail(client: CacheClient, tail: Tail) -> None:
+    """Store a prompt's partial last group (two service blocks of any bytes) as P would."""
+    answer = client.store(
+        "m",
+        tail.tokens,
+        [b"tail piece 0", b"tail piece 1"],
+        kv_layout=LAYOUT.namespace_name,
+        start_block=0,
+        block_size=64,
+        salt=tail.namespace.salt,
+    )
+    assert answer.stored_blocks == 2
+
+
+NONCE = "0123456789abcdef0123456789abcdef"
+
+
+def handed_off(tokens: list[int], nonce: str = NONCE) -> dict[str, Any]:
+    """The params a prefill engine reports for PROMPT-token `tokens`: 4 groups and the rest."""
+    return report(4 * GROUP, tail_tokens=PROMPT - 4 * GROUP, tail_nonce=nonce)
+
+
+def the_tail(tokens: list[int], nonce: str) -> Tail:
+    """The partial last group of `tokens` under `nonce`, in the tests' namespace."""
+    tail = tail_of(tokens, group_tokens=GROUP, nonce=nonce, namespace=namespace())
+    assert tail is not None
+    return tail
+
+
+def test_a_prefill_request_stores_its_last_group_apart_and_reports_it(
+    make_side: MakeSide, client: CacheClient, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 2)  # the first group is held already
+    side = make_side()
+    assert side.matched_tokens(PromptRequest("p", tokens, kv_transfer_params=PREFILL), 0) == GROUP
+    side.allocated("p", [1, 2, 3, 4, 5], GROUP)
+    loaded = ScheduledRequest("p", [1, 2, 3, 4, 5], True, GROUP, PROMPT - GROUP)
+    # Groups 1-3 under the prompt's keys, then the last group under the request's own
+    groups, tail = side.plan_step([loaded]).stores
+    assert (groups.first_group, groups.block_ids) == (1, [2, 3, 4])
+    answer = side.finished("p")
+    assert answer is not None
+    nonce = answer["prompt_cache"]["tail_nonce"]
+    assert answer == report(4 * GROUP, tail_tokens=PROMPT - 4 * GROUP, tail_nonce=nonce)
+    assert len(nonce) == 32 and int(nonce, 16) >= 0
+    expected = the_tail(tokens, nonce)
+    assert tail == StoreTask("p", expected.namespace, 0, expected.tokens, [5])
+    assert tail.namespace.salt.startswith("pd-tail.")
+    assert tail.tokens == tokens[4 * GROUP :] + [0] * (5 * GROUP - PROMPT)
+
+
+def test_a_prefill_requests_last_group_is_stored_once_its_prompt_is_computed(
+    make_side: MakeSide, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    side = make_side()
+    side.matched_tokens(PromptRequest("p", tokens, kv_transfer_params=PREFILL), 0)
+    first = side.plan_step([prefill("p", [1, 2, 3, 4, 5], 512)])  # a chunk: 4 groups
+    assert [task.first_group for task in first.stores] == [0]
+    last = ScheduledRequest("p", None, False, 512, PROMPT - 512)
+    (tail,) = side.plan_step([last]).stores
+    assert tail.block_ids == [5] and tail.namespace.salt.startswith("pd-tail.")
+    assert side.plan_step([ScheduledRequest("p", None, False, PROMPT, 1)]).stores == []
+
+
+def test_a_last_group_of_several_engine_blocks_fills_in_the_unallocated_ones(
+    make_side: MakeSide, prompts: Prompts
+) -> None:
+    small = dataclasses.replace(LAYOUT, engine_block_tokens=32)  # groups of 64: 2 blocks
+    tokens = prompts(200)  # 3 whole groups and 8 tokens: one block of the last group
+    side = make_side(layout=small)
+    side.matched_tokens(PromptRequest("p", tokens, kv_transfer_params=PREFILL), 0)
+    blocks = [10, 11, 12, 13, 14, 15, 16]
+    _, tail = side.plan_step([prefill("p", blocks, 200)]).stores
+    assert tail.block_ids == [16, 16]
+    assert len(tail.tokens) == 64 and tail.tokens[8:] == [0] * 56
+
+
+def test_a_prompt_ending_on_a_group_boundary_has_no_last_group_to_store(
+    make_side: MakeSide, prompts: Prompts
+) -> None:
+    tokens = prompts(4 * GROUP)
+    side = make_side()
+    side.matched_tokens(PromptRequest("p", tokens, kv_transfer_params=PREFILL), 0)
+    (task,) = side.plan_step([prefill("p", [1, 2, 3, 4], 4 * GROUP)]).stores
+    assert task.first_group == 0
+    assert side.finished("p") == report(4 * GROUP)
+
+
+def test_a_decode_engine_loads_the_whole_prompt_with_the_last_group_apart(
+    make_side: MakeSide, client: CacheClient, counters: Counters, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    keys = store(client, tokens, 8)
+    tail = the_tail(tokens, NONCE)
+    store_tail(client, tail)
+    side = make_side(role_store=False, load_mode="async")
+    request = PromptRequest("d", tokens, kv_transfer_params=handed_off(tokens))
+    assert side.matched_tokens(request, GROUP) == PROMPT - GROUP  # vLLM holds the first group
+    side.allocated("d", [1, 2, 3, 4, 5], PROMPT - GROUP)
+    groups, last = side.plan_step([]).loads
+    assert (groups.block_ids, groups.keys, groups.skip) == ([2, 3, 4], keys[2:8], 0)
+    assert (last.namespace, last.block_ids, last.skip) == (tail.namespace, [5], 0)
+    assert len(last.keys) == 2
+    assert counters.totals()["hit_tokens"] == PROMPT - GROUP
+
+
+def test_a_last_group_of_another_prompt_or_nonce_is_never_offered(
+    make_side: MakeSide, client: CacheClient, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 8)
+    store_tail(client, the_tail(tokens, NONCE))
+    other = [*tokens[:-1], tokens[-1] + 1]  # the same whole groups, another last token
+    store_tail(client, the_tail(other, "f" * 32))
+    side = make_side(role_store=False, load_mode="async", prefill_wait_seconds=0.2)
+    for request_id, prompt, nonce in (("a", other, NONCE), ("b", tokens, "f" * 32)):
+        request = PromptRequest(request_id, prompt, kv_transfer_params=handed_off(prompt, nonce))
+        assert side.matched_tokens(request, 0) == 4 * GROUP
+
+
+def test_a_synchronous_load_never_takes_the_last_group(
+    make_side: MakeSide, client: CacheClient, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 8)
+    store_tail(client, the_tail(tokens, NONCE))
+    side = make_side(role_store=False, load_mode="sync")
+    request = PromptRequest("d", tokens, kv_transfer_params=handed_off(tokens))
+    assert side.matched_tokens(request, 0) == 4 * GROUP
+
+
+def test_a_decode_engine_waits_for_the_last_group_too(
+    make_side: MakeSide, client: CacheClient, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 8)
+    landing = threading.Timer(0.3, lambda: store_tail(client, the_tail(tokens, NONCE)))
+    landing.start()
+    side = make_side(role_store=False, load_mode="async")
+    request = PromptRequest("d", tokens, kv_transfer_params=handed_off(tokens))
+    assert side.matched_tokens(request, 0) == PROMPT
+    landing.join()
+
+
+def test_only_a_prefill_request_of_a_storing_engine_reports(
+    make_side: MakeSide, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    plain = make_side()
+    plain.matched_tokens(PromptRequest("r", tokens), 0)
+    plain.plan_step([prefill("r", [1, 2, 3, 4, 5], PROMPT)])
+    assert plain.finished("r") is None
+    consumer = make_side(role_store=False)
+    consumer.matched_tokens(PromptRequest("p", tokens, kv_transfer_params=PREFILL), 0)
+    consumer.plan_step([prefill("p", [1, 2, 3, 4, 5], PROMPT)])
+    assert consumer.finished("p") is None
+
+
+def test_a_prefill_request_that_may_not_store_reports_nothing_stored(
+    make_side: MakeSide, prompts: Prompts
+) -> None:
+    params = {**PREFILL, "prompt_cache": {"store": False}}
+    side = make_side()
+    side.matched_tokens(PromptRequest("p", prompts(PROMPT), kv_transfer_params=params), 0)
+    side.plan_step([prefill("p", [1, 2, 3, 4, 5], PROMPT)])
+    assert side.finished("p") == report(0)
+
+
+def test_a_decode_engine_waits_for_the_prefill_engines_stores_to_land(
+    make_side: MakeSide, client: CacheClient, counters: Counters, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 2)
+    # The prefill engine's last groups land 0.3 s after its answer reached the decode engine
+    landing = threading.Timer(0.3, lambda: store_more(client, tokens, 2, 8))
+    landing.start()
+    side = make_side(role_store=False, load_mode="async")
+    started = time.monotonic()
+    request = PromptRequest("d", tokens, kv_transfer_params=report(4 * GROUP))
+    assert side.matched_tokens(request, 0) == 4 * GROUP
+    landing.join()
+    assert 0.25 < time.monotonic() - started < 3.0
+    totals = counters.totals()
+    assert totals["prefill_waits"] == 1 and totals["prefill_wait_seconds"] >= 0.25
+    assert totals["lookups"] == 1
+    assert not any(name.startswith("miss_") for name in totals)
+
+
+def test_a_decode_engine_that_holds_the_reported_tokens_does_not_wait(
+    make_side: MakeSide, client: CacheClient, counters: Counters, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 8)
+    side = make_side(role_store=False)
+    request = PromptRequest("d", tokens, kv_transfer_params=report(4 * GROUP))
+    assert side.matched_tokens(request, 0) == 4 * GROUP
+    assert "prefill_waits" not in counters.totals()
+
+
+def test_stores_that_never_land_are_waited_for_no_longer_than_the_bound(
+    make_side: MakeSide, client: CacheClient, counters: Counters, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 4)  # two groups of the four reported
+    side = make_side(role_store=False, prefill_wait_seconds=0.4)
+    started = time.monotonic()
+    request = PromptRequest("d", tokens, kv_transfer_params=report(4 * GROUP))
+    assert side.matched_tokens(request, 0) == 2 * GROUP  # what is there loads
+    assert time.monotonic() - started < 2.0
+    assert counters.totals()["miss_prefill_not_stored"] == 4  # service blocks of 64
+
+
+def test_a_report_past_the_prompt_waits_only_for_the_prompts_blocks(
+    make_side: MakeSide, client: CacheClient, counters: Counters, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 9)  # every whole service block of the prompt
+    side = make_side(role_store=False, load_mode="async")
+    request = PromptRequest("d", tokens, kv_transfer_params=report(10_000))
+    assert side.matched_tokens(request, 0) == 4 * GROUP
+    assert "prefill_waits" not in counters.totals()
+
+
+def test_the_scheduler_keeps_scheduling_while_a_decode_engine_waits(
+    make_side: MakeSide, client: CacheClient, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    side = make_side(role_store=False, lookup_wait_seconds=0.01, prefill_wait_seconds=2.0)
+    request = PromptRequest("d", tokens, kv_transfer_params=report(4 * GROUP))
+    started = time.monotonic()
+    assert side.matched_tokens(request, 0) is None  # "ask again later"
+    assert time.monotonic() - started < 0.5
+    store_more(client, tokens, 0, 8)
+    deadline = time.monotonic() + 5.0
+    while (matched := side.matched_tokens(request, 0)) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert matched == 4 * GROUP
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"do_remote_decode": "yes"}, "do_remote_decode"),
+        ({"prompt_cache": {"stored_tokens": -1}}, "stored_tokens"),
+        ({"prompt_cache": {"stored_tokens": True}}, "stored_tokens"),
+        ({"prompt_cache": {"stored_tokens": 1.5}}, "stored_tokens"),
+        ({"prompt_cache": {"tail_tokens": -3}}, "tail_tokens"),
+        ({"prompt_cache": {"tail_nonce": "not hex"}}, "tail_nonce"),
+        ({"prompt_cache": {"tail_nonce": "A" * 32}}, "tail_nonce"),
+        ({"prompt_cache": {"tail_nonce": 7}}, "tail_nonce"),
+    ],
+)
+def test_bad_hand_off_params_are_refused_by_name(params: dict[str, Any], field: str) -> None:
+    with pytest.raises(OptionError, match=field):
+        RequestOptions.from_params(params)
+
+
+def test_the_hand_off_params_are_read() -> None:
+    assert RequestOptions.from_params(PREFILL).remote_decode
+    assert RequestOptions.from_params(report(256)).stored_tokens == 256

@@ -22,6 +22,7 @@ from bench.services import fetch_requests
 from cache_service.client import CacheClient
 from cache_service.core.engines.groups import BlockGroups
 from cache_service.integrations.vllm.counters import Counters
+from cache_service.integrations.vllm.handoff import tail_of
 from cache_service.integrations.vllm.plan import LoadTask, Namespace, StepPlan, StoreTask
 from tests.integration.conftest import ServerProcess
 from tests.vllm_layout import TEST_LAYOUT
@@ -119,6 +120,40 @@ def test_stored_blocks_load_into_another_paged_cache_byte_for_byte(
         assert not layer[untouched].any()  # no other block was written, the held one neither
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
+def test_a_partial_last_group_stored_padded_loads_only_into_the_prompts_blocks(
+    make_server: Callable[..., ServerProcess], staged: bool
+) -> None:
+    """A prefill engine's last group of two vLLM blocks of which the prompt fills one: stored
+    with the filled block standing in for the other (scheduler_side._tail_task), it loads
+    into the one block the decode engine allocated, and nothing else."""
+    server = make_server(model_block_size=f"{LAYOUT.model}=256")
+    tail = tail_of(list(range(1000, 1300)), group_tokens=256, nonce="ab" * 16, namespace=NAMESPACE)
+    assert tail is not None and tail.length == 44
+    source, target = _paged_cache(seed=11), _paged_cache(seed=None)
+    with ExitStack() as stack:
+        storing = _worker(server.url, source, stack)
+        stored = StoreTask("p", tail.namespace, 0, tail.tokens, block_ids=[5, 5])
+        storing.save(StepPlan(256, stores=[stored]), skip=False)
+        assert storing.wait_idle(30)
+        with CacheClient(server.url) as client:
+            keys = client.lookup(
+                LAYOUT.model,
+                tail.tokens,
+                kv_layout=LAYOUT.namespace_name,
+                salt=tail.namespace.salt,
+                block_size=256,
+            ).keys
+        assert len(keys) == 1
+        loading = _worker(server.url, target, stack, staged=staged)
+        task = LoadTask("d", tail.namespace, first_group=0, keys=list(keys), block_ids=[9], skip=0)
+        assert loading.load(StepPlan(256, loads=[task])) == set()
+        assert loading.take_failed_blocks() == set()
+    for name, layer in target.items():
+        assert torch.equal(layer[9], source[name][5])
+        assert not layer[[i for i in range(CACHE_BLOCKS) if i != 9]].any()
+
+
 def _finished(worker: WorkerSide, seconds: float = 30.0) -> set[str]:
     """The requests an asynchronous load reports finished, waiting for the first."""
     deadline = time.monotonic() + seconds
@@ -128,6 +163,52 @@ def _finished(worker: WorkerSide, seconds: float = 30.0) -> set[str]:
             return finished
         time.sleep(0.01)
     return set()
+
+
+@pytest.mark.parametrize("first_fails", [False, True], ids=["both-load", "first-fails"])
+def test_a_requests_loads_end_as_one_and_none_after_one_that_fell_short(
+    make_server: Callable[..., ServerProcess], first_fails: bool
+) -> None:
+    """A decode engine's request loads its whole groups and its last group as two tasks: vLLM
+    hears of the request once, when both ended; a first task that falls short leaves the
+    second unloaded, its blocks reported with the first's."""
+    server = make_server(model_block_size=f"{LAYOUT.model}=128")
+    prompt = list(range(2000, 2000 + 2 * 128 + 40))
+    tail = tail_of(prompt, group_tokens=128, nonce="cd" * 16, namespace=NAMESPACE)
+    assert tail is not None
+    source, target = _paged_cache(seed=5), _paged_cache(seed=None)
+    with ExitStack() as stack:
+        storing = _worker(server.url, source, stack)
+        whole = StoreTask("p", NAMESPACE, 0, prompt[:256], block_ids=[2, 3])
+        last = StoreTask("p", tail.namespace, 0, tail.tokens, block_ids=[4])
+        storing.save(StepPlan(128, stores=[whole, last]), skip=False)
+        assert storing.wait_idle(30)
+        with CacheClient(server.url) as client:
+            keys = list(client.lookup(LAYOUT.model, prompt, kv_layout=LAYOUT.namespace_name).keys)
+            tail_keys = list(
+                client.lookup(
+                    LAYOUT.model,
+                    tail.tokens,
+                    kv_layout=LAYOUT.namespace_name,
+                    salt=tail.namespace.salt,
+                ).keys
+            )
+        if first_fails:
+            keys[1] = "0" * 32  # a key the service never held
+        loading = _worker(server.url, target, stack)
+        tasks = [
+            LoadTask("d", NAMESPACE, first_group=0, keys=keys, block_ids=[9, 10], skip=0),
+            LoadTask("d", tail.namespace, first_group=0, keys=tail_keys, block_ids=[11], skip=0),
+        ]
+        loading.load_async(StepPlan(128, loads=tasks))
+        assert _finished(loading) == {"d"}
+        time.sleep(0.2)
+        assert loading.finished_loads() == set()  # once only
+        failed = loading.take_failed_blocks()
+    assert failed == ({10, 11} if first_fails else set())
+    for name, layer in target.items():
+        assert torch.equal(layer[9], source[name][2])
+        assert torch.equal(layer[11], source[name][4]) != first_fails
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])

@@ -39,11 +39,8 @@ from cache_service.integrations.vllm.layout import EngineLayout
 from cache_service.integrations.vllm.notes import RateLimitedLog, connector_logger
 from cache_service.integrations.vllm.options import ConnectorOptions, OptionError
 from cache_service.integrations.vllm.plan import StepPlan
-from cache_service.integrations.vllm.scheduler_side import (
-    PromptRequest,
-    ScheduledRequest,
-    SchedulerSide,
-)
+from cache_service.integrations.vllm.requests import PromptRequest, ScheduledRequest
+from cache_service.integrations.vllm.scheduler_side import SchedulerSide
 from cache_service.integrations.vllm.stats import PromptCachePromMetrics, PromptCacheStats
 from cache_service.integrations.vllm.worker_side import WorkerSide
 
@@ -223,10 +220,11 @@ class PromptCacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; its blocks are free at once (stores copy them out first)."""
-        if self._scheduler is not None:
-            self._scheduler.finished(request.request_id)
-        return False, None
+        """Forget the request; its blocks are free at once (stores copy them out first). A
+        prefill engine's request (`do_remote_decode`) answers with what was stored of it."""
+        if self._scheduler is None:
+            return False, None
+        return False, self._scheduler.finished(request.request_id)
 
     def reset_cache(self) -> bool:
         """Stop loading and storing until restart. vLLM resets its connector's cache when its

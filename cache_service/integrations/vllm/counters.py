@@ -15,9 +15,12 @@ an offline `LLM`, which turns stats logging off.
     engine_seconds           the connector's time on vLLM's own thread (the worker's loads
                              or their start, stores' copies out, reports): what it adds to a step
     dropped_blocks           blocks not stored because the store queue was full
+    prefill_waits / seconds  lookups of a decode engine that waited for a prefill engine's
+                             stores to reach the service, and the time they waited
     miss_<reason>            a cache problem turned into a miss: lookup_failed, load_failed,
                              store_failed, refused_<field>, multimodal, prompt_embeds,
-                             bad_request_options, no_block_size
+                             bad_request_options, no_block_size, prefill_not_stored (blocks
+                             a prefill engine reported that had not arrived in time)
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ COUNTERS = (
     "store_seconds",
     "engine_seconds",
     "dropped_blocks",
+    "prefill_waits",
+    "prefill_wait_seconds",
 )
 MISS_PREFIX = "miss_"
 

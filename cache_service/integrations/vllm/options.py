@@ -4,11 +4,18 @@ Every key is checked when the engine starts: an unknown key (a typo) or a value 
 type stops the engine with a message naming the key, rather than silently running on a
 default. A request may name a retention class, or skip loading or storing, under the key
 `prompt_cache` of its `kv_transfer_params`.
+
+Prefill and decode on separate engines use vLLM's own convention for the hand-off: a prefill
+engine's request carries `{"do_remote_decode": true}`, and its answer's `kv_transfer_params`
+(`{"do_remote_prefill": true, "prompt_cache": {"stored_tokens": N, ...}}`, `handoff.py`) go
+with the request to the decode engine, whose connector waits, bounded, until the service
+holds what was reported.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -17,6 +24,7 @@ REQUEST_PARAMS_KEY = "prompt_cache"  # kv_transfer_params={"prompt_cache": {...}
 DEFAULT_URL = "http://127.0.0.1:8080"
 DEFAULT_API_KEY_ENV = "CACHE_SERVICE_API_KEY"
 LOAD_MODES = ("auto", "async", "sync")
+NONCE = re.compile(r"(?:[0-9a-f]{32})?")  # a tail's nonce (handoff.py), or none
 
 
 class OptionError(ValueError):
@@ -53,6 +61,14 @@ class ConnectorOptions:
     # forward, which waits for it. "auto": async, except on vLLM's CPU backend without async
     # scheduling, where sync was measured faster (docs/content/vllm-connector.md).
     load_mode: str = "auto"
+    # A decode engine given a prefill engine's report (`stored_tokens`) waits at most this long
+    # for those stores to reach the service before it loads what is there: the prefill
+    # engine's answer can reach the proxy before its background stores land.
+    prefill_wait_seconds: float = 5.0
+    # The retention class of a prompt's partial last group, stored by a prefill engine for its
+    # decode engine alone: a short one (the service's --retention) lets those blocks go soon
+    # after use; "" = the request's class.
+    handoff_retention: str = ""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -73,8 +89,9 @@ class ConnectorOptions:
                 raise OptionError(f"kv_connector_extra_config: {key} must be above 0")
         if options.load_mode not in LOAD_MODES:
             raise OptionError(f"kv_connector_extra_config: load_mode must be one of {LOAD_MODES}")
-        if options.lookup_wait_seconds < 0:
-            raise OptionError("kv_connector_extra_config: lookup_wait_seconds must be 0 or more")
+        for key in ("lookup_wait_seconds", "prefill_wait_seconds"):
+            if getattr(options, key) < 0:
+                raise OptionError(f"kv_connector_extra_config: {key} must be 0 or more")
         for key in ("store_queue_bytes", "store_request_bytes"):
             if getattr(options, key) < 1:
                 raise OptionError(f"kv_connector_extra_config: {key} must be at least 1")
@@ -97,23 +114,33 @@ def _checked(key: str, value: Any, kind: type) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class RequestOptions:
-    """One request's `kv_transfer_params["prompt_cache"]`: retention, and whether to use us."""
+    """One request's `kv_transfer_params`: under `prompt_cache` its retention, whether to use
+    us, and the tokens a prefill engine stored for it; and vLLM's `do_remote_decode`."""
 
     retention: str = ""  # "" = the connector's retention
     load: bool = True
     store: bool = True
+    stored_tokens: int = 0  # a prefill engine stored this many of the prompt's tokens
+    tail_tokens: int = 0  # and the partial last group's tokens, under this nonce
+    tail_nonce: str = ""
+    remote_decode: bool = False  # a prefill request: its answer reports what was stored
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> RequestOptions:
         """The options a request's kv_transfer_params give; OptionError naming a bad one."""
         if params is not None and not isinstance(params, Mapping):
             raise OptionError("kv_transfer_params must be an object")
+        remote_decode = (params or {}).get("do_remote_decode", False)
+        if not isinstance(remote_decode, bool):
+            raise OptionError("kv_transfer_params.do_remote_decode is a boolean")
         own = (params or {}).get(REQUEST_PARAMS_KEY)
         if own is None:
-            return cls()
+            return cls(remote_decode=remote_decode)
         if not isinstance(own, Mapping):
             raise OptionError(f"kv_transfer_params.{REQUEST_PARAMS_KEY} must be an object")
-        unknown = set(own) - {"retention", "load", "store"}
+        unknown = set(own) - {
+            "retention", "load", "store", "stored_tokens", "tail_tokens", "tail_nonce"
+        }  # fmt: skip
         if unknown:
             raise OptionError(
                 f"kv_transfer_params.{REQUEST_PARAMS_KEY}: unknown key {sorted(unknown)[0]!r}"
@@ -125,4 +152,21 @@ class RequestOptions:
         for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise OptionError(f"kv_transfer_params.{REQUEST_PARAMS_KEY}.{name} is a boolean")
-        return cls(retention=retention, **flags)
+        counts = {name: own.get(name, 0) for name in ("stored_tokens", "tail_tokens")}
+        for name, count in counts.items():
+            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                raise OptionError(
+                    f"kv_transfer_params.{REQUEST_PARAMS_KEY}.{name} is a whole number >= 0"
+                )
+        nonce = own.get("tail_nonce", "")
+        if not isinstance(nonce, str) or not NONCE.fullmatch(nonce):
+            raise OptionError(
+                f"kv_transfer_params.{REQUEST_PARAMS_KEY}.tail_nonce is 32 lowercase hex digits"
+            )
+        return cls(
+            retention=retention,
+            remote_decode=remote_decode,
+            tail_nonce=nonce,
+            **flags,
+            **counts,
+        )

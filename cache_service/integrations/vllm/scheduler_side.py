@@ -15,72 +15,59 @@ never stalls the requests already running. Nothing here fails a request: a looku
 is a miss (counted under `lookup_failed`), and a request the service cannot serve exactly
 (multimodal inputs, prompt embeddings, whose token ids are placeholders) is passed over and
 counted.
+
+Prefill and decode on separate engines: a prefill engine's request (vLLM's
+`do_remote_decode`) is answered with what this engine stored of its prompt (`finished`); a
+decode engine given that report polls the service, on the lookup thread, until it holds those
+tokens or `prefill_wait_seconds` pass, since the prefill engine's stores are sent in the
+background and may land after its answer reached the proxy. A wait that runs out is a miss of
+what did not arrive (`prefill_not_stored`), never a failed request. The prompt's partial last
+group goes under a key only that decode can name (`handoff.py`); an asynchronous load then
+takes the whole prompt, and vLLM computes only its last token again.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from cache_service.client import CacheClient
 from cache_service.core.engines.groups import BlockGroups
 from cache_service.core.errors import InvalidAnswer, ServiceError
 from cache_service.integrations.vllm.counters import Counters
+from cache_service.integrations.vllm.handoff import (
+    Held,
+    poll,
+    report,
+    tail_load,
+    tail_of,
+    tail_store,
+)
 from cache_service.integrations.vllm.layout import EngineLayout
 from cache_service.integrations.vllm.notes import RateLimitedLog, connector_logger
-from cache_service.integrations.vllm.options import ConnectorOptions, OptionError, RequestOptions
+from cache_service.integrations.vllm.options import (
+    ConnectorOptions,
+    OptionError,
+    RequestOptions,
+)
 from cache_service.integrations.vllm.plan import LoadTask, Namespace, StepPlan, StoreTask
+from cache_service.integrations.vllm.requests import (
+    HeldTail,
+    PromptRequest,
+    ScheduledRequest,
+    Tracked,
+)
 
 logger = connector_logger(__name__)
 NOTES = RateLimitedLog(logger)
 # A group larger than this many times the larger block size makes short prompts miss.
 LARGE_GROUP_FACTOR = 4
 INFO_RETRY_SECONDS = 5.0  # while the service's block size is unknown, ask at most this often
-
-
-@dataclass(frozen=True, slots=True)
-class PromptRequest:
-    """What the scheduler half needs of one vLLM request."""
-
-    request_id: str
-    prompt_tokens: list[int]
-    cache_salt: str = ""
-    lora: str = ""  # the adapter's name and path; "" without one
-    kv_transfer_params: Mapping[str, Any] | None = None
-    multimodal: bool = False
-    prompt_embeds: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """One request in a step: its blocks so far and the tokens computed by the step's end."""
-
-    request_id: str
-    new_block_ids: list[int] | None  # None: no new blocks this step
-    replaces_blocks: bool  # a new or resumed request: new_block_ids are all its blocks
-    computed_tokens: int  # computed before the step
-    scheduled_tokens: int  # computed in the step
-
-
-@dataclass(slots=True)
-class _Tracked:
-    """A request's lookup answer and what has been planned for it."""
-
-    namespace: Namespace
-    prompt_tokens: list[int]
-    load: bool
-    store: bool
-    keys: list[str] = field(default_factory=list)
-    rank_keys: tuple[list[str], ...] = ()  # ranks 1.. own keys, where each rank has its own
-    held_groups: int = 0  # whole groups the service held at the lookup
-    stored_groups: int = 0  # groups held or planned to be stored
-    block_ids: list[int] = field(default_factory=list)
-    offered_from: int = 0  # tokens vLLM held when it asked: the load starts there
-    computed_tokens: int = 0
 
 
 class SchedulerSide:
@@ -103,11 +90,11 @@ class SchedulerSide:
         self.role_load = role_load
         self.role_store = role_store
         self._groups: BlockGroups | None = None
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, Tracked] = {}
         self._loads: list[LoadTask] = []
         self._info_retry_at = 0.0
         self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prompt-cache-lookup")
-        self._pending: dict[str, Future[_Tracked]] = {}
+        self._pending: dict[str, Future[Tracked]] = {}
         self._loading: dict[str, set[int]] = {}  # the vLLM blocks each request's load writes
 
     @property
@@ -175,24 +162,27 @@ class SchedulerSide:
             len(tracked.prompt_tokens),
             whole_prompt=self.options.load_mode == "async",
         )
+        whole = groups.whole_groups(len(tracked.prompt_tokens)) * groups.group_tokens
+        if tracked.tail is not None and loadable == whole:
+            loadable += tracked.tail.tail.length  # only an asynchronous load finds a tail
         tracked.offered_from = computed_tokens
         return max(0, loadable - computed_tokens)
 
-    def _look_up(self, request: PromptRequest) -> _Tracked:
+    def _look_up(self, request: PromptRequest) -> Tracked:
         """The request's namespace and what the service holds of it (never raises)."""
         try:
             return self._try_look_up(request)
         except Exception as exc:  # an answer of another shape, a bug: a miss, never a failure
             self.counters.miss("lookup_error")
             NOTES.warn(f"prompt cache lookup failed: {exc!r:.300}")
-            return _Tracked(
+            return Tracked(
                 Namespace(self.layout.model, self.layout.namespace_name, "", ""),
                 request.prompt_tokens,
                 load=False,
                 store=False,
             )
 
-    def _try_look_up(self, request: PromptRequest) -> _Tracked:
+    def _try_look_up(self, request: PromptRequest) -> Tracked:
         try:
             own = RequestOptions.from_params(request.kv_transfer_params)
         except OptionError as exc:
@@ -206,36 +196,111 @@ class SchedulerSide:
             retention=own.retention or self.options.retention,
             lora=request.lora,
         )
-        tracked = _Tracked(
+        tracked = Tracked(
             namespace,
             request.prompt_tokens,
             load=self.role_load and own.load,
             store=self.role_store and own.store,
+            report=self.role_store and own.remote_decode,
         )
         passed_over = "multimodal" if request.multimodal else ""
         passed_over = "prompt_embeds" if request.prompt_embeds else passed_over
         if passed_over:  # token ids that do not say what the KV was computed from
             self.counters.miss(passed_over)
-            tracked.load = tracked.store = False
+            tracked.load = tracked.store = tracked.report = False
             return tracked
         groups = self.groups
-        if groups is None or len(request.prompt_tokens) < groups.group_tokens:
+        if groups is None:
             return tracked
+        deadline = time.monotonic() + self.options.prefill_wait_seconds
+        if len(request.prompt_tokens) >= groups.group_tokens:
+            held = self._held(request, namespace, groups)
+            if tracked.load and own.stored_tokens:
+                block = groups.service_block_tokens
+                wanted = min(own.stored_tokens, len(request.prompt_tokens)) // block * block
+                look = partial(self._held, request, namespace, groups)
+                held = self._wait_for_prefill(request, look, wanted, held, deadline)
+            if held is None:
+                return tracked
+            held_tokens, keys = held
+            self.counters.add("lookups")
+            self.counters.add("lookup_tokens", len(request.prompt_tokens))
+            held_blocks = held_tokens // groups.service_block_tokens
+            tracked.keys, tracked.rank_keys = keys[0], tuple(keys[1:])
+            tracked.held_groups = held_blocks // groups.service_blocks
+            tracked.stored_groups = tracked.held_groups
+        whole = groups.whole_groups(len(request.prompt_tokens))
+        if tracked.load and own.tail_nonce and tracked.held_groups == whole:
+            tracked.tail = self._find_tail(request, namespace, groups, own.tail_nonce, deadline)
+        return tracked
+
+    def _find_tail(
+        self,
+        request: PromptRequest,
+        namespace: Namespace,
+        groups: BlockGroups,
+        nonce: str,
+        deadline: float,
+    ) -> HeldTail | None:
+        """The prompt's partial last group a prefill engine stored under `nonce`, if the
+        service holds it (waiting for it until `deadline`); only an asynchronous load may
+        take the last prompt token's group."""
+        tail = tail_of(
+            request.prompt_tokens,
+            group_tokens=groups.group_tokens,
+            nonce=nonce,
+            namespace=namespace,
+            retention=self.options.handoff_retention,
+        )
+        if tail is None or self.options.load_mode != "async":
+            return None
+        padded = replace(request, prompt_tokens=tail.tokens)
+        look = partial(self._held, padded, tail.namespace, groups)
+        held = self._wait_for_prefill(request, look, groups.group_tokens, look(), deadline)
+        if held is None or held[0] < groups.group_tokens:
+            return None
+        return HeldTail(tail, held[1])
+
+    def _held(
+        self, request: PromptRequest, namespace: Namespace, groups: BlockGroups
+    ) -> Held | None:
+        """The tokens every rank's namespace holds, and each rank's keys; None when a lookup
+        failed (counted)."""
         held_tokens, keys = len(request.prompt_tokens), []
         for rank in range(self.layout.ranks):  # with TP, every rank's shard must be held
             kv_layout = self.layout.for_rank(rank).for_lora(request.lora).namespace_name
             answer = self._look_up_rank(request, namespace, kv_layout, groups)
             if answer is None:
-                return tracked
+                return None
             held_tokens = min(held_tokens, answer[0])
             keys.append(answer[1])
-        self.counters.add("lookups")
-        self.counters.add("lookup_tokens", len(request.prompt_tokens))
-        held = held_tokens // groups.service_block_tokens
-        tracked.keys, tracked.rank_keys = keys[0], tuple(keys[1:])
-        tracked.held_groups = held // groups.service_blocks
-        tracked.stored_groups = tracked.held_groups
-        return tracked
+        return held_tokens, keys
+
+    def _wait_for_prefill(
+        self,
+        request: PromptRequest,
+        look: Callable[[], Held | None],
+        wanted: int,
+        held: Held | None,
+        deadline: float,
+    ) -> Held | None:
+        """`look` again until it finds the `wanted` tokens a prefill engine reported storing,
+        or `deadline` passes; the last answer."""
+        if held is not None and held[0] >= wanted:
+            return held
+        started = time.monotonic()
+        self.counters.add("prefill_waits")
+        held = poll(look, wanted, held, deadline)
+        self.counters.add("prefill_wait_seconds", time.monotonic() - started)
+        if held is None or held[0] < wanted:
+            block = self._groups.service_block_tokens if self._groups else 1
+            short = wanted - (held[0] if held is not None else 0)
+            self.counters.miss("prefill_not_stored", -(-short // block))
+            NOTES.warn(
+                f"request {request.request_id}: what the prefill engine stored was not all in "
+                f"the service after {self.options.prefill_wait_seconds} s: loading what is there"
+            )
+        return held
 
     def _look_up_rank(
         self, request: PromptRequest, namespace: Namespace, kv_layout: str, groups: BlockGroups
@@ -272,27 +337,44 @@ class SchedulerSide:
         if tracked is None or groups is None or external_tokens <= 0:
             return
         engine = groups.engine_block_tokens
+        prompt = len(tracked.prompt_tokens)
+        whole_tokens = groups.whole_groups(prompt) * groups.group_tokens
+        end_tokens = tracked.offered_from + external_tokens
+        tail = tracked.tail if end_tokens > whole_tokens else None
         first_block = tracked.offered_from // engine
-        end_block = (tracked.offered_from + external_tokens) // engine
-        first_group = first_block // groups.engine_blocks
-        end_group = end_block // groups.engine_blocks
-        wanted = groups.service_range(first_group, end_group)
+        end_block = min(end_tokens, whole_tokens) // engine
         self.counters.add("hit_tokens", external_tokens)
         # What vLLM will hold once the load is done: if it computes from less (a failed load),
         # plan_step stores the groups it recomputes again.
-        tracked.computed_tokens = tracked.offered_from + external_tokens
-        self._loading[request_id] = set(block_ids[first_block:end_block])
-        self._loads.append(
-            LoadTask(
-                request_id=request_id,
-                namespace=tracked.namespace,
-                first_group=first_group,
-                keys=[tracked.keys[i] for i in wanted],
-                block_ids=list(block_ids[first_block:end_block]),
-                skip=first_block - first_group * groups.engine_blocks,
-                rank_keys=tuple([keys[i] for i in wanted] for keys in tracked.rank_keys),
+        tracked.computed_tokens = end_tokens
+        if end_block > first_block:
+            first_group = first_block // groups.engine_blocks
+            end_group = end_block // groups.engine_blocks
+            wanted = groups.service_range(first_group, end_group)
+            self._loads.append(
+                LoadTask(
+                    request_id=request_id,
+                    namespace=tracked.namespace,
+                    first_group=first_group,
+                    keys=[tracked.keys[i] for i in wanted],
+                    block_ids=list(block_ids[first_block:end_block]),
+                    skip=first_block - first_group * groups.engine_blocks,
+                    rank_keys=tuple([keys[i] for i in wanted] for keys in tracked.rank_keys),
+                )
             )
-        )
+        if tail is not None:  # the last group, under its own keys, to the prompt's end
+            load = tail_load(
+                request_id,
+                tail.tail,
+                tail.keys,
+                block_ids,
+                prompt_tokens=prompt,
+                first_block=first_block,
+                groups=groups,
+            )
+            self._loads.append(load)
+            end_block = -(-prompt // engine)
+        self._loading[request_id] = set(block_ids[first_block:end_block])
 
     def plan_step(self, scheduled: Iterable[ScheduledRequest]) -> StepPlan:
         """The step's loads (from `allocated`) and the stores of groups it completes."""
@@ -317,13 +399,14 @@ class SchedulerSide:
             tracked.computed_tokens = step.computed_tokens + step.scheduled_tokens
             if groups is not None and tracked.store and self.role_store:
                 try:
-                    task = self._store_task(step.request_id, tracked, groups)
+                    tasks = [self._store_task(step.request_id, tracked, groups)]
+                    if tracked.report:  # then a prefill engine's last group, for its decode
+                        tasks.append(self._tail_task(step.request_id, tracked, groups))
                 except Exception as exc:  # a miss: these blocks are just not stored
                     self.counters.miss("store_error")
                     NOTES.warn(f"prompt cache store not planned: {exc!r:.300}")
                     continue
-                if task is not None:
-                    plan.stores.append(task)
+                plan.stores += [task for task in tasks if task is not None]
         return plan
 
     def _whole(self, tokens: int) -> int:
@@ -331,7 +414,7 @@ class SchedulerSide:
         return groups.whole_groups(tokens) if groups else 0
 
     def _store_task(
-        self, request_id: str, tracked: _Tracked, groups: BlockGroups
+        self, request_id: str, tracked: Tracked, groups: BlockGroups
     ) -> StoreTask | None:
         done = groups.whole_groups(min(tracked.computed_tokens, len(tracked.prompt_tokens)))
         first = tracked.stored_groups
@@ -347,6 +430,34 @@ class SchedulerSide:
             block_ids=tracked.block_ids[blocks.start : blocks.stop],
         )
 
+    def _tail_task(
+        self, request_id: str, tracked: Tracked, groups: BlockGroups
+    ) -> StoreTask | None:
+        """A prefill engine's request, once its prompt is computed and every whole group
+        stored: the store of its partial last group, for its decode engine alone."""
+        prompt = tracked.prompt_tokens
+        done = tracked.computed_tokens >= len(prompt)
+        if (
+            tracked.tail_nonce
+            or not done
+            or tracked.stored_groups < groups.whole_groups(len(prompt))
+        ):
+            return None
+        store = tail_store(
+            request_id,
+            prompt,
+            tracked.block_ids,
+            groups,
+            namespace=tracked.namespace,
+            retention=self.options.handoff_retention,
+        )
+        if store is None:
+            return None
+        task, tail = store
+        tracked.tail_nonce = tail.nonce
+        tracked.tail_length = tail.length
+        return task
+
     def load_failed(self, block_ids: set[int]) -> None:
         """vLLM reports blocks whose load failed: their requests are offered nothing more.
         After a failed asynchronous load vLLM asks again for the same request; offering the
@@ -357,11 +468,17 @@ class SchedulerSide:
                 tracked.held_groups = 0
                 del self._loading[request_id]
 
-    def finished(self, request_id: str) -> None:
-        """Forget a finished request."""
-        self._tracked.pop(request_id, None)
+    def finished(self, request_id: str) -> dict[str, Any] | None:
+        """Forget a finished request; for a prefill engine's request, the `kv_transfer_params`
+        its answer carries to the decode engine: the prompt tokens stored (or held)."""
+        tracked = self._tracked.pop(request_id, None)
         self._pending.pop(request_id, None)
         self._loading.pop(request_id, None)
+        groups = self._groups
+        if tracked is None or not tracked.report or groups is None:
+            return None
+        stored = tracked.stored_groups * groups.group_tokens if tracked.store else 0
+        return report(stored, tail_nonce=tracked.tail_nonce, tail_tokens=tracked.tail_length)
 
     def stop(self, reason: str) -> None:
         """Load and store nothing from now on (requests in flight included), saying why."""

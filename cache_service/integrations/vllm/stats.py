@@ -33,6 +33,8 @@ COUNTER_HELP = {
     "store_seconds": "Seconds spent copying out and sending stored blocks.",
     "engine_seconds": "Seconds the connector's worker half spent on vLLM's own thread.",
     "dropped_blocks": "vLLM blocks not stored because the store queue was full.",
+    "prefill_waits": "Lookups that waited for a prefill engine's stores to reach the service.",
+    "prefill_wait_seconds": "Seconds those lookups waited.",
 }
 
 

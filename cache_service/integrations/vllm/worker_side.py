@@ -114,6 +114,15 @@ class _QueuedStore:
     gathered: Gathered  # the copy out, which the sender waits for before reading kv
 
 
+def by_request(tasks: Sequence[LoadTask]) -> dict[str, list[LoadTask]]:
+    """Load tasks by request, in plan order: a request's tasks end as one (it is reported
+    finished once, when all have)."""
+    grouped: dict[str, list[LoadTask]] = {}
+    for task in tasks:
+        grouped.setdefault(task.request_id, []).append(task)
+    return grouped
+
+
 class WorkerSide:
     """Loads and stores of one worker (one tensor-parallel rank)."""
 
@@ -138,7 +147,7 @@ class WorkerSide:
         self.counters = counters
         self.store_queue_bytes = store_queue_bytes
         self.store_request_bytes = store_request_bytes
-        self._copier = copier  # the page copy for the caches' device (paged.page_copy)
+        self._copier = copier  # the page copy for the caches' device (`page_copy`, above)
         self._pages: PageCopy | None = None  # the paged cache, once registered
         self.refusal = "vLLM registered no KV cache"  # why the caches were not taken, or ""
         self._failed_blocks: set[int] = set()
@@ -195,10 +204,10 @@ class WorkerSide:
         if not plan.loads:
             return failed
         groups = BlockGroups(self.layout.engine_block_tokens, plan.service_block_tokens)
-        for task in plan.loads:
-            missed = self._load_one(task, groups)
+        for request_id, tasks in by_request(plan.loads).items():
+            missed = self._load_request(tasks, groups)
             if missed:
-                failed.add(task.request_id)
+                failed.add(request_id)
                 self._failed_blocks.update(missed)
         return failed
 
@@ -211,16 +220,33 @@ class WorkerSide:
         # On a GPU the loads' copies must follow what vLLM queued so far (the zeroing of the
         # new blocks): a mark on its stream, taken here on its thread.
         after = self._pages.mark() if self._pages is not None else None
-        for task in plan.loads:
-            self._loader.submit(self._load_in_background, task, groups, after)
+        for request_id, tasks in by_request(plan.loads).items():
+            self._loader.submit(self._load_in_background, request_id, tasks, groups, after)
 
-    def _load_in_background(self, task: LoadTask, groups: BlockGroups, after: Any) -> None:
-        missed: list[int] = list(task.block_ids)  # until the load says otherwise
+    def _load_in_background(
+        self, request_id: str, tasks: list[LoadTask], groups: BlockGroups, after: Any
+    ) -> None:
+        missed = [block for task in tasks for block in task.block_ids]  # until loaded
         try:
-            missed = self._load_one(task, groups, after=after)
+            missed = self._load_request(tasks, groups, after=after)
         finally:  # every load is reported, or vLLM would hold its request and blocks forever
             with self._loaded_lock:
-                self._loaded[task.request_id] = missed
+                self._loaded[request_id] = missed
+
+    def _load_request(
+        self, tasks: list[LoadTask], groups: BlockGroups, *, after: Any = None
+    ) -> list[int]:
+        """Load one request's tasks in order (its whole groups, then a partial last group
+        apart); once one falls short, the later ones are not loaded: vLLM recomputes from the
+        first block missed. The block ids that could not be loaded."""
+        missed: list[int] = []
+        for task in tasks:
+            if missed:
+                self.counters.miss("load_failed", len(task.block_ids))
+                missed += task.block_ids
+            else:
+                missed = self._load_one(task, groups, after=after)
+        return missed
 
     def finished_loads(self) -> set[str]:
         """Requests whose asynchronous load ended since the last call; the blocks of those
@@ -314,7 +340,9 @@ class WorkerSide:
             unit, skip_bytes = divmod(at + done, page_bytes)
             position, layer = divmod(unit, layers)
             count = min(page_bytes - skip_bytes, len(data) - done)
-            if first + position >= 0:  # not one of the first group's blocks vLLM holds
+            # Not one of the first group's blocks vLLM holds, nor past a prompt's last block
+            # (a partial last group's, handoff.py)
+            if 0 <= first + position < len(task.block_ids):
                 block_id = task.block_ids[first + position]
                 landing.write(layer, block_id, skip_bytes, data[done : done + count])
             done += count
