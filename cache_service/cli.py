@@ -22,6 +22,7 @@ from cache_service.integrations.demo import add_demo_parser, run_demo_command
 from cache_service.service.settings import ENV_PREFIX, Settings, settings_environment
 from cache_service.tools.admin import add_admin_parser, run_admin_command
 from cache_service.tools.doctor import add_doctor_parser, run_doctor_command
+from cache_service.tools.pd_proxy.command import add_pd_proxy_parser, run_pd_proxy_command
 from cache_service.tools.replay.arguments import add_replay_parser, run_replay_command
 from cache_service.tools.route_cli import add_route_parser, run_route_command
 
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_doctor_parser(commands)
     add_route_parser(commands)
     add_demo_parser(commands)
+    add_pd_proxy_parser(commands)
     return parser
 
 
@@ -213,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(run_route_command(parsed))
     if parsed.command == "demo":
         sys.exit(run_demo_command(parsed))
+    if parsed.command == "pd-proxy":
+        sys.exit(run_pd_proxy_command(parsed))
     args = vars(parsed)
     args.pop("command")
     sys.exit(serve(load_settings(args)))

@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings
 from cache_service.service.settings import ENV_PREFIX, Settings
 from cache_service.tools.admin import add_admin_parser
 from cache_service.tools.doctor import add_doctor_parser
+from cache_service.tools.pd_proxy.command import add_pd_proxy_parser
 from cache_service.tools.reference_markdown import code, page, prose, require_descriptions, table
 from cache_service.tools.replay.arguments import add_replay_parser
 from cache_service.tools.route_cli import add_route_parser
@@ -28,6 +29,7 @@ SUBCOMMANDS: tuple[AddParser, ...] = (
     add_admin_parser,
     add_doctor_parser,
     add_route_parser,
+    add_pd_proxy_parser,
 )
 # Defaults computed from the machine, shown as what they mean: the page must not depend on
 # where it was generated.

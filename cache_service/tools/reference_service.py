@@ -20,6 +20,7 @@ from cache_service.service.kv_events.hub import KvEventsHub
 from cache_service.service.kv_events.metrics import KvEventsCollector
 from cache_service.service.metrics import CacheMetrics, StoreCollector
 from cache_service.service.settings import Settings
+from cache_service.tools.pd_proxy.metrics import ProxyMetrics
 from cache_service.tools.reference_markdown import code, page, prose, require_descriptions, table
 
 # A key ring only to build the app as `--auth keys` serves it: the digest is of no key.
@@ -43,6 +44,7 @@ def metric_sources() -> list[tuple[str, str, CollectorRegistry]]:
     # With no engine the collector yields every family, empty: all this page reads.
     no_engines = SimpleNamespace(engines=(), subscriber=SimpleNamespace(stats=dict, liveness=dict))
     kv_events.register(KvEventsCollector(cast(KvEventsHub, no_engines)))
+    proxy = ProxyMetrics().registry
     return [
         ("Cache and requests", "Counted as requests are answered (with `--workers`, summed "
          "over the workers).", cache),
@@ -52,6 +54,9 @@ def metric_sources() -> list[tuple[str, str, CollectorRegistry]]:
          "retried.", backend),
         ("KV events", "Only with `--kv-events` or `--kv-events-config`; the `engine` label "
          "takes the configured engine names.", kv_events),
+        ("The prefill/decode proxy", "On `cache-service pd-proxy`'s own /metrics, not the "
+         "service's; the `engine` label takes the names given to --prefill and --decode.",
+         proxy),
     ]  # fmt: skip
 
 
