@@ -279,6 +279,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default="short",
         help="tests/test_default_policy.py on the held-out seed (short, the default) or on both",
     )
+    parser.addoption(
+        "--fleet-trace",
+        choices=("short", "long"),
+        default="short",
+        help="tests/vllm/test_fleet_model.py on the conversation trace's first 100 requests "
+        "(short, the default) or its first 240 (long)",
+    )
 
 
 @pytest.fixture
