@@ -129,10 +129,12 @@ def _model(kind: str) -> Path:
 
 def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", default="1024,2048,4096")
+    parser.add_argument("--lengths", help="prompt lengths, comma-separated (1024,2048,4096)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
-        "--quick", action="store_true", help="1,024 tokens, one round, 0% and 96% cached"
+        "--quick",
+        action="store_true",
+        help="one round, 0%% and 96%% cached, of 1,024 tokens unless --lengths says otherwise",
     )
     parser.add_argument("--kind", choices=list(KINDS), default="smollm2")
     parser.add_argument("--out", type=Path, default=None, help="default bench/results/")
@@ -201,7 +203,8 @@ def shared_tokens(length: int, share: float, block: int = BLOCK) -> int:
 def main() -> None:
     """Run every configuration, print and write the table."""
     args = _arguments()
-    lengths = [1024] if args.quick else [int(x) for x in args.lengths.split(",")]
+    given = args.lengths or ("1024" if args.quick else "1024,2048,4096")
+    lengths = [int(x) for x in given.split(",")]
     rounds = 1 if args.quick else args.rounds
     shares = QUICK_SHARES if args.quick else SHARES
     kind = KINDS[args.kind]
