@@ -9,6 +9,7 @@ from cache_service.core.retention import (
     DEFAULT_RETENTION,
     RetentionPolicy,
     parse_retention_table,
+    show_retention_table,
 )
 
 DAY = 86400.0
@@ -52,12 +53,17 @@ def test_class_names_may_hold_digits_dashes_and_underscores() -> None:
     assert parse_retention_table("batch_2-x=1h") == {"batch_2-x": 3600.0}
 
 
-def test_default_policy_is_agent_3d_and_chat_7d_defaulting_to_chat() -> None:
+def test_default_policy_is_agent_3d_chat_7d_and_handoff_10m_defaulting_to_chat() -> None:
     policy = RetentionPolicy()
-    assert dict(policy.ttl_seconds) == {"agent": 3 * DAY, "chat": 7 * DAY}
-    assert DEFAULT_RETENTION == {"agent": 3 * DAY, "chat": 7 * DAY}
+    expected = {"agent": 3 * DAY, "chat": 7 * DAY, "handoff": 600.0}
+    assert dict(policy.ttl_seconds) == DEFAULT_RETENTION == expected
     assert policy.default_class == DEFAULT_CLASS == "chat"
-    assert policy.classes == ["agent", "chat"]
+    assert policy.classes == ["agent", "chat", "handoff"]
+
+
+def test_the_default_table_shows_as_the_service_flag_takes_it() -> None:
+    assert show_retention_table(DEFAULT_RETENTION) == "agent=3d,chat=7d,handoff=10m"
+    assert parse_retention_table(show_retention_table(DEFAULT_RETENTION)) == DEFAULT_RETENTION
 
 
 def test_resolve_gives_the_default_class_when_none_is_named() -> None:

@@ -188,7 +188,7 @@ def test_a_store_given_to_the_service_is_held_to_its_settings() -> None:
         given_store(store, Settings().groups.store)
     shorter = Settings(removal_log_entries=1000, retention="agent=3d,chat=1d")
     with pytest.raises(
-        ValueError, match=r"by agent=3d, chat=7d, the settings by agent=3d, chat=1d"
+        ValueError, match=r"by agent=3d, chat=7d, handoff=10m, the settings by agent=3d, chat=1d"
     ):
         given_store(store, shorter.groups.store)
     with pytest.raises(ValueError, match=r"bounds lifetimes by none .*\(--retention\)"):

@@ -20,7 +20,11 @@ def test_defaults_match_the_documented_ones() -> None:
     settings = Settings()
     assert settings.capacity == 10 * 2**30
     assert settings.block_size == 64
-    assert settings.retention_policy().ttl_seconds == {"agent": 3 * 86400, "chat": 7 * 86400}
+    assert settings.retention_policy().ttl_seconds == {
+        "agent": 3 * 86400,
+        "chat": 7 * 86400,
+        "handoff": 600,
+    }
     assert settings.retention_policy().default_class == "chat"
     assert settings.host == "127.0.0.1"
 

@@ -8,6 +8,7 @@ scheduler never reads payloads, so blocks are stored through the client with any
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import random
@@ -88,6 +89,32 @@ def make_side(cache_server: ServerProcess, client: CacheClient, counters: Counte
         )
 
     return make
+
+
+@contextlib.contextmanager
+def side_on_own_service(
+    tmp_path: Path, counters: Counters, **flags: str
+) -> Iterator[tuple[SchedulerSide, CacheClient, ServerProcess]]:
+    """A SchedulerSide, its client and a service of its own started with `flags` (stopped
+    after, if the test has not)."""
+    server = ServerProcess(tmp_path / "data", tmp_path / "server.log", **flags)
+    server.start()
+    try:
+        with CacheClient(server.url, fail_open=True, timeout=2.0) as own:
+            yield (
+                SchedulerSide(
+                    options=ConnectorOptions(url=server.url, **SYNCHRONOUS),
+                    layout=LAYOUT,
+                    client=own,
+                    counters=counters,
+                    role_load=True,
+                    role_store=True,
+                ),
+                own,
+                server,
+            )
+    finally:
+        server.stop()
 
 
 @pytest.fixture
@@ -587,30 +614,17 @@ def test_a_service_that_is_down_from_the_start_gives_misses_not_errors(
 def test_a_service_that_goes_down_gives_misses_not_errors(
     tmp_path: Path, prompts: Prompts, counters: Counters
 ) -> None:
-    server = ServerProcess(tmp_path / "data", tmp_path / "server.log")
-    server.start()
-    try:
-        with CacheClient(server.url, fail_open=True, timeout=2.0) as own:
-            side = SchedulerSide(
-                options=ConnectorOptions(url=server.url, **SYNCHRONOUS),
-                layout=LAYOUT,
-                client=own,
-                counters=counters,
-                role_load=True,
-                role_store=True,
-            )
-            tokens = prompts(PROMPT)
-            store(own, tokens, 4)
-            assert side.matched_tokens(PromptRequest("up", tokens), 0) == 2 * GROUP
-            server.stop()
-            assert side.matched_tokens(PromptRequest("down", tokens), 0) == 0
-            assert side.matched_tokens(PromptRequest("backing-off", tokens), 0) == 0
-            assert counters.totals()["miss_lookup_failed"] == 2
-            # What vLLM computes itself is still planned for storing (the worker fails open).
-            (task,) = side.plan_step([prefill("down", [1, 2, 3, 4, 5], PROMPT)]).stores
-            assert task.first_group == 0
-    finally:
+    with side_on_own_service(tmp_path, counters) as (side, own, server):
+        tokens = prompts(PROMPT)
+        store(own, tokens, 4)
+        assert side.matched_tokens(PromptRequest("up", tokens), 0) == 2 * GROUP
         server.stop()
+        assert side.matched_tokens(PromptRequest("down", tokens), 0) == 0
+        assert side.matched_tokens(PromptRequest("backing-off", tokens), 0) == 0
+        assert counters.totals()["miss_lookup_failed"] == 2
+        # What vLLM computes itself is still planned for storing (the worker fails open).
+        (task,) = side.plan_step([prefill("down", [1, 2, 3, 4, 5], PROMPT)]).stores
+        assert task.first_group == 0
 
 
 # -- block sizes --------------------------------------------------------------------------------
@@ -638,35 +652,18 @@ def test_block_sizes_making_small_groups_are_not_warned_about(
 def test_the_services_own_block_size_for_the_model_is_used(
     tmp_path: Path, prompts: Prompts, counters: Counters
 ) -> None:
-    server = ServerProcess(tmp_path / "data", tmp_path / "server.log", model_block_size="m=128")
-    server.start()
-    try:
-        with CacheClient(server.url, fail_open=True, timeout=2.0) as own:
-            side = SchedulerSide(
-                options=ConnectorOptions(url=server.url, **SYNCHRONOUS),
-                layout=LAYOUT,
-                client=own,
-                counters=counters,
-                role_load=True,
-                role_store=True,
-            )
-            groups = side.groups
-            assert groups is not None
-            assert (groups.service_block_tokens, groups.service_blocks) == (128, 1)
-            tokens = prompts(PROMPT)
-            result = own.store(
-                "m", tokens[:384], [b"a", b"b", b"c"], kv_layout=LAYOUT.namespace_name
-            )
-            assert (result.block_size, result.stored_blocks) == (128, 3)
-            assert side.matched_tokens(PromptRequest("r", tokens), 0) == 3 * 128
-            side.allocated("r", [4, 5, 6, 7], 3 * 128)
-            plan = side.plan_step([])
-            assert plan.service_block_tokens == 128
-            assert [(load.keys, load.block_ids) for load in plan.loads] == [
-                (result.keys, [4, 5, 6])
-            ]
-    finally:
-        server.stop()
+    with side_on_own_service(tmp_path, counters, model_block_size="m=128") as (side, own, _):
+        groups = side.groups
+        assert groups is not None
+        assert (groups.service_block_tokens, groups.service_blocks) == (128, 1)
+        tokens = prompts(PROMPT)
+        result = own.store("m", tokens[:384], [b"a", b"b", b"c"], kv_layout=LAYOUT.namespace_name)
+        assert (result.block_size, result.stored_blocks) == (128, 3)
+        assert side.matched_tokens(PromptRequest("r", tokens), 0) == 3 * 128
+        side.allocated("r", [4, 5, 6, 7], 3 * 128)
+        plan = side.plan_step([])
+        assert plan.service_block_tokens == 128
+        assert [(load.keys, load.block_ids) for load in plan.loads] == [(result.keys, [4, 5, 6])]
 
 
 # -- prefill and decode engines: the hand-off ----------------------------------------------
@@ -696,6 +693,7 @@ def store_tail(client: CacheClient, tail: Tail) -> None:
         start_block=0,
         block_size=64,
         salt=tail.namespace.salt,
+        retention=tail.namespace.retention or None,
     )
     assert answer.stored_blocks == 2
 
@@ -708,9 +706,12 @@ def handed_off(tokens: list[int], nonce: str = NONCE) -> dict[str, Any]:
     return report(4 * GROUP, tail_tokens=PROMPT - 4 * GROUP, tail_nonce=nonce)
 
 
-def the_tail(tokens: list[int], nonce: str) -> Tail:
-    """The partial last group of `tokens` under `nonce`, in the tests' namespace."""
-    tail = tail_of(tokens, group_tokens=GROUP, nonce=nonce, namespace=namespace())
+def the_tail(tokens: list[int], nonce: str, retention: str = "handoff") -> Tail:
+    """The partial last group of `tokens` under `nonce`, in the tests' namespace, of the
+    service's built-in class for such groups."""
+    tail = tail_of(
+        tokens, group_tokens=GROUP, nonce=nonce, namespace=namespace(), retention=retention
+    )
     assert tail is not None
     return tail
 
@@ -735,7 +736,22 @@ def test_a_prefill_request_stores_its_last_group_apart_and_reports_it(
     expected = the_tail(tokens, nonce)
     assert tail == StoreTask("p", expected.namespace, 0, expected.tokens, [5])
     assert tail.namespace.salt.startswith("pd-tail.")
+    assert tail.namespace.retention == "handoff"  # the service's 10 minutes, not the request's
+    assert groups.namespace.retention == ""
     assert tail.tokens == tokens[4 * GROUP :] + [0] * (5 * GROUP - PROMPT)
+
+
+def test_a_service_without_the_handoff_class_keeps_the_last_group_as_its_request_and_says_so(
+    tmp_path: Path, counters: Counters, prompts: Prompts, caplog: pytest.LogCaptureFixture
+) -> None:
+    with side_on_own_service(tmp_path, counters, retention="agent=3d,chat=7d") as (side, _, _):
+        tokens = prompts(PROMPT)
+        with caplog.at_level(logging.WARNING, logger="vllm.prompt_cache_connector"):
+            side.matched_tokens(PromptRequest("p", tokens, kv_transfer_params=PREFILL), 0)
+        _, tail = side.plan_step([prefill("p", [1, 2, 3, 4, 5], PROMPT)]).stores
+    assert tail.namespace.salt.startswith("pd-tail.") and tail.namespace.retention == ""
+    assert "no retention class 'handoff' (handoff_retention)" in caplog.text
+    assert "Add handoff=10m to the service's --retention" in caplog.text
 
 
 def test_a_prefill_requests_last_group_is_stored_once_its_prompt_is_computed(
@@ -806,6 +822,19 @@ def test_a_last_group_of_another_prompt_or_nonce_is_never_offered(
     for request_id, prompt, nonce in (("a", other, NONCE), ("b", tokens, "f" * 32)):
         request = PromptRequest(request_id, prompt, kv_transfer_params=handed_off(prompt, nonce))
         assert side.matched_tokens(request, 0) == 4 * GROUP
+
+
+def test_a_report_of_another_last_group_length_is_not_waited_for(
+    make_side: MakeSide, client: CacheClient, counters: Counters, prompts: Prompts
+) -> None:
+    tokens = prompts(PROMPT)
+    store(client, tokens, 8)
+    side = make_side(role_store=False, load_mode="async", prefill_wait_seconds=5.0)
+    params = report(4 * GROUP, tail_tokens=PROMPT - 4 * GROUP + 1, tail_nonce=NONCE)
+    started = time.monotonic()
+    assert side.matched_tokens(PromptRequest("d", tokens, kv_transfer_params=params), 0) == 512
+    assert time.monotonic() - started < 2.0  # not the 5 s a missing group would be waited for
+    assert counters.totals()["miss_prefill_other_prompt"] == 1
 
 
 def test_a_synchronous_load_never_takes_the_last_group(

@@ -20,7 +20,12 @@ from cache_service.core.capacity import CapacityLimits
 from cache_service.core.config import CacheConfig
 from cache_service.core.eviction import DEFAULT_POLICY, make_policy
 from cache_service.core.hashing import DEFAULT_SEED
-from cache_service.core.retention import RetentionPolicy, parse_retention_table
+from cache_service.core.retention import (
+    DEFAULT_RETENTION,
+    RetentionPolicy,
+    parse_retention_table,
+    show_retention_table,
+)
 from cache_service.core.store.lmdb.store import SYNC_MODES
 from cache_service.core.store.registry import parse_store_url
 from cache_service.core.touches import TouchOptions
@@ -105,7 +110,9 @@ class Settings(BaseSettings):
     low_water: float = Field(0.85, gt=0, le=1, description="Evict down to this share.")
     block_size: int = Field(64, ge=1, le=65536, description="Default tokens per block.")
     model_block_size: str = Field("", description="Per-model block sizes: 'model=16,other=32'.")
-    retention: str = Field("agent=3d,chat=7d", description="Retention classes and TTLs.")
+    retention: str = Field(
+        show_retention_table(DEFAULT_RETENTION), description="Retention classes and TTLs."
+    )
     default_retention: str = Field("chat", description="Class for requests that name none.")
     seed: str = Field(DEFAULT_SEED, description="Hash seed; every worker of a fleet must share it.")
     lmdb_sync: str = Field("full", description="LMDB durability: full, nometasync or nosync.")

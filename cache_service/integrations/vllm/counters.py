@@ -20,7 +20,9 @@ an offline `LLM`, which turns stats logging off.
     miss_<reason>            a cache problem turned into a miss: lookup_failed, load_failed,
                              store_failed, refused_<field>, multimodal, prompt_embeds,
                              bad_request_options, no_block_size, prefill_not_stored (blocks
-                             a prefill engine reported that had not arrived in time)
+                             a prefill engine reported that had not arrived in time),
+                             prefill_other_prompt (a report whose last group is of another
+                             length: another prompt's, not waited for)
 """
 
 from __future__ import annotations

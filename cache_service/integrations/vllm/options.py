@@ -66,9 +66,10 @@ class ConnectorOptions:
     # engine's answer can reach the proxy before its background stores land.
     prefill_wait_seconds: float = 5.0
     # The retention class of a prompt's partial last group, stored by a prefill engine for its
-    # decode engine alone: a short one (the service's --retention) lets those blocks go soon
-    # after use; "" = the request's class.
-    handoff_retention: str = ""
+    # decode engine alone and read within seconds: the service's built-in `handoff` (10 min)
+    # lets those blocks go soon after. "" = the request's class, as it is (with a warning)
+    # where the service has no class of this name.
+    handoff_retention: str = "handoff"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:

@@ -59,6 +59,5 @@ class Tracked:
     offered_from: int = 0  # tokens vLLM held when it asked: the load starts there
     computed_tokens: int = 0
     report: bool = False  # a prefill engine's request: `finished` reports what was stored
-    tail_nonce: str = ""  # a prefill engine's request: its partial last group is stored so
-    tail_length: int = 0
+    stored_tail: Tail | None = None  # a prefill engine's: its partial last group, once stored
     tail: HeldTail | None = None  # a decode engine's request: the last group the service holds

@@ -90,6 +90,7 @@ class SchedulerSide:
         self.role_load = role_load
         self.role_store = role_store
         self._groups: BlockGroups | None = None
+        self._handoff_retention = ""  # learnt with the service's block size
         self._tracked: dict[str, Tracked] = {}
         self._loads: list[LoadTask] = []
         self._info_retry_at = 0.0
@@ -111,9 +112,11 @@ class SchedulerSide:
     def _service_block_size(self) -> int:
         """The service's block size for the model, or 0 while it cannot be learnt."""
         try:
-            size = self.client.info().block_size_for(self.layout.model)
+            info = self.client.info()
+            size = info.block_size_for(self.layout.model)
             if size < 1:
                 raise ValueError(f"block size {size}")
+            self._handoff_retention = self._handoff_class(info.retention.classes)
             return size
         except (InvalidAnswer, ValueError) as exc:  # before ServiceError, which InvalidAnswer is
             logger.warning("prompt cache at %s: /v1/info not understood: %s", self.options.url, exc)
@@ -121,6 +124,23 @@ class SchedulerSide:
             logger.warning("prompt cache at %s: no block size yet (%s)", self.options.url, exc)
         self.counters.miss("no_block_size")
         return 0
+
+    def _handoff_class(self, classes: Iterable[str]) -> str:
+        """The class of a prompt's partial last group: the option's, where the service has it,
+        else the request's ("")."""
+        wanted = self.options.handoff_retention
+        if not wanted or wanted in classes:
+            return wanted
+        if self.role_store:
+            logger.warning(
+                "prompt cache at %s has no retention class %r (handoff_retention): a prompt's "
+                "partial last group, stored for its decode engine alone, takes the request's "
+                "class and is kept as long. Add %s=10m to the service's --retention.",
+                self.options.url,
+                wanted,
+                wanted,
+            )
+        return ""
 
     def _warn_if_large(self, groups: BlockGroups) -> None:
         larger = max(groups.engine_block_tokens, groups.service_block_tokens)
@@ -231,7 +251,7 @@ class SchedulerSide:
             tracked.stored_groups = tracked.held_groups
         whole = groups.whole_groups(len(request.prompt_tokens))
         if tracked.load and own.tail_nonce and tracked.held_groups == whole:
-            tracked.tail = self._find_tail(request, namespace, groups, own.tail_nonce, deadline)
+            tracked.tail = self._find_tail(request, namespace, groups, own, deadline)
         return tracked
 
     def _find_tail(
@@ -239,20 +259,25 @@ class SchedulerSide:
         request: PromptRequest,
         namespace: Namespace,
         groups: BlockGroups,
-        nonce: str,
+        own: RequestOptions,
         deadline: float,
     ) -> HeldTail | None:
-        """The prompt's partial last group a prefill engine stored under `nonce`, if the
-        service holds it (waiting for it until `deadline`); only an asynchronous load may
-        take the last prompt token's group."""
+        """The prompt's partial last group a prefill engine reported (`own`), if the service
+        holds it (waiting for it until `deadline`); only an asynchronous load may take the
+        last prompt token's group. A report of another length was of another prompt (a proxy
+        changed it): its group is never stored under this prompt's name, so it is not waited
+        for."""
         tail = tail_of(
             request.prompt_tokens,
             group_tokens=groups.group_tokens,
-            nonce=nonce,
+            nonce=own.tail_nonce,
             namespace=namespace,
-            retention=self.options.handoff_retention,
+            retention=self._handoff_retention,
         )
         if tail is None or self.options.load_mode != "async":
+            return None
+        if tail.length != own.tail_tokens:
+            self.counters.miss("prefill_other_prompt")
             return None
         padded = replace(request, prompt_tokens=tail.tokens)
         look = partial(self._held, padded, tail.namespace, groups)
@@ -438,7 +463,7 @@ class SchedulerSide:
         prompt = tracked.prompt_tokens
         done = tracked.computed_tokens >= len(prompt)
         if (
-            tracked.tail_nonce
+            tracked.stored_tail is not None
             or not done
             or tracked.stored_groups < groups.whole_groups(len(prompt))
         ):
@@ -449,13 +474,11 @@ class SchedulerSide:
             tracked.block_ids,
             groups,
             namespace=tracked.namespace,
-            retention=self.options.handoff_retention,
+            retention=self._handoff_retention,
         )
         if store is None:
             return None
-        task, tail = store
-        tracked.tail_nonce = tail.nonce
-        tracked.tail_length = tail.length
+        task, tracked.stored_tail = store
         return task
 
     def load_failed(self, block_ids: set[int]) -> None:
@@ -478,7 +501,10 @@ class SchedulerSide:
         if tracked is None or not tracked.report or groups is None:
             return None
         stored = tracked.stored_groups * groups.group_tokens if tracked.store else 0
-        return report(stored, tail_nonce=tracked.tail_nonce, tail_tokens=tracked.tail_length)
+        tail = tracked.stored_tail
+        if tail is None:
+            return report(stored)
+        return report(stored, tail_nonce=tail.nonce, tail_tokens=tail.length)
 
     def stop(self, reason: str) -> None:
         """Load and store nothing from now on (requests in flight included), saying why."""
