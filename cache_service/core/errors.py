@@ -42,6 +42,18 @@ from __future__ import annotations
 from typing import Any
 
 PROBLEM_BASE = "https://prompt-cache.dev/problems/"
+PROBLEM_JSON = "application/problem+json"
+
+
+def internal_problem(instance: str, detail: str) -> dict[str, Any]:
+    """The RFC 9457 body of an unexpected failure (500), saying no more than `detail`."""
+    return {
+        "type": PROBLEM_BASE + "internal",
+        "title": "Internal error",
+        "status": 500,
+        "detail": detail,
+        "instance": instance,
+    }
 
 
 class PromptCacheError(Exception):

@@ -10,8 +10,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import TypeAdapter
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaMode
 
+from cache_service.core.errors import PROBLEM_JSON
 from cache_service.core.framing import MEDIA_TYPE
-from cache_service.service.api.problems import PROBLEM_JSON
 from cache_service.service.api.schemas import (
     REQUEST_MODELS,
     ExplainResponse,

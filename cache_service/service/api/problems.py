@@ -14,10 +14,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Scope, Send
 
-from cache_service.core.errors import PROBLEM_BASE, PromptCacheError, RequestTimeout, Throttled
+from cache_service.core.errors import (
+    PROBLEM_JSON,
+    PromptCacheError,
+    RequestTimeout,
+    Throttled,
+    internal_problem,
+)
 from cache_service.service.api.bodies import validation_problem
 
-PROBLEM_JSON = "application/problem+json"
 log = logging.getLogger("cache_service.service.api")
 
 
@@ -87,13 +92,8 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
 
 async def _on_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unexpected error on %s", request.url.path)
-    body = {
-        "type": PROBLEM_BASE + "internal",
-        "title": "Internal error",
-        "status": 500,
-        "detail": "the service failed unexpectedly; nothing was changed by this request",
-        "instance": request.url.path,
-    }
+    detail = "the service failed unexpectedly; nothing was changed by this request"
+    body = internal_problem(request.url.path, detail)
     return JSONResponse(body, status_code=500, media_type=PROBLEM_JSON)
 
 

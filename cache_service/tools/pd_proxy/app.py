@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from cache_service.client import AsyncCacheClient
-from cache_service.core.errors import PROBLEM_BASE, PromptCacheError
+from cache_service.core.errors import PROBLEM_JSON, PromptCacheError, internal_problem
 from cache_service.tools.pd_proxy import bodies
 from cache_service.tools.pd_proxy.bodies import CHAT_COMPLETIONS, COMPLETIONS, Endpoint
 from cache_service.tools.pd_proxy.engines import EnginePool
@@ -35,7 +35,6 @@ from cache_service.tools.pd_proxy.options import ProxyOptions
 from cache_service.tools.pd_proxy.placement import PrefixPlacement
 from cache_service.tools.pd_proxy.reporting import describe_error
 
-PROBLEM_JSON = "application/problem+json"
 KEEPALIVE = 64  # idle connections kept, to all engines together
 log = logging.getLogger("cache_service.tools.pd_proxy")
 
@@ -184,11 +183,5 @@ async def _on_error(request: Request, exc: Exception) -> Response:
 
 async def _on_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unexpected error on %s", request.url.path)
-    body = {
-        "type": PROBLEM_BASE + "internal",
-        "title": "Internal error",
-        "status": 500,
-        "detail": "the proxy failed unexpectedly",
-        "instance": request.url.path,
-    }
+    body = internal_problem(request.url.path, "the proxy failed unexpectedly")
     return JSONResponse(body, status_code=500, media_type=PROBLEM_JSON)

@@ -40,9 +40,7 @@ def serve(options: ProxyOptions) -> int:
     if options.cache_url:
         by = f"the prefix each holds ({options.cache_url}/v1/route), then {by}"
     logging.getLogger(LOGGER).info(
-        "pd-proxy on http://%s:%d: prefill %s; decode %s; engines chosen by %s. Verified "
-        "against test engines speaking vLLM's OpenAI API, not yet against real vLLM prefill "
-        "and decode engines",
+        "pd-proxy on http://%s:%d: prefill %s; decode %s; engines chosen by %s",
         options.host,
         options.port,
         ", ".join(f"{e.name}={e.url}" for e in options.prefill),
