@@ -15,21 +15,17 @@ runs); the whole test took 113 s here.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 from tests.docs_site.code_blocks import CodeBlock, find_blocks
 from tests.integration.conftest import free_port
-from tests.vllm.conftest import REPO, VLLM_PYTHON
+from tests.vllm.conftest import REPO
+from tests.vllm.guide_runner import lay_out_clone, service_env, start_script, stop_group
 
 GUIDE = REPO / "docs" / "content" / "guides" / "vllm.md"
 THIS = "tests/vllm/test_guide.py"  # what a block's marker names when this test runs it
 SECONDS = 600  # the whole script: it took 113 s here, its engine's start up to 154 s
-STOP_SECONDS = 30
 
 
 def guide_blocks() -> tuple[list[CodeBlock], list[str]]:
@@ -59,60 +55,21 @@ def with_ports(script: str, service_port: int, engine_port: int) -> str:
     return script
 
 
-def group_alive(leader: subprocess.Popen[bytes]) -> bool:
-    """Whether anything of the process group `leader` leads still runs (the leader reaped)."""
-    leader.poll()
-    try:
-        os.killpg(leader.pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def stop_group(leader: subprocess.Popen[bytes]) -> None:
-    """Stop what the script left running (nothing, when its last step ran): SIGTERM to the
-    process group this test started, by its id, then SIGKILL after STOP_SECONDS."""
-    for sent in (signal.SIGTERM, signal.SIGKILL):
-        deadline = time.monotonic() + STOP_SECONDS
-        if not group_alive(leader):
-            break
-        try:
-            os.killpg(leader.pid, sent)
-        except ProcessLookupError:  # ended since
-            break
-        while group_alive(leader) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    leader.wait()
-
-
 def test_the_guides_commands_store_a_prompt_and_load_it_after_vllms_cache_is_emptied(
     smollm2_folder: Path, tmp_path: Path
 ) -> None:
     runs, expected = guide_blocks()
-    (tmp_path / ".venv").symlink_to(Path(sys.prefix), target_is_directory=True)
-    (tmp_path / ".venv-vllm").symlink_to(VLLM_PYTHON.parents[1], target_is_directory=True)
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "smollm2-hf").symlink_to(smollm2_folder, target_is_directory=True)
+    lay_out_clone(tmp_path, smollm2_folder)
     service_port, engine_port = free_port(), free_port()
     script = with_ports("".join(block.text for block in runs), service_port, engine_port)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_SERVICE_")}
-    env["CACHE_SERVICE_PORT"] = str(service_port)
     output = tmp_path / "output.txt"
-    with output.open("wb") as out:
-        leader = subprocess.Popen(
-            ["bash", "-e", "-o", "pipefail", "-c", script],
-            cwd=tmp_path,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: the service and the engine too
-        )
-        try:
-            code: int | None = leader.wait(SECONDS)
-        except subprocess.TimeoutExpired:
-            code = None  # still running after SECONDS
-        finally:
-            stop_group(leader)
+    leader = start_script(script, tmp_path, service_env(service_port), output)
+    try:
+        code: int | None = leader.wait(SECONDS)
+    except subprocess.TimeoutExpired:
+        code = None  # still running after SECONDS
+    finally:
+        stop_group(leader)
     printed = output.read_text(errors="replace")
     engine_log = tmp_path / "out" / "engine.log"
     tail = engine_log.read_text(errors="replace")[-4000:] if engine_log.exists() else ""

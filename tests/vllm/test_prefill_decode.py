@@ -27,11 +27,7 @@ computes it all, so outputs are compared as the other connector tests compare th
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -44,9 +40,15 @@ import pytest
 from bench.vllm_server import SERVED_NAME, VllmServer, metric
 from tests.docs_site.code_blocks import find_blocks
 from tests.integration.conftest import free_port
-from tests.vllm.conftest import REPO, VLLM_PYTHON
+from tests.vllm.conftest import REPO
 from tests.vllm.greedy import TOP, partings
-from tests.vllm.test_guide import stop_group
+from tests.vllm.guide_runner import (
+    kill_tree,
+    lay_out_clone,
+    service_env,
+    start_script,
+    stop_group,
+)
 
 GUIDE = REPO / "docs" / "content" / "guides" / "prefill-decode.md"
 THIS = "tests/vllm/test_prefill_decode.py"  # what a block's marker names when this test runs it
@@ -151,26 +153,13 @@ class Started:
 def run(smollm2_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The scenario, once; what each step saw."""
     folder = tmp_path_factory.mktemp("prefill-decode")
-    (folder / ".venv").symlink_to(Path(sys.prefix), target_is_directory=True)
-    (folder / ".venv-vllm").symlink_to(VLLM_PYTHON.parents[1], target_is_directory=True)
-    (folder / "out").mkdir()
-    (folder / "out" / "smollm2-hf").symlink_to(smollm2_folder, target_is_directory=True)
+    lay_out_clone(folder, smollm2_folder)
     ports = {written: free_port() for written in (8080, 8100, 8200, 8300)}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHE_SERVICE_")}
-    env["CACHE_SERVICE_PORT"] = str(ports[8080])  # the guide's `serve` takes the default
     # D2, the test's own (vLLM's dev mode: its prefix cache emptied after the references)
     d2 = VllmServer(smollm2_folder, f"http://127.0.0.1:{ports[8080]}", "kv_consumer",
                     folder / "D2.log", extra=ASYNC)  # fmt: skip
     output = folder / "guide-output.txt"
-    with output.open("wb") as out:
-        leader = subprocess.Popen(
-            ["bash", "-e", "-o", "pipefail", "-c", guide_script(ports)],
-            cwd=folder,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: what it starts in the background
-        )
+    leader = start_script(guide_script(ports), folder, service_env(ports[8080]), output)
     try:
         code = leader.wait(600)
         assert code == 0, output.read_text(errors="replace")[-4000:]
@@ -232,14 +221,14 @@ def _fault_prompts() -> list[list[int]]:
 def _while_killing(
     send: Callable[[], httpx.Response], after_seconds: float, pid: int
 ) -> tuple[httpx.Response, float]:
-    """`send` on a thread; SIGKILL to `pid` `after_seconds` later (an engine reports a request
-    running only once a step ended, too late to find one mid-prefill); the answer and its
-    seconds after the kill."""
+    """`send` on a thread; SIGKILL to `pid` and what it started `after_seconds` later (an
+    engine reports a request running only once a step ended, too late to find one
+    mid-prefill); the answer and its seconds after the kill."""
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(send)
         time.sleep(after_seconds)
         assert not answer.done(), "the request ended before the kill: make its prompt longer"
-        os.kill(pid, signal.SIGKILL)
+        kill_tree(pid)
         killed = time.monotonic()
         response = answer.result(timeout=600)
     return response, time.monotonic() - killed
