@@ -321,5 +321,24 @@ def test_a_body_that_is_not_a_json_object_is_a_400_problem(
     )
 
 
+def test_a_body_over_the_limit_is_a_413_problem_naming_it(
+    make_engine: MakeEngine, make_proxy: MakeProxy
+) -> None:
+    decode = make_engine("d0")
+    proxy = make_proxy([dead_url_target()], [decode], max_body_size=1000)
+    body = {"model": "m", "prompt": "x" * 2000}
+    answer = httpx.post(proxy.url + "/v1/completions", json=body, timeout=10)
+    assert answer.status_code == 413
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert "max_body_size" in answer.json()["detail"]
+    assert decode.completions() == []
+    assert (
+        proxy.sample(
+            "prompt_cache_pd_proxy_requests_total", endpoint="completions", outcome="bad_request"
+        )
+        == 1
+    )
+
+
 def dead_url_target() -> tuple[str, str]:
     return ("p-gone", dead_url())

@@ -14,6 +14,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -24,6 +25,7 @@ from starlette.routing import Route
 
 from cache_service.client import AsyncCacheClient
 from cache_service.core.errors import PROBLEM_JSON, PromptCacheError, internal_problem
+from cache_service.service.api.bodies import read_body
 from cache_service.tools.pd_proxy import bodies
 from cache_service.tools.pd_proxy.bodies import CHAT_COMPLETIONS, COMPLETIONS, Endpoint
 from cache_service.tools.pd_proxy.engines import EnginePool
@@ -48,6 +50,8 @@ class ProxyState:
     client: httpx.AsyncClient
     metrics: ProxyMetrics
     models_timeout: httpx.Timeout  # GET /v1/models: the prefill timeout (a short answer)
+    max_body_size: int
+    body_timeout_seconds: float
 
 
 def create_app(
@@ -87,7 +91,15 @@ def create_app(
         )
         flow = PDFlow(options, pool=pool, client=client, placement=placement, metrics=metrics)
         models_timeout = httpx.Timeout(options.prefill_timeout_seconds, connect=connect)
-        app.state.proxy = ProxyState(pool, flow, client, metrics, models_timeout)
+        app.state.proxy = ProxyState(
+            pool,
+            flow,
+            client,
+            metrics,
+            models_timeout,
+            options.max_body_size,
+            options.body_timeout_seconds,
+        )
         await check_all(pool, client, timeout_seconds=connect)
         checks = watch_health(
             pool, client, interval_seconds=options.health_interval_seconds, timeout_seconds=connect
@@ -126,8 +138,14 @@ def _state(request: Request) -> ProxyState:
 def _proxied(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
     async def proxy(request: Request) -> Response:
         """Send the request to a prefill engine, then a decode engine; D's answer."""
-        raw = await request.body()
-        return await _state(request).flow.handle(endpoint, raw, request.headers)
+        state = _state(request)
+        body = partial(
+            read_body,
+            request,
+            limit_bytes=state.max_body_size,
+            timeout_seconds=state.body_timeout_seconds,
+        )
+        return await state.flow.handle(endpoint, body, request.headers)
 
     return proxy
 

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import httpx
 import orjson
 from starlette.responses import Response
 
-from cache_service.core.errors import MalformedBody, PromptCacheError
+from cache_service.core.errors import PromptCacheError, RequestError
 from cache_service.tools.pd_proxy import bodies
 from cache_service.tools.pd_proxy.bodies import Endpoint
 from cache_service.tools.pd_proxy.engines import Engine, EnginePool
@@ -43,7 +43,7 @@ UNREACHABLE = (
     httpx.WriteError,
 )
 OUTCOMES: dict[type[PromptCacheError], str] = {
-    MalformedBody: "bad_request",
+    RequestError: "bad_request",  # not JSON, too large (413), too slow to arrive (408)
     NoDecodeEngine: "no_decode_engine",
     DecodeFailed: "decode_error",
     DecodeTimeout: "decode_timeout",
@@ -73,11 +73,17 @@ class PDFlow:
         self._decode_timeout_seconds = options.decode_timeout_seconds
         self._decode_timeout = httpx.Timeout(options.decode_timeout_seconds, connect=connect)
 
-    async def handle(self, endpoint: Endpoint, raw: bytes, headers: Mapping[str, str]) -> Response:
-        """Answer one request (its body as sent); a PromptCacheError for the proxy's own
-        refusals, counted here as every outcome is."""
+    async def handle(
+        self,
+        endpoint: Endpoint,
+        body: Callable[[], Awaitable[bytes | bytearray]],
+        headers: Mapping[str, str],
+    ) -> Response:
+        """Answer one request (`body` reads it as sent); a PromptCacheError for the proxy's
+        own refusals, counted here as every outcome is."""
         try:
-            return await self._handle(endpoint, raw, headers)
+            raw = await body()
+            return await self._handle(endpoint, bytes(raw), headers)
         except PromptCacheError as exc:
             outcome = next((OUTCOMES[c] for c in type(exc).__mro__ if c in OUTCOMES), "error")
             self._metrics.requests.labels(endpoint.name, outcome).inc()

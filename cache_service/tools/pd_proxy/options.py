@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
 
+from cache_service.core.units import parse_size
+
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 CACHE_KEY_ENV = "CACHE_SERVICE_API_KEY"
@@ -42,6 +44,10 @@ class ProxyOptions:
     connect_timeout_seconds: float = 2.0  # every connection, and every health check
     health_interval_seconds: float = 2.0
     route_timeout_seconds: float = 1.0  # each of the /tokenize and /v1/route calls
+    # A request's body: refused with 413 past this size, and with 408 when it has not all
+    # come within the timeout plus a second per MiB (a client trickling bytes).
+    max_body_size: int = 64 * 2**20
+    body_timeout_seconds: float = 30.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -61,6 +67,8 @@ class ProxyOptions:
                 problems.append(f"--{role}: the name {name!r} is given twice")
         if self.cache_url is not None and _url_problem(self.cache_url) is not None:
             problems.append(f"--cache: {_url_problem(self.cache_url)}")
+        if self.max_body_size < 1:
+            problems.append(f"--max-body-size: {self.max_body_size} is not a size above 0")
         if not 0 <= self.port <= 65535:
             problems.append(f"--port: {self.port} is not a TCP port")
         return problems
@@ -145,6 +153,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("connect_timeout_seconds", "the longest wait for a connection, and a health check"),
         ("health_interval_seconds", "time between two checks of an engine's GET /health"),
         ("route_timeout_seconds", "the longest wait for /tokenize and for /v1/route each"),
+        ("body_timeout_seconds", "the longest wait for a request's body, plus 1 s a MiB"),
     ):
         default = defaults[flag].default
         parser.add_argument(
@@ -154,6 +163,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             metavar="SECONDS",
             help=f"{what} [default {default:g}]",
         )
+    parser.add_argument(
+        "--max-body-size",
+        type=parse_size,
+        default=defaults["max_body_size"].default,
+        metavar="SIZE",
+        help="the largest request body taken (units: 64MiB, 1GB) [default 64 MiB]",
+    )
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="[default info]")
 
 
@@ -171,5 +187,7 @@ def options_from_args(args: argparse.Namespace) -> ProxyOptions:
         connect_timeout_seconds=args.connect_timeout_seconds,
         health_interval_seconds=args.health_interval_seconds,
         route_timeout_seconds=args.route_timeout_seconds,
+        max_body_size=args.max_body_size,
+        body_timeout_seconds=args.body_timeout_seconds,
         log_level=args.log_level,
     )
