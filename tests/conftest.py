@@ -18,6 +18,7 @@ its retention's) or `removal_log_entries=` carries `@pytest.mark.store_opened(..
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -105,7 +106,37 @@ def contract_redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator
         cluster.stop()
 
 
+# What `pytest` alone (no paths, no -m, no --all) leaves out: the tests that start processes
+# (services, Redis, engines, browsers) or run whole traces, by marker, by folder, and the
+# store contract suite's Redis Cluster backend.
+STARTING_MARKERS = (
+    "integration",
+    "reliability",
+    "model",
+    "vllm",
+    "deploy",
+    "eligibility",
+    "simulation",
+)
+STARTING_FOLDERS = tuple(
+    f"tests/{name}/"
+    for name in (
+        "integration",
+        "reliability",
+        "model",
+        "vllm",
+        "deploy",
+        "redis_cluster",
+        "docs_site",
+    )
+)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    asked = config.args_source == pytest.Config.ArgsSource.ARGS  # paths named: theirs, all
+    if not (config.getoption("all") or config.option.markexpr or asked):
+        config.option.markexpr = " and ".join(f"not {name}" for name in STARTING_MARKERS)
+        config.option.fast_default = True  # an option: pytest-xdist's workers get it too
     config.addinivalue_line(
         "markers",
         "needs(*capabilities): the test depends on store behaviours some backends declare "
@@ -125,11 +156,54 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Put ELSEWHERE's marks on the tests outside tests/store it names."""
+    """Put ELSEWHERE's marks on the tests outside tests/store it names; tests/vllm first."""
     for item in items:
         name = item.nodeid.partition("[")[0]  # tests/test_x.py::test_y, any parameters
         for mark in ELSEWHERE.get(name, ()):
             item.add_marker(mark)
+    if config.getoption("fast_default"):
+        starting = [item for item in items if _starts_something(item)]
+        config.hook.pytest_deselected(items=starting)
+        items[:] = [item for item in items if not _starts_something(item)]
+    # First, so that under pytest-xdist one worker starts on them at once (below).
+    items.sort(key=lambda item: work_unit(item.nodeid) != ENGINES_UNIT)  # stable
+
+
+def _starts_something(item: pytest.Item) -> bool:
+    """Under a folder of tests that start processes, or on the Redis Cluster backend."""
+    params = getattr(item, "callspec", None)
+    return item.nodeid.startswith(STARTING_FOLDERS) or (
+        params is not None and params.params.get("store") == "redis"
+    )
+
+
+ENGINES_UNIT = "tests/vllm"
+
+
+def work_unit(nodeid: str) -> str:
+    """What one pytest-xdist worker runs whole: a test's module, whose fixtures (servers,
+    engines) its tests share; tests/vllm's modules are one unit, so that one engine runs at
+    a time, on a worker of its own."""
+    module = nodeid.partition("::")[0]
+    return ENGINES_UNIT if module.startswith(ENGINES_UNIT + "/") else module
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under `-n N --dist loadgroup`, hand out work units (above), tests/vllm first: they
+    take the longest (about 17 min on 2 cores), and the other workers run the rest beside
+    them. (pytest-xdist's own loadgroup renames test ids to group them, which pytest 9 no
+    longer allows.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False  # keep the collection's order: tests/vllm first
+    return ByWorkUnit(config, log)
 
 
 @pytest.fixture(params=list(BACKENDS))
@@ -263,10 +337,15 @@ def raw_of() -> Callable[[BlockStore], RawAccess]:
 
 # -- the reliability suite's scale and its findings (tests/reliability) --------------------------
 
-FINDINGS: list[str] = []
-
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--all",
+        action="store_true",
+        help="every test (README's command and .ci/run); without it, and without paths or -m, "
+        "the tests that start nothing (the development loop's default)",
+    )
+    parser.addoption("--fast-default", action="store_true", help=argparse.SUPPRESS)
     parser.addoption(
         "--reliability",
         choices=("short", "long"),
@@ -290,20 +369,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.fixture
 def report(request: pytest.FixtureRequest) -> Callable[..., None]:
-    """report(**figures): what a reliability test measured, printed in the run's summary."""
+    """report(**figures): what a reliability test measured, printed in the run's summary
+    (carried in the test's report, so a pytest-xdist worker's findings reach it too)."""
 
     def write(**figures: object) -> None:
         shown = " ".join(f"{name}={value}" for name, value in figures.items())
-        FINDINGS.append(f"{request.node.name}: {shown}")
+        request.node.user_properties.append((FINDING, f"{request.node.name}: {shown}"))
 
     return write
 
 
+FINDING = "reliability finding"
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """Print what the reliability suite measured: its counts and times, one line a test."""
-    if FINDINGS:
+    findings = [
+        value
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if getattr(report, "when", None) == "call"
+        for name, value in getattr(report, "user_properties", ())
+        if name == FINDING
+    ]
+    if findings:
         terminalreporter.write_sep("=", "reliability findings")
-        for line in FINDINGS:
+        for line in findings:
             terminalreporter.write_line(line)
 
 
