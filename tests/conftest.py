@@ -162,9 +162,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for mark in ELSEWHERE.get(name, ()):
             item.add_marker(mark)
     if config.getoption("fast_default"):
-        starting = [item for item in items if _starts_something(item)]
-        config.hook.pytest_deselected(items=starting)
-        items[:] = [item for item in items if not _starts_something(item)]
+        starting = {id(item) for item in items if _starts_something(item)}
+        config.hook.pytest_deselected(items=[item for item in items if id(item) in starting])
+        items[:] = [item for item in items if id(item) not in starting]
     # First, so that under pytest-xdist one worker starts on them at once (below).
     items.sort(key=lambda item: work_unit(item.nodeid) != ENGINES_UNIT)  # stable
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from cache_service.core.lifetimes import show_retention_table
 from cache_service.core.retention import (
     DEFAULT_CLASS,
     DEFAULT_RETENTION,
     RetentionPolicy,
     parse_retention_table,
-    show_retention_table,
 )
 
 DAY = 86400.0

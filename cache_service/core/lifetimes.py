@@ -54,7 +54,7 @@ class Lifetimes:
         """'agent=3d, chat=7d' (as --retention takes it), or what an empty table means."""
         if not self.ttl_seconds:
             return "none (a block is judged by its expiry alone)"
-        return ", ".join(f"{name}={show_duration(ttl)}" for name, ttl in self.ttl_seconds.items())
+        return show_retention_table(self.ttl_seconds, separator=", ")
 
     def ttl(self, retention: str) -> float:
         """A class's TTL (the longest for an unknown class)."""
@@ -78,6 +78,11 @@ class Lifetimes:
     def from_future(self, expires_at: float, retention: str, now: float) -> bool:
         """Stored while the clock ran ahead: a finite expiry beyond its class TTL from now."""
         return now < expires_at < math.inf and not self.alive(expires_at, retention, now)
+
+
+def show_retention_table(table: Mapping[str, float], separator: str = ",") -> str:
+    """'agent=3d,chat=7d': a table of class TTLs as --retention takes it."""
+    return separator.join(f"{name}={show_duration(ttl)}" for name, ttl in table.items())
 
 
 UNBOUNDED = Lifetimes()

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from cache_service.core.lifetimes import Lifetimes
-from cache_service.core.units import parse_duration, show_duration
+from cache_service.core.units import parse_duration
 
 # agent and chat: how long the public report keeps prefixes. handoff: a prompt's partial last
 # group, stored by a prefill engine for one decode engine (the vLLM connector's default
@@ -16,11 +16,6 @@ DEFAULT_RETENTION = {"agent": 3 * 86400.0, "chat": 7 * 86400.0, "handoff": 600.0
 DEFAULT_CLASS = "chat"
 
 _CLASS_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
-
-
-def show_retention_table(table: Mapping[str, float]) -> str:
-    """'agent=3d,chat=7d': a table as --retention takes it."""
-    return ",".join(f"{name}={show_duration(ttl)}" for name, ttl in table.items())
 
 
 def parse_retention_table(text: str) -> dict[str, float]:

@@ -20,12 +20,8 @@ from cache_service.core.capacity import CapacityLimits
 from cache_service.core.config import CacheConfig
 from cache_service.core.eviction import DEFAULT_POLICY, make_policy
 from cache_service.core.hashing import DEFAULT_SEED
-from cache_service.core.retention import (
-    DEFAULT_RETENTION,
-    RetentionPolicy,
-    parse_retention_table,
-    show_retention_table,
-)
+from cache_service.core.lifetimes import show_retention_table
+from cache_service.core.retention import DEFAULT_RETENTION, RetentionPolicy, parse_retention_table
 from cache_service.core.store.lmdb.store import SYNC_MODES
 from cache_service.core.store.registry import parse_store_url
 from cache_service.core.touches import TouchOptions

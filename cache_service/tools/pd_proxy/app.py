@@ -50,8 +50,7 @@ class ProxyState:
     client: httpx.AsyncClient
     metrics: ProxyMetrics
     models_timeout: httpx.Timeout  # GET /v1/models: the prefill timeout (a short answer)
-    max_body_size: int
-    body_timeout_seconds: float
+    options: ProxyOptions
 
 
 def create_app(
@@ -97,8 +96,7 @@ def create_app(
             client,
             metrics,
             models_timeout,
-            options.max_body_size,
-            options.body_timeout_seconds,
+            options,
         )
         await check_all(pool, client, timeout_seconds=connect)
         checks = watch_health(
@@ -142,8 +140,8 @@ def _proxied(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
         body = partial(
             read_body,
             request,
-            limit_bytes=state.max_body_size,
-            timeout_seconds=state.body_timeout_seconds,
+            limit_bytes=state.options.max_body_size,
+            timeout_seconds=state.options.body_timeout_seconds,
         )
         return await state.flow.handle(endpoint, body, request.headers)
 
